@@ -1,0 +1,65 @@
+// Adam / AdamW per-element update, matching torch.optim.Adam and AdamW.
+// Compile-time flags (from the generated preamble): MTA_AMSGRAD, MTA_DECOUPLED, MTA_MAXIMIZE.
+#pragma once
+#include "walker.cuh"
+
+namespace mta {
+
+// Kernel arguments: every field is 8 bytes, so the host packs them as an array of words.
+// lr and step may instead be read from device memory (lr_ptr / step_ptr non-null).
+struct AdamArgs {
+  double lr;
+  const float* lr_ptr;
+  double step;
+  const float* step_ptr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+};
+
+struct Adam {
+  enum Slot { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ };
+  static constexpr int N_SLOTS = MTA_AMSGRAD ? 5 : 4;
+  static constexpr unsigned WRITTEN = (1u << PARAM) | (1u << EXP_AVG) | (1u << EXP_AVG_SQ) |
+                                      (MTA_AMSGRAD ? 1u << MAX_EXP_AVG_SQ : 0u);
+  using Args = AdamArgs;
+
+  acc_t beta1_weight, beta2, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt;
+
+  // Per-launch scalars are derived in double, as torch does on the host.
+  __device__ explicit Adam(const Args& a) {
+    const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
+    const double step = a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step;
+    beta1_weight = acc_t(1.0 - a.beta1);
+    beta2 = acc_t(a.beta2);
+    one_minus_beta2 = acc_t(1.0 - a.beta2);
+    eps = acc_t(a.eps);
+    weight_decay = acc_t(a.weight_decay);
+    decay = acc_t(1.0 - lr * a.weight_decay);
+    step_size = acc_t(lr / (1.0 - pow(a.beta1, step)));
+    bias_correction2_sqrt = acc_t(sqrt(1.0 - pow(a.beta2, step)));
+  }
+
+  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS]) const {
+    acc_t grad = MTA_MAXIMIZE ? -x[GRAD] : x[GRAD];
+    if (weight_decay != acc_t(0)) {
+      if (MTA_DECOUPLED) x[PARAM] = x[PARAM] * decay;
+      else grad = grad + weight_decay * x[PARAM];
+    }
+    // exp_avg.lerp_(grad, 1 - beta1), with torch's two-sided lerp formula.
+    const acc_t diff = grad - x[EXP_AVG];
+    x[EXP_AVG] = beta1_weight < acc_t(0.5) ? x[EXP_AVG] + beta1_weight * diff
+                                           : grad - diff * (acc_t(1) - beta1_weight);
+    x[EXP_AVG_SQ] = x[EXP_AVG_SQ] * beta2 + one_minus_beta2 * grad * grad;
+    acc_t second = x[EXP_AVG_SQ];
+    if constexpr (MTA_AMSGRAD) {
+      x[N_SLOTS - 1] = max(x[N_SLOTS - 1], x[EXP_AVG_SQ]);
+      second = x[N_SLOTS - 1];
+    }
+    const acc_t denom = sqrt(second) / bias_correction2_sqrt + eps;
+    x[PARAM] = x[PARAM] + (-step_size) * (x[EXP_AVG] / denom);
+  }
+};
+
+}  // namespace mta

@@ -1,0 +1,116 @@
+// The chunk walker: the only loop over tensor memory in mtapply. Each op is a functor that
+// transforms the values of one element held in registers; the walker finds the block's
+// (tensor, chunk), loads every slot, calls the functor and stores the slots it writes.
+//
+// Configuration comes from the generated preamble (see mtapply/_source.py):
+//   MTA_BLOCK, MTA_CHUNK, MTA_VEC   threads per block, elements per chunk, elements per vector
+//   mta::acc_t                      math type (float, or double for float64 params)
+//   mta::SlotType<S>::type          storage type of slot S
+#pragma once
+#include "dtypes.cuh"
+
+namespace mta {
+
+template <int I> struct Index { static constexpr int value = I; };
+
+// Calls f(Index<0>{}), ..., f(Index<N-1>{}): slot loops whose slot types differ.
+template <int I, int N, class F>
+__device__ __forceinline__ void for_each_slot(F&& f) {
+  if constexpr (I < N) {
+    f(Index<I>{});
+    for_each_slot<I + 1, N>(f);
+  }
+}
+
+// Table of one launch group, in device memory:
+//   blocks[b]  = (tensor index, chunk index) of CUDA block b
+//   records[t] = {numel, ptr[0], ..., ptr[N_SLOTS - 1]} as N_SLOTS + 1 64-bit words
+template <class Op>
+struct Launch {
+  const int2* blocks;
+  const long long* records;
+  typename Op::Args args;
+};
+
+template <class T, int VEC>
+__device__ __forceinline__ void load_vec(const char* base, long long i, acc_t (&out)[VEC]) {
+  static_assert(VEC * sizeof(T) % 16 == 0, "vector must be whole 16-byte words");
+  union { uint4 words[VEC * sizeof(T) / 16]; T vals[VEC]; } u;
+  const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(base) + i);
+#pragma unroll
+  for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) u.words[w] = src[w];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = to_acc(u.vals[k]);
+}
+
+template <class T, int VEC>
+__device__ __forceinline__ void store_vec(char* base, long long i, const acc_t (&in)[VEC]) {
+  union { uint4 words[VEC * sizeof(T) / 16]; T vals[VEC]; } u;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) u.vals[k] = from_acc<T>(in[k]);
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<T*>(base) + i);
+#pragma unroll
+  for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) dst[w] = u.words[w];
+}
+
+// Applies op to VEC consecutive elements starting at i (W = VEC) or to one element (W = 1).
+template <class Op, int W>
+__device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLOTS], long long i) {
+  constexpr int N = Op::N_SLOTS;
+  acc_t v[N][W];
+  for_each_slot<0, N>([&](auto s) {
+    using T = typename SlotType<decltype(s)::value>::type;
+    if constexpr (W == 1) v[s.value][0] = to_acc(reinterpret_cast<const T*>(ptr[s.value])[i]);
+    else load_vec<T, W>(ptr[s.value], i, v[s.value]);
+  });
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    acc_t x[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s) x[s] = v[s][k];
+    op(x);
+#pragma unroll
+    for (int s = 0; s < N; ++s) v[s][k] = x[s];
+  }
+  for_each_slot<0, N>([&](auto s) {
+    using T = typename SlotType<decltype(s)::value>::type;
+    if constexpr ((Op::WRITTEN >> decltype(s)::value) & 1u) {
+      if constexpr (W == 1) reinterpret_cast<T*>(ptr[s.value])[i] = from_acc<T>(v[s.value][0]);
+      else store_vec<T, W>(ptr[s.value], i, v[s.value]);
+    }
+  });
+}
+
+template <class Op>
+__device__ __forceinline__ void walk(const Launch<Op>& launch) {
+  constexpr int N = Op::N_SLOTS;
+  const int2 job = launch.blocks[blockIdx.x];
+  const long long* rec = launch.records + static_cast<long long>(job.x) * (N + 1);
+  const long long numel = rec[0];
+  char* ptr[N];
+  unsigned long long address_bits = 0;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    ptr[s] = reinterpret_cast<char*>(rec[1 + s]);
+    address_bits |= static_cast<unsigned long long>(rec[1 + s]);
+  }
+  const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
+  const long long end = min(begin + static_cast<long long>(MTA_CHUNK), numel);
+  const Op op(launch.args);
+  long long scalar_from = begin;
+  // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
+  if ((address_bits & 15ull) == 0) {
+    scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
+    for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
+      apply<Op, MTA_VEC>(op, ptr, i);
+  }
+  for (long long i = scalar_from + threadIdx.x; i < end; i += MTA_BLOCK)
+    apply<Op, 1>(op, ptr, i);
+}
+
+}  // namespace mta
+
+// Defines the kernel entry point `mta_entry` for functor OP.
+#define MTA_DEFINE_ENTRY(OP)                                                        \
+  extern "C" __global__ void __launch_bounds__(MTA_BLOCK)                            \
+  mta_entry(const mta::Launch<OP> launch) { mta::walk<OP>(launch); }

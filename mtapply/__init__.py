@@ -1,0 +1,14 @@
+"""mtapply: fused multi-tensor optimizer updates for any framework, through DLPack.
+
+    mtapply.adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, step=1)
+
+updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
+with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
+"""
+from .adam import adam_plan, adam_step
+from .engine import Plan
+from .ops import REGISTRY, AdamSpec
+
+__version__ = "0.1.0"
+
+__all__ = ["AdamSpec", "Plan", "REGISTRY", "adam_plan", "adam_step", "__version__"]

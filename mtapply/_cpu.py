@@ -1,0 +1,55 @@
+"""The CPU backend: the same ops on host memory, with NumPy, slowly but with the same semantics.
+
+Tensors are viewed in place through their addresses (zero copy); the math runs in float32 for
+16- and 32-bit storage and float64 for float64, then rounds back to the storage type.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+_STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def view(ref) -> np.ndarray:
+    """A flat NumPy view of a dense host tensor's memory (bfloat16 as raw uint16)."""
+    storage = _STORAGE[ref.dtype]
+    if ref.numel == 0:
+        return np.empty(0, dtype=storage)
+    buffer = (ctypes.c_char * ref.nbytes).from_address(ref.ptr)
+    return np.frombuffer(buffer, dtype=storage, count=ref.numel)
+
+
+def load(ref, dtype) -> np.ndarray:
+    raw = view(ref)
+    if ref.dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32).astype(dtype)
+    return raw.astype(dtype)
+
+
+def store(ref, values: np.ndarray) -> None:
+    raw = view(ref)
+    if ref.dtype == "bfloat16":
+        raw[:] = round_to_bfloat16_bits(values)
+    else:
+        raw[:] = values.astype(raw.dtype)
+
+
+def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float values rounded to bfloat16 (nearest, ties to even), as raw uint16 bits."""
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    nan = np.isnan(values)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def run(spec, refs: dict, args: dict) -> None:
+    """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`."""
+    for i in range(len(refs["params"])):
+        if refs["params"][i].numel == 0:
+            continue
+        dtype = np.float64 if refs["params"][i].dtype == "float64" else np.float32
+        arrays = {name: load(column[i], dtype) for name, column in refs.items()}
+        for name, values in spec.cpu_update(arrays, args, dtype).items():
+            store(refs[name][i], values)

@@ -1,0 +1,170 @@
+"""Device storage of plan tables: "memcpy" (device memory filled by async copies) or "unified".
+
+memcpy: the table lives in device memory; a change is staged in pinned host memory and copied
+  on the launch stream, so it is ordered with the launches. Staging buffers form a ring guarded
+  by events: a buffer is never refilled while a copy may still read it.
+unified: the table lives in managed memory that the host writes directly. Two buffers alternate,
+  and the host writes a buffer only once the launches that read it have finished (an event), so
+  host writes never race a kernel.
+Either way a step with an unchanged table does no host-to-device traffic at all.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+MODES = ("memcpy", "unified")
+_H2D = 1
+
+
+def default_mode() -> str:
+    mode = os.environ.get("MTAPPLY_TABLE_MODE", "memcpy")
+    if mode not in MODES:
+        raise ValueError(f"MTAPPLY_TABLE_MODE={mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+def make_table(mode: str, nbytes: int, device_id: int):
+    if mode == "memcpy":
+        return MemcpyTable(nbytes, device_id)
+    if mode == "unified":
+        return UnifiedTable(nbytes, device_id)
+    raise ValueError(f"table_mode={mode!r}; use one of {', '.join(MODES)}")
+
+
+def _runtime():
+    import cupy
+
+    return cupy.cuda.runtime
+
+
+def _capturing(stream: int) -> bool:
+    return stream != 0 and _runtime().streamIsCapturing(stream) != 0
+
+
+class _Event:
+    """A CUDA event without timing, marking the point after which a buffer is free again."""
+
+    def __init__(self):
+        rt = _runtime()
+        self.handle = rt.eventCreateWithFlags(rt.eventDisableTiming)
+        self.recorded = False
+
+    def record(self, stream: int) -> None:
+        _runtime().eventRecord(self.handle, stream)
+        self.recorded = True
+
+    def wait_host(self) -> None:
+        if self.recorded:
+            _runtime().eventSynchronize(self.handle)
+
+    def wait_on(self, stream: int) -> None:
+        if self.recorded:
+            _runtime().streamWaitEvent(stream, self.handle, 0)
+
+    def __del__(self):
+        try:
+            _runtime().eventDestroy(self.handle)
+        except Exception:  # interpreter shutdown: the context may already be gone
+            pass
+
+
+class MemcpyTable:
+    """A table in device memory, updated by async copies on the launch stream."""
+
+    RING = 2
+
+    def __init__(self, nbytes: int, device_id: int):
+        import cupy
+
+        self.nbytes = nbytes
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            self._device = cupy.cuda.alloc(max(nbytes, 16))
+            self._staging = [cupy.cuda.alloc_pinned_memory(max(nbytes, 16)) for _ in range(self.RING)]
+            self._copied = [_Event() for _ in range(self.RING)]
+            self._reader_done = _Event()
+        self._next = 0
+        self._reader_stream = None
+        self._last_copy = None
+        self._ordered_streams: set = set()
+
+    @property
+    def ptr(self) -> int:
+        return self._device.ptr
+
+    def before_launch(self, stream: int) -> None:
+        """Orders a launch on `stream` after the latest upload, made on another stream."""
+        if stream not in self._ordered_streams:
+            self._last_copy.wait_on(stream)
+            self._ordered_streams.add(stream)
+
+    def launched_on(self, stream: int) -> None:
+        """Notes the stream of the latest launch that reads the table."""
+        self._reader_stream = stream
+
+    def write(self, table: np.ndarray, stream: int) -> None:
+        """Copies `table` (uint8) to the device, ordered on `stream` after earlier readers."""
+        if _capturing(stream):
+            raise RuntimeError("mtapply cannot upload a pointer table while the stream is being "
+                               "captured into a CUDA graph: run one step before capturing, and "
+                               "keep the same tensors while the graph is in use")
+        if self._reader_stream is not None and self._reader_stream != stream:
+            self._reader_done.record(self._reader_stream)
+            self._reader_done.wait_on(stream)
+        k = self._next
+        self._next = (k + 1) % self.RING
+        self._copied[k].wait_host()  # normally long done: the ring was filled a step ago
+        staging = self._staging[k]
+        np.frombuffer(staging, dtype=np.uint8, count=table.nbytes)[:] = table
+        _runtime().memcpyAsync(self._device.ptr, staging.ptr, table.nbytes, _H2D, stream)
+        self._copied[k].record(stream)
+        self._last_copy = self._copied[k]
+        self._ordered_streams = {stream}
+
+
+class UnifiedTable:
+    """A table in managed memory written by the host; two buffers alternate."""
+
+    def __init__(self, nbytes: int, device_id: int):
+        import cupy
+
+        self.nbytes = nbytes
+        self.device_id = device_id
+        rt = _runtime()
+        if not rt.deviceGetAttribute(rt.cudaDevAttrConcurrentManagedAccess, device_id):
+            raise RuntimeError(f"cuda:{device_id} cannot access managed memory concurrently with "
+                               f"the host, which the unified table mode needs: use "
+                               f"table_mode='memcpy'")
+        with cupy.cuda.Device(device_id):
+            self._buffers = [cupy.cuda.malloc_managed(max(nbytes, 16)) for _ in range(2)]
+            self._released = [_Event() for _ in range(2)]
+        self._current = 0
+        self._written = False
+        self._reader_stream = None
+
+    @property
+    def ptr(self) -> int:
+        return self._buffers[self._current].ptr
+
+    def before_launch(self, stream: int) -> None:
+        """Host writes are complete before any later launch: nothing to order."""
+
+    def launched_on(self, stream: int) -> None:
+        self._reader_stream = stream
+
+    def write(self, table: np.ndarray, stream: int) -> None:
+        """Writes `table` into the buffer not read by the latest launch; switches to it."""
+        if _capturing(stream):
+            raise RuntimeError("mtapply cannot rewrite a pointer table while the stream is being "
+                               "captured into a CUDA graph: run one step before capturing")
+        target = 1 - self._current if self._written else self._current
+        if self._written and self._reader_stream is not None:
+            self._released[self._current].record(self._reader_stream)
+        self._released[target].wait_host()  # launches that read `target` finished a step ago
+        view = (ctypes.c_uint8 * table.nbytes).from_address(self._buffers[target].ptr)
+        np.frombuffer(view, dtype=np.uint8)[:] = table
+        self._current = target
+        self._written = True

@@ -1,0 +1,117 @@
+"""Validation of a call's tensor lists, done in full before anything is written."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._dlpack import TensorRef, device_of, export, is_dense
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def first_device(slots: dict) -> tuple | None:
+    """Device of the first tensor of the first slot (the call's device), or None for empty lists."""
+    first = next(iter(slots.values()))
+    return device_of(first[0], f"{next(iter(slots))}[0]") if len(first) else None
+
+
+def check_lists(slots: dict) -> int:
+    """Every slot is a sequence of the same length as the first; returns that length."""
+    names = list(slots)
+    for name, tensors in slots.items():
+        if tensors is None or isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+            if hasattr(tensors, "__dlpack__"):
+                raise TypeError(f"{name} must be a list of tensors, got a single tensor: wrap it "
+                                f"in a list, e.g. [{name[:-1] or name}]")
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    n = len(slots[names[0]])
+    for name in names[1:]:
+        if len(slots[name]) != n:
+            raise ValueError(f"{name} has {len(slots[name])} tensors but {names[0]} has {n}: "
+                             f"pass one {name} tensor per {names[0][:-1] or names[0]}")
+    return n
+
+
+def ingest(slots: dict, written: frozenset, stream_for_dlpack) -> dict[str, list[TensorRef]]:
+    """TensorRefs of every slot, checked one against another. Raises before anything is written.
+
+    `stream_for_dlpack(device)` gives the DLPack stream number for a CUDA device.
+    """
+    n = check_lists(slots)
+    names = list(slots)
+    refs = {name: [None] * n for name in names}
+    if n == 0:
+        return refs
+    call_device = first_device(slots)
+    dl_stream = stream_for_dlpack(call_device) if call_device[0] == "cuda" else None
+    for i in range(n):
+        for name in names:
+            where = f"{name}[{i}]"
+            ref = export(slots[name][i], where, dl_stream)
+            _check_tensor(ref, where, name in written, call_device, f"{names[0]}[0]")
+            if name != names[0]:
+                _check_against_param(ref, refs[names[0]][i], where, f"{names[0]}[{i}]")
+            refs[name][i] = ref
+    check_no_overlap(refs, written)
+    return refs
+
+
+def _check_tensor(ref: TensorRef, where: str, writable: bool, call_device: tuple, first: str) -> None:
+    if ref.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{where} has dtype {ref.dtype}; mtapply updates floating tensors of "
+                        f"{', '.join(SUPPORTED_DTYPES)}: cast it to one of those")
+    if ref.device != call_device:
+        raise ValueError(f"{where} is on {_device_name(ref.device)} but {first} is on "
+                         f"{_device_name(call_device)}: put every tensor of one call on one device")
+    if ref.copied:
+        raise ValueError(f"{where} was exported as a copy (DLPack IS_COPIED flag), so an in-place "
+                         f"update would be lost: pass the tensor's own memory")
+    if writable and ref.read_only:
+        raise ValueError(f"{where} is read-only (DLPack READ_ONLY flag) but is updated in place: "
+                         f"pass a writable array (for NumPy, one with flags.writeable set)")
+    if not is_dense(ref):
+        raise ValueError(f"{where} with shape {ref.shape} and strides {ref.strides} is not dense "
+                         f"(a strided view, or overlapping elements): pass a contiguous tensor; a "
+                         f"contiguous copy would not carry the update back, so keep state contiguous")
+
+
+def _check_against_param(ref: TensorRef, param: TensorRef, where: str, param_where: str) -> None:
+    if ref.shape != param.shape:
+        raise ValueError(f"{where} has shape {ref.shape} but {param_where} has {param.shape}: "
+                         f"each slot of one parameter must have the parameter's shape")
+    if ref.numel > 1 and _strides_of_shape(ref) != _strides_of_shape(param):
+        raise ValueError(f"{where} has strides {ref.strides} but {param_where} has {param.strides}: "
+                         f"give every slot of one parameter the same memory layout")
+
+
+def _strides_of_shape(ref: TensorRef) -> tuple:
+    return tuple(s for s, e in zip(ref.strides, ref.shape) if e != 1)
+
+
+def check_no_overlap(refs: dict[str, list[TensorRef]], written: frozenset) -> None:
+    """No written tensor shares memory with any other tensor of the call (aliasing is refused)."""
+    entries = [(ref.ptr, ref.ptr + ref.nbytes, name in written, name, i)
+               for name, column in refs.items() for i, ref in enumerate(column) if ref.nbytes]
+    if len(entries) < 2:
+        return
+    starts = np.array([e[0] for e in entries], dtype=np.uint64)
+    ends = np.array([e[1] for e in entries], dtype=np.uint64)
+    writes = np.array([e[2] for e in entries], dtype=bool)
+    order = np.argsort(starts, kind="stable")
+    s, e, w = starts[order], ends[order], writes[order]
+    zero = np.zeros(1, dtype=np.uint64)
+    before_all = np.concatenate([zero, np.maximum.accumulate(e)[:-1]])
+    before_written = np.concatenate([zero, np.maximum.accumulate(np.where(w, e, 0))[:-1]])
+    bad = np.flatnonzero((w & (s < before_all)) | (s < before_written))
+    if bad.size == 0:
+        return
+    k = int(bad[0])
+    j = next(j for j in range(k - 1, -1, -1) if e[j] > s[k] and (w[j] or w[k]))
+    a, b = entries[order[j]], entries[order[k]]
+    raise ValueError(f"{a[3]}[{a[4]}] and {b[3]}[{b[4]}] share memory, and at least one of them "
+                     f"is updated in place: give every slot its own tensor (e.g. torch.zeros_like)")
+
+
+def _device_name(device: tuple) -> str:
+    return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"

@@ -1,0 +1,60 @@
+"""The public Adam/AdamW entry points."""
+from __future__ import annotations
+
+from .engine import Plan
+from .ops.adam import AdamSpec
+
+
+def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, amsgrad=False,
+              decoupled_weight_decay=False, maximize=False, table_mode=None, stream=None) -> Plan:
+    """Binds Adam's tensor lists once; `plan.step(lr=..., step=..., ...)` then updates them.
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs: lists of tensors (torch, CuPy, NumPy, any DLPack
+            producer), one of each per parameter, all on one device. grads are only read.
+        max_exp_avg_sqs: the amsgrad state list, required when amsgrad is True.
+        amsgrad, decoupled_weight_decay, maximize: compile-time variants, as in torch.optim.Adam
+            (decoupled_weight_decay=True is AdamW).
+        table_mode: "memcpy" (default) or "unified": where the device pointer tables live.
+        stream: default launch stream; None uses the tensors' framework's current stream.
+
+    Returns:
+        A `Plan`. `plan.step(lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        stream=None)` takes the per-step hyperparameters; lr and step may be one-element float32
+        device arrays, read by the kernel (no host synchronisation; CUDA-graph safe).
+
+    Example:
+        >>> plan = mtapply.adam_plan(params, grads, exp_avgs, exp_avg_sqs)
+        >>> for t in range(1, 11):
+        ...     plan.step(lr=1e-3, step=t)
+    """
+    spec = AdamSpec(amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay,
+                    maximize=maximize)
+    tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
+               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
+    return Plan(spec, tensors, table_mode=table_mode, stream=stream)
+
+
+def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, max_exp_avg_sqs=None,
+              maximize=False, stream=None, table_mode=None) -> None:
+    """One Adam/AdamW step over whole lists, in place, matching torch.optim.Adam / AdamW.
+
+    `step` is the 1-based step count after increment (used for bias correction). Everything is
+    validated before anything is written. Each call ingests the lists again (O(n) host work) but
+    reuses device tables when the tensors are the same; to step repeatedly at O(1) host cost,
+    build an `adam_plan` once.
+
+    Update rule (g the grad, t = step):
+        g = -g if maximize;  g += weight_decay * p (L2) or p *= 1 - lr * weight_decay (AdamW)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g**2
+        p -= lr / (1 - beta1**t) * m / (sqrt(max(v) if amsgrad else v) / sqrt(1 - beta2**t) + eps)
+    """
+    spec = AdamSpec(amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay,
+                    maximize=maximize)
+    spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
+               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
+    plan = Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True)
+    plan.step(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+              stream=stream)

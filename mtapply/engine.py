@@ -1,0 +1,189 @@
+"""Plans: tensor lists bound once to an op, stepped many times.
+
+A Plan validates and ingests its lists once, groups them into launches, compiles the kernels and
+uploads the pointer tables. `step()` then does O(1) host work: it checks the hyperparameters,
+writes a few argument words and issues one launch per group. `rebind()` swaps one slot's
+tensors (e.g. freshly allocated grads) and re-uploads only the tables.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _cpu, _source, _tables
+from ._dlpack import export, framework_of
+from ._launch import KernelLaunch, dlpack_stream, stream_pointer
+from ._validate import check_lists, check_no_overlap, ingest
+from .ops._spec import DeviceScalar
+from .plan import group_tensors
+
+_RECENT_LIMIT = 8
+_recent_launchers: OrderedDict = OrderedDict()
+
+
+class Plan:
+    """Tensor lists bound to one op (see `mtapply.adam_plan`).
+
+    Args:
+        spec: the op specification (e.g. `mtapply.ops.AdamSpec(amsgrad=True)`).
+        tensors: slot name -> list of tensors, in the spec's slot order.
+        table_mode: "memcpy" or "unified" (default: $MTAPPLY_TABLE_MODE, else "memcpy").
+        stream: default launch stream; None means the tensors' framework's current stream.
+    """
+
+    def __init__(self, spec, tensors: dict, *, table_mode: str | None = None, stream=None,
+                 _share_tables: bool = False):
+        missing = [name for name in spec.slots if tensors.get(name) is None]
+        if missing:
+            raise TypeError(f"{missing[0]} is required by {spec.name} with these options: pass a "
+                            f"list of tensors with one per param")
+        self.spec = spec
+        self.table_mode = table_mode or _tables.default_mode()
+        if self.table_mode not in _tables.MODES:
+            raise ValueError(f"table_mode={self.table_mode!r}; use one of {', '.join(_tables.MODES)}")
+        self._stream = stream
+        slots = {name: tensors[name] for name in spec.slots}
+        self._framework = framework_of(slots["params"][0]) if check_lists(slots) else "none"
+        self._refs = ingest(slots, spec.written,
+                            lambda device: dlpack_stream(self._stream_for(device[1], stream)))
+        self._n = len(self._refs["params"])
+        self.device = self._refs["params"][0].device if self._n else None
+        self._scalars: dict = {}
+        self._cuda = None
+        if self.device is not None and self.device[0] == "cuda":
+            self._cuda = _launcher(spec, self._refs, self.table_mode, self.device[1],
+                                   self._stream_for(self.device[1], stream), _share_tables)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def step(self, *, stream=None, **hyper) -> None:
+        """Applies the op once to every tensor. Hyperparameters as the op's step function takes."""
+        args = self.spec.arguments(**{k: self._scalar(k, v) for k, v in hyper.items()})
+        if self._n == 0:
+            return
+        if self._cuda is None:
+            _cpu.run(self.spec, self._refs, args)
+        else:
+            self._cuda.run(args, self._stream_for(self.device[1], stream or self._stream))
+
+    def rebind(self, slot: str, tensors, *, stream=None) -> None:
+        """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
+        if slot not in self.spec.slots:
+            raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
+                             f"{', '.join(self.spec.slots)}")
+        check_lists({"params": self._refs["params"], slot: tensors})
+        launch_stream = self._stream_for(self.device[1], stream or self._stream) if self._cuda else None
+        fresh = []
+        for i, (obj, old) in enumerate(zip(tensors, self._refs[slot])):
+            ref = export(obj, f"{slot}[{i}]", dlpack_stream(launch_stream) if self._cuda else None)
+            if (ref.dtype, ref.shape, ref.strides, ref.device) != (old.dtype, old.shape, old.strides, old.device):
+                raise ValueError(f"{slot}[{i}] is {ref.dtype} {ref.shape} on {ref.device} but the "
+                                 f"plan has {old.dtype} {old.shape} on {old.device}: rebind tensors "
+                                 f"of the same dtype, shape, layout and device, or build a new plan")
+            if slot in self.spec.written and ref.read_only:
+                raise ValueError(f"{slot}[{i}] is read-only but is updated in place: pass a writable array")
+            fresh.append(ref)
+        check_no_overlap({**self._refs, slot: fresh}, self.spec.written)
+        self._refs[slot] = fresh
+        if self._cuda is not None:
+            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), fresh, launch_stream)
+
+    def _stream_for(self, device_id: int, stream) -> int:
+        return stream_pointer(stream, self._framework, device_id)
+
+    def _scalar(self, name: str, value):
+        """A number stays a number; a one-element device array becomes a DeviceScalar."""
+        if isinstance(value, (int, float)) or not hasattr(value, "__dlpack__"):
+            return value
+        if name not in getattr(self.spec, "device_scalars", ()):
+            raise TypeError(f"{name} must be a Python number; only "
+                            f"{', '.join(self.spec.device_scalars)} may be device arrays")
+        if self._cuda is None:
+            return float(np.asarray(value, dtype=np.float64).reshape(-1)[0])
+        cached = self._scalars.get(id(value))
+        if cached is not None and cached.obj is value:
+            return cached
+        ref = export(value, name, None)
+        if ref.dtype != "float32" or ref.numel != 1 or ref.device != self.device:
+            raise ValueError(f"{name} as a device array must be a one-element float32 array on "
+                             f"cuda:{self.device[1]}, got {ref.dtype} {ref.shape} on {ref.device}")
+        scalar = DeviceScalar(ptr=ref.ptr, obj=value)
+        self._scalars[id(value)] = scalar
+        return scalar
+
+
+class _Launcher:
+    """The kernels, tables and argument words of a plan's groups on one GPU."""
+
+    def __init__(self, spec, dtypes, numels, pointers, table_mode, device_id, stream):
+        self.spec, self.table_mode, self.device_id = spec, table_mode, device_id
+        self.dtypes, self.numels, self.pointers = dtypes, numels, pointers
+        self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
+                                    _source.CHUNK_ELEMENTS)
+        self.launches, self.tables = [], []
+        for group in self.groups:
+            source = _source.variant_source(spec.kernel_file, spec.functor, group.dtypes, spec.flags)
+            kernel = _source.kernel_function(source, device_id)
+            self.launches.append(KernelLaunch(kernel, _source.BLOCK_THREADS, group.n_blocks,
+                                              spec.arg_fields))
+            self.tables.append(None)
+        self.upload(stream)
+
+    def upload(self, stream: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            for k, group in enumerate(self.groups):
+                table = group.table()
+                if self.tables[k] is None or self.tables[k].nbytes != table.nbytes:
+                    self.tables[k] = _tables.make_table(self.table_mode, table.nbytes, self.device_id)
+                self.tables[k].write(table, stream)
+                base = self.tables[k].ptr
+                self.launches[k].set_table(base, base + group.records_offset)
+
+    def rebound(self, slot_index: int, refs, stream: int) -> "_Launcher":
+        self.pointers = self.pointers.copy()
+        self.pointers[:, slot_index] = [ref.ptr for ref in refs]
+        for group in self.groups:
+            group.pointers = self.pointers[group.indices]
+        self.upload(stream)
+        return self
+
+    def run(self, args: dict, stream: int) -> None:
+        import cupy
+
+        switch = cupy.cuda.runtime.getDevice() != self.device_id
+        device = cupy.cuda.Device(self.device_id) if switch else None
+        if switch:
+            device.__enter__()
+        try:
+            for launch, table in zip(self.launches, self.tables):
+                if launch.n_blocks:
+                    launch.set_args(args)
+                    table.before_launch(stream)
+                    launch.launch(stream)
+                    table.launched_on(stream)
+        finally:
+            if switch:
+                device.__exit__(None, None, None)
+
+
+def _launcher(spec, refs, table_mode, device_id, stream, share: bool) -> _Launcher:
+    """A new launcher, or with `share` one whose tables already hold exactly these tensors."""
+    slots = spec.slots
+    n = len(refs["params"])
+    dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
+    numels = np.fromiter((r.numel for r in refs["params"]), dtype=np.int64, count=n)
+    pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
+    if not share:
+        return _Launcher(spec, dtypes, numels, pointers, table_mode, device_id, stream)
+    key = (spec.key, table_mode, device_id, tuple(dtypes), numels.tobytes(), pointers.tobytes())
+    launcher = _recent_launchers.pop(key, None)
+    if launcher is None:
+        launcher = _Launcher(spec, dtypes, numels, pointers, table_mode, device_id, stream)
+    _recent_launchers[key] = launcher
+    while len(_recent_launchers) > _RECENT_LIMIT:
+        _recent_launchers.popitem(last=False)
+    return launcher

@@ -1,0 +1,64 @@
+"""Adam and AdamW (decoupled weight decay), with amsgrad and maximize."""
+from __future__ import annotations
+
+from .. import reference
+from ._spec import OpSpec, check_number
+
+
+class AdamSpec(OpSpec):
+    """Adam/AdamW as torch.optim.Adam and AdamW define them.
+
+    Update rule, for each element, with t the 1-based step:
+        g = -grad if maximize else grad
+        g += weight_decay * param            (L2, when not decoupled)
+        param *= 1 - lr * weight_decay       (AdamW, when decoupled)
+        m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+        vmax = max(vmax, v)                  (amsgrad; vmax replaces v below)
+        param -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    """
+
+    name = "adam"
+    kernel_file = "adam.cuh"
+    functor = "mta::Adam"
+    written = frozenset({"params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"})
+    arg_fields = ("lr", "lr_ptr", "step", "step_ptr", "beta1", "beta2", "eps", "weight_decay")
+    device_scalars = ("lr", "step")
+
+    def __init__(self, *, amsgrad: bool = False, decoupled_weight_decay: bool = False,
+                 maximize: bool = False):
+        self.amsgrad = bool(amsgrad)
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+        self.maximize = bool(maximize)
+        self.slots = ("params", "grads", "exp_avgs", "exp_avg_sqs") + (
+            ("max_exp_avg_sqs",) if self.amsgrad else ())
+        self.flags = (("AMSGRAD", self.amsgrad), ("DECOUPLED", self.decoupled_weight_decay),
+                      ("MAXIMIZE", self.maximize))
+
+    def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0) -> dict:
+        """Checked hyperparameters. lr and step are numbers or DeviceScalars (checked earlier)."""
+        args = {"beta1": check_number("beta1", beta1, low=0.0, high=1.0, high_open=True),
+                "beta2": check_number("beta2", beta2, low=0.0, high=1.0, high_open=True),
+                "eps": check_number("eps", eps, low=0.0),
+                "weight_decay": check_number("weight_decay", weight_decay, low=0.0)}
+        args["lr"] = lr if not isinstance(lr, (int, float)) else check_number("lr", lr, low=0.0)
+        if isinstance(step, (int, float)):
+            args["step"] = check_number("step", step, low=1.0)
+        else:
+            args["step"] = step
+        return args
+
+    def cpu_update(self, arrays: dict, args: dict, dtype) -> dict:
+        """New values of the written slots of one tensor, computed in `dtype`."""
+        p, m, v, vmax = reference.adam(
+            arrays["params"], arrays["grads"], arrays["exp_avgs"], arrays["exp_avg_sqs"],
+            arrays.get("max_exp_avg_sqs"), lr=args["lr"], step=args["step"], beta1=args["beta1"],
+            beta2=args["beta2"], eps=args["eps"], weight_decay=args["weight_decay"],
+            decoupled_weight_decay=self.decoupled_weight_decay, amsgrad=self.amsgrad,
+            maximize=self.maximize, dtype=dtype)
+        out = {"params": p, "exp_avgs": m, "exp_avg_sqs": v}
+        if self.amsgrad:
+            out["max_exp_avg_sqs"] = vmax
+        return out
+
+
+__all__ = ["AdamSpec"]

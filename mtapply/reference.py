@@ -1,0 +1,40 @@
+"""Float64 NumPy references of every op (also the math of the CPU backend).
+
+Each function takes arrays and returns the new values of the slots the op writes. `dtype` is the
+type the math runs in: float64 for references, float32 for the CPU backend's fp32/fp16/bf16.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, beta1=0.9,
+         beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False,
+         maximize=False, dtype=np.float64):
+    """One Adam/AdamW step as torch.optim.Adam/AdamW define it; `step` counts from 1.
+
+    Returns (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None), new arrays of `dtype`.
+    """
+    p, g, m, v = (np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq))
+    c = lambda x: dtype(x)  # noqa: E731 - scalars enter the math in its own type, as in torch
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            p = p * c(1 - lr * weight_decay)
+        else:
+            g = g + c(weight_decay) * p
+    w = c(1 - beta1)
+    m = m + w * (g - m) if w < 0.5 else g - (g - m) * (c(1) - w)
+    v = v * c(beta2) + c(1 - beta2) * g * g
+    vmax = None
+    second = v
+    if amsgrad:
+        vmax = np.maximum(np.asarray(max_exp_avg_sq, dtype=dtype), v)
+        second = vmax
+    step_size = lr / (1 - beta1**step)
+    denom = np.sqrt(second) / c(math.sqrt(1 - beta2**step)) + c(eps)
+    p = p + c(-step_size) * (m / denom)
+    return p, m, v, vmax
