@@ -96,9 +96,14 @@ class MemcpyTable:
         return self._device.ptr
 
     def before_launch(self, stream: int) -> None:
-        """Orders a launch on `stream` after the latest upload, made on another stream."""
+        """Orders a launch on `stream` after the latest upload, made on another stream.
+
+        A stream being captured cannot wait on uncaptured work; a capture on another stream than
+        the upload's must start after a device synchronisation, as torch.cuda.graph does.
+        """
         if stream not in self._ordered_streams:
-            self._last_copy.wait_on(stream)
+            if not _capturing(stream):
+                self._last_copy.wait_on(stream)
             self._ordered_streams.add(stream)
 
     def launched_on(self, stream: int) -> None:

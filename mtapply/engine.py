@@ -82,6 +82,9 @@ class Plan:
                 raise ValueError(f"{slot}[{i}] is {ref.dtype} {ref.shape} on {ref.device} but the "
                                  f"plan has {old.dtype} {old.shape} on {old.device}: rebind tensors "
                                  f"of the same dtype, shape, layout and device, or build a new plan")
+            if ref.copied:  # the copy's memory is freed with the capsule: never point a table at it
+                raise ValueError(f"{slot}[{i}] was exported as a copy (DLPack IS_COPIED flag): pass "
+                                 f"the tensor's own memory")
             if slot in self.spec.written and ref.read_only:
                 raise ValueError(f"{slot}[{i}] is read-only but is updated in place: pass a writable array")
             fresh.append(ref)

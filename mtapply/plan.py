@@ -77,7 +77,7 @@ def group_tensors(devices: list, dtypes: list, numels, pointers, chunk: int) -> 
     `pointers` is an (n_tensors, n_slots) array of addresses.
     """
     numels = np.asarray(numels, dtype=np.int64)
-    pointers = np.asarray(pointers, dtype=np.uint64).reshape(len(numels), -1)
+    pointers = np.asarray(pointers, dtype=np.uint64).reshape(len(numels), -1 if len(numels) else 0)
     members: dict[tuple, list[int]] = {}
     for i, key in enumerate(zip(devices, dtypes)):
         members.setdefault(key, []).append(i)
