@@ -15,8 +15,8 @@ from pathlib import Path
 CUDA_TYPES = {"float32": "float", "float64": "double", "float16": "mta::f16", "bfloat16": "mta::bf16"}
 ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
-BLOCK_THREADS = 512
-CHUNK_ELEMENTS = 16384
+BLOCK_THREADS = 256
+CHUNK_ELEMENTS = 4096
 
 # fp32 math without flushing denormals, as torch's kernels do.
 COMPILE_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")

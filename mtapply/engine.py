@@ -98,7 +98,7 @@ class Plan:
 
     def _scalar(self, name: str, value):
         """A number stays a number; a one-element device array becomes a DeviceScalar."""
-        if isinstance(value, (int, float)) or not hasattr(value, "__dlpack__"):
+        if type(value) is float or type(value) is int or not hasattr(value, "__dlpack__"):
             return value
         if name not in getattr(self.spec, "device_scalars", ()):
             raise TypeError(f"{name} must be a Python number; only "

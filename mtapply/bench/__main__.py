@@ -1,0 +1,187 @@
+"""python -m mtapply.bench: see `--help`. Prints a table and writes every number to JSON."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+from .competitors import BYTES_PER_PARAM, COMPETITORS, REFERENCE
+from .workloads import EXPECTED, WORKLOADS, count_params
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.list:
+        print(_listing())
+        return 0
+    torch = _require_cuda()
+    from . import harness, report  # these import torch
+
+    device = _cuda_device(torch, args.device)
+    torch.cuda.set_device(device)  # CUDA events and torch's current stream follow this device
+    results = _environment(torch, device, args)
+    print(_header_text(results), flush=True)
+    bandwidth = harness.copy_bandwidth(device)
+    results["copy_bandwidth"] = bandwidth
+    print(f"copy bandwidth: {bandwidth['GBps']:.0f} GB/s (1 GiB device-to-device copy, "
+          f"read + written, median of {len(bandwidth['samples_ms'])})\n", flush=True)
+    budget = harness.Budget(warmup=args.warmup, repeats=args.repeats, repeat_s=args.repeat_seconds,
+                            min_steps=args.min_steps, row_s=args.max_row_seconds)
+    for name in args.workloads:
+        info, rows = _run_workload(name, args.only, device, budget, bandwidth["GBps"], args.seed)
+        results["workloads"].append(info)
+        results["rows"].extend(rows)
+        report.add_ratios(results["rows"], REFERENCE)
+        report.write_json(args.json, results)  # after each workload: a cut-off run keeps its rows
+    print()
+    print(report.format_table(results["rows"], REFERENCE))
+    print()
+    print(report.format_summary(results["rows"]))
+    print(f"\nresults written to {args.json}")
+    return 0
+
+
+def _run_workload(name, competitors, device, budget, bandwidth_gbps, seed):
+    """(workload info, rows): every selected competitor on its own copy of the same data."""
+    from .competitors import make_data
+    from .harness import free_memory
+
+    shapes = WORKLOADS[name]()
+    n_params = count_params(shapes)
+    floor_ms = BYTES_PER_PARAM * n_params / (bandwidth_gbps * 1e9) * 1e3
+    info = {"name": name, "n_tensors": len(shapes), "n_params": n_params,
+            "bytes_per_param": BYTES_PER_PARAM, "floor_ms": floor_ms}
+    _progress(f"{name}: {len(shapes):,} tensors, {n_params:,} params, floor {floor_ms:.4g} ms")
+    initial = make_data(shapes, device, seed)
+    rows = [_run_competitor(info, competitor, initial, budget) for competitor in competitors]
+    del initial
+    free_memory()
+    return info, rows
+
+
+def _run_competitor(info: dict, competitor: str, initial, budget) -> dict:
+    from . import harness, report
+
+    stepper = None
+    try:
+        stepper = COMPETITORS[competitor].build(initial.clone())
+        row = report.timing_row(info, competitor, harness.measure(stepper.step, budget))
+        _progress(f"  {competitor:<18} GPU {row['gpu_ms']:.4g} ms  wall {row['wall_ms']:.4g} ms  "
+                  f"x floor {row['x_floor']:.3f}  ({row['steps']} steps x {row['repeats']})")
+    except Exception as error:  # one competitor failing (no managed memory, OOM) ends only its row
+        row = report.error_row(info, competitor, error)
+        _progress(f"  {competitor:<18} skipped: {row['error']}")
+    stepper = None  # drop tensors, optimizer and graph before the next competitor allocates
+    harness.free_memory()
+    return row
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m mtapply.bench",
+        description="Benchmark mtapply's fused Adam (fp32) against torch.optim.Adam on a CUDA GPU. "
+                    "Reports GPU and wall ms per step, x the byte floor (28 B/param over the "
+                    "measured copy bandwidth) and x torch's fused Adam. Needs PyTorch with CUDA.")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME", default=list(WORKLOADS),
+                        help=f"workloads to run (default: all): {', '.join(WORKLOADS)}")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=list(COMPETITORS),
+                        help=f"competitors to run (default: all): {', '.join(COMPETITORS)}")
+    parser.add_argument("--json", default="bench_results.json", metavar="PATH",
+                        help="where to write all results as JSON (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed repeats per row, median reported (default: %(default)s)")
+    parser.add_argument("--repeat-seconds", type=float, default=0.3, metavar="S",
+                        help="target length of one repeat (default: %(default)s)")
+    parser.add_argument("--min-steps", type=int, default=20,
+                        help="least steps per repeat, unless the row budget forbids "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-row-seconds", type=float, default=6.0, metavar="S",
+                        help="time budget of one row's repeats; slow competitors get fewer steps "
+                             "(default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random data (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s)")
+    parser.add_argument("--list", action="store_true",
+                        help="list workloads and competitors, then exit")
+    args = parser.parse_args(argv)
+    args.workloads = _selected(parser, "--workloads", args.workloads, WORKLOADS)
+    args.only = _selected(parser, "--only", args.only, COMPETITORS)
+    if min(args.repeats, args.warmup, args.min_steps) < 1:
+        parser.error("--repeats, --warmup and --min-steps must be at least 1")
+    return args
+
+
+def _selected(parser, option: str, values: list, known: dict) -> list:
+    """Names given with spaces or commas, checked, in the registry's order."""
+    names = {name for value in values for name in value.split(",") if name}
+    unknown = sorted(names - set(known))
+    if unknown:
+        parser.error(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return [name for name in known if name in names]
+
+
+def _require_cuda():
+    """torch, or exit with a message saying what is missing."""
+    try:
+        import torch
+    except ImportError:
+        sys.exit("mtapply.bench needs PyTorch with CUDA (the competitors and the timers are "
+                 "torch's): install torch, e.g. `pip install torch`")
+    if not torch.cuda.is_available():
+        sys.exit(f"mtapply.bench needs a CUDA GPU, and torch {torch.__version__} sees none "
+                 f"(torch.cuda.is_available() is False)")
+    return torch
+
+
+def _cuda_device(torch, name: str):
+    """`name` as a torch.device with an index (torch.cuda.set_device refuses a bare 'cuda')."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        sys.exit(f"--device {name}: mtapply.bench times CUDA devices only")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _environment(torch, device, args) -> dict:
+    import cupy
+
+    import mtapply
+
+    props = torch.cuda.get_device_properties(device)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": props.name, "compute_capability": f"{props.major}.{props.minor}",
+            "device_memory_GiB": props.total_memory / 2**30, "python": platform.python_version(),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cupy": cupy.__version__,
+            "mtapply": mtapply.__version__, "op": "adam fp32, lr=1e-3, eps=1e-8, weight_decay=0",
+            "settings": {k: v for k, v in vars(args).items() if k != "list"},
+            "workloads": [], "rows": []}
+
+
+def _header_text(results: dict) -> str:
+    return (f"mtapply.bench  {results['date']}\n"
+            f"device: {results['device']} (sm {results['compute_capability']}, "
+            f"{results['device_memory_GiB']:.0f} GiB)\n"
+            f"torch {results['torch']} (CUDA {results['torch_cuda']}), cupy {results['cupy']}, "
+            f"mtapply {results['mtapply']}, python {results['python']}\n"
+            f"op: {results['op']}; floor = {BYTES_PER_PARAM} B/param / copy bandwidth")
+
+
+def _listing() -> str:
+    lines = ["workloads:"]
+    lines += [f"  {name:<12} {tensors:>6,} tensors {params:>13,} params"
+              for name, (tensors, params) in EXPECTED.items() if name in WORKLOADS]
+    lines.append("competitors:")
+    lines += [f"  {name:<18} {competitor.description}" for name, competitor in COMPETITORS.items()]
+    return "\n".join(lines)
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Benchmark workloads: each is a list of parameter shapes (fp32 unless its op says otherwise).
+
+`WORKLOADS` maps a name to a function returning the shapes. A new workload (e.g. resnet50 for
+LARS) adds its function here, its expected tensor and parameter counts to `EXPECTED` (so a wrong
+shape list fails loudly instead of producing a plausible-looking benchmark) and, if it has one,
+its target to `TARGETS`. Needs only NumPy, so `--list` works without torch or a GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# name -> (number of tensors, number of parameters)
+EXPECTED = {
+    "big256M": (1, 268_435_456),
+    "gpt2-124M": (148, 124_439_808),
+    "small10k": (10_000, 21_762_580),
+    "tiny2k": (2_000, 200_000),
+}
+
+# name -> (metric, limit) for mtapply's default row. "x_floor" is GPU time over the byte floor;
+# tiny lists are launch-bound, so there the target is wall-clock microseconds per step.
+TARGETS = {
+    "big256M": ("x_floor", 1.05),
+    "gpt2-124M": ("x_floor", 1.05),
+    "small10k": ("x_floor", 1.10),
+    "tiny2k": ("wall_us", 20.0),
+}
+
+
+def big256m() -> list:
+    """One tensor of 2**28 elements (1 GiB in fp32): pure streaming bandwidth."""
+    return _checked("big256M", [(2**28,)])
+
+
+def gpt2_124m() -> list:
+    """GPT-2 small in `model.parameters()` order: embeddings, 12 blocks, final layer norm."""
+    d_model, vocab, context, layers = 768, 50257, 1024, 12
+    block = [
+        (d_model,), (d_model,),                      # ln_1 weight, bias
+        (d_model, 3 * d_model), (3 * d_model,),      # attn.c_attn weight, bias
+        (d_model, d_model), (d_model,),              # attn.c_proj weight, bias
+        (d_model,), (d_model,),                      # ln_2 weight, bias
+        (d_model, 4 * d_model), (4 * d_model,),      # mlp.c_fc weight, bias
+        (4 * d_model, d_model), (d_model,),          # mlp.c_proj weight, bias
+    ]
+    shapes = [(vocab, d_model), (context, d_model)] + block * layers + [(d_model,), (d_model,)]
+    return _checked("gpt2-124M", shapes)
+
+
+def small10k() -> list:
+    """10,000 small 1-D tensors of 256..4096 elements: many blocks' worth of ragged work."""
+    sizes = np.random.default_rng(0).integers(256, 4097, size=10_000)
+    return _checked("small10k", [(int(size),) for size in sizes])
+
+
+def tiny2k() -> list:
+    """2,000 tensors of 100 elements: launch- and host-bound, no meaningful byte floor."""
+    return _checked("tiny2k", [(100,)] * 2_000)
+
+
+WORKLOADS = {
+    "big256M": big256m,
+    "gpt2-124M": gpt2_124m,
+    "small10k": small10k,
+    "tiny2k": tiny2k,
+}
+
+
+def count_params(shapes) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def _checked(name: str, shapes: list) -> list:
+    """`shapes`, after checking them against `EXPECTED[name]` (raises even under python -O)."""
+    counts = (len(shapes), count_params(shapes))
+    if counts != EXPECTED[name]:
+        raise AssertionError(f"workload {name} has {counts[0]} tensors and {counts[1]} params, "
+                             f"expected {EXPECTED[name][0]} and {EXPECTED[name][1]}")
+    return shapes
