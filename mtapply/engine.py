@@ -66,7 +66,7 @@ class Plan:
         if self._cuda is None:
             _cpu.run(self.spec, self._refs, args)
         else:
-            self._cuda.run(args, self._stream_for(self.device[1], stream or self._stream))
+            self._cuda.run(args, self._stream_for(self.device[1], self._stream if stream is None else stream))
 
     def rebind(self, slot: str, tensors, *, stream=None) -> None:
         """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
@@ -74,7 +74,8 @@ class Plan:
             raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
                              f"{', '.join(self.spec.slots)}")
         check_lists({"params": self._refs["params"], slot: tensors})
-        launch_stream = self._stream_for(self.device[1], stream or self._stream) if self._cuda else None
+        chosen = self._stream if stream is None else stream
+        launch_stream = self._stream_for(self.device[1], chosen) if self._cuda else None
         fresh = []
         for i, (obj, old) in enumerate(zip(tensors, self._refs[slot])):
             ref = export(obj, f"{slot}[{i}]", dlpack_stream(launch_stream) if self._cuda else None)

@@ -145,3 +145,19 @@ def test_first_and_last_element_of_big_tensors_change():
     for i, p in enumerate(params):
         assert p[0] != before[i][0] and p[-1] != before[i][-1]
         assert_matches(p, expected[i][0], "float32", f"params[{i}]")
+
+
+def test_denormals_are_not_flushed_like_torch():
+    """g**2 * (1 - beta2) is a float32 denormal; flushing it to zero would divide by zero (eps=0)."""
+    params = [torch.randn(4096, device="cuda")]
+    grads = [torch.full((4096,), 1e-20, device="cuda")]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.Adam(ref, lr=1e-3, eps=0.0, foreach=False)
+    ref[0].grad = grads[0].clone()
+    opt.step()
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(params[0])], [torch.zeros_like(params[0])]
+    mtapply.adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, step=1, eps=0.0)
+    assert 0 < exp_avg_sqs[0][0].item() < 1.18e-38  # a denormal, kept
+    assert torch.isfinite(params[0]).all()
+    torch.testing.assert_close(params[0], ref[0].detach(), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(exp_avg_sqs[0], opt.state[ref[0]]["exp_avg_sq"], rtol=1.3e-6, atol=0.0)
