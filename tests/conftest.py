@@ -1,0 +1,42 @@
+"""Top-level test configuration: the `gpu` marker and the hypothesis profile.
+
+Tests marked `gpu` need a usable CUDA device; without one they are skipped (the CPU suite runs
+everywhere, including CI machines with no GPU).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", deadline=None, max_examples=25, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", parent=settings.get_profile("ci"), max_examples=300)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: the test needs a CUDA GPU (skipped when none is usable)")
+
+
+@pytest.hookimpl(trylast=True)  # after any conftest below has added its `gpu` markers
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and not cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; none is usable on this machine")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -1,0 +1,86 @@
+"""Every kernel variant compiles with NVRTC for sm_80 and sm_90, on a machine without a GPU."""
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (with nvidia-cuda-nvrtc) is not "
+                    "installed: kernels cannot be compiled offline")
+
+from mtapply import REGISTRY, _source  # noqa: E402
+
+from _registry import OPS  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def dtype_signatures(n_slots: int) -> dict:
+    """Storage dtype per slot: uniform lists, and bf16 params+grads with fp32 states."""
+    uniform = {d: (d,) * n_slots for d in ("float32", "float16", "bfloat16", "float64")}
+    return {**uniform, "bf16-fp32state": ("bfloat16", "bfloat16") + ("float32",) * (n_slots - 2)}
+
+
+def variants():
+    for name, spec_cls in REGISTRY.items():
+        for flags in OPS[name]["flag_sets"]:
+            spec = spec_cls(**flags)
+            for sig_name, dtypes in dtype_signatures(len(spec.slots)).items():
+                flag_names = "+".join(k for k, v in spec.flags if v) or "plain"
+                yield pytest.param(spec, dtypes, id=f"{name}-{flag_names}-{sig_name}")
+
+
+def test_every_registered_op_has_a_test_row():
+    assert set(REGISTRY) == set(OPS)
+    for name in REGISTRY:
+        assert OPS[name]["spec"] is REGISTRY[name]
+        flag_keys = {tuple(k for k, _ in REGISTRY[name](**f).flags) for f in OPS[name]["flag_sets"]}
+        assert len(flag_keys) == 1
+        # every combination of the compile-time flags is swept
+        combos = {REGISTRY[name](**f).flags for f in OPS[name]["flag_sets"]}
+        assert len(combos) == 2 ** len(next(iter(flag_keys)))
+
+
+@pytest.mark.parametrize("spec,dtypes", list(variants()))
+def test_variant_compiles(spec, dtypes):
+    source = _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
+    assert "#include" not in source, "headers must be inlined (CuPy's cache keys on the source text)"
+    for name, value in spec.flags:
+        assert f"#define MTA_{name} {int(value)}" in source
+    with ThreadPoolExecutor(len(ARCHS)) as pool:
+        cubins = dict(zip(ARCHS, pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS)))
+    for arch, cubin in cubins.items():
+        assert isinstance(cubin, bytes) and len(cubin) > 1000, arch
+        assert cubin[:4] == b"\x7fELF", f"{arch}: not an ELF cubin"
+        assert b"mta_entry" in cubin, f"{arch}: the entry point is missing"
+    assert cubins["sm_80"] != cubins["sm_90"]
+
+
+def test_variant_sources_differ_by_key_and_are_memoised():
+    spec_cls = REGISTRY["adam"]
+    sources = {}
+    for flags, dtypes in itertools.product(OPS["adam"]["flag_sets"],
+                                           dtype_signatures(4).values()):
+        spec = spec_cls(**flags)
+        dtypes = dtypes + (dtypes[-1],) * (len(spec.slots) - 4)
+        source = _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
+        assert source is _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
+        sources[(spec.flags, dtypes)] = source
+    assert len(set(sources.values())) == len(sources), "two compile keys share one source"
+
+
+@pytest.mark.parametrize("dtypes", list(dtype_signatures(5).values()))
+def test_chunk_is_a_multiple_of_every_vector_width(dtypes):
+    # the walker keeps vectors aligned only because every chunk starts at a multiple of MTA_VEC
+    assert _source.CHUNK_ELEMENTS % _source.vector_width(dtypes) == 0
+    assert _source.CHUNK_ELEMENTS % 8 == 0
+
+
+def test_broken_source_raises_with_the_compiler_log():
+    spec = REGISTRY["adam"]()
+    source = _source.variant_source(spec.kernel_file, spec.functor, ("float32",) * 4, spec.flags)
+    broken = source + "\n__device__ float mta_broken() { return undeclared_value_xyz; }\n"
+    with pytest.raises(RuntimeError, match="NVRTC failed for sm_90") as info:
+        _source.compile_offline(broken, "sm_90")
+    assert "undeclared_value_xyz" in str(info.value) and "error" in str(info.value)

@@ -1,0 +1,176 @@
+"""The planner (mtapply.plan) without a GPU: chunk maps, bounds, groups and table bytes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtapply import _source
+from mtapply.plan import RECORD_ALIGN, Group, chunk_bounds, chunk_map, group_tensors
+
+CHUNK = _source.CHUNK_ELEMENTS
+
+chunks = st.sampled_from([8, 16, 24, 64, 128])  # small, so that the property test is cheap
+numel_lists = st.lists(st.integers(0, 300), max_size=40)
+
+
+def coverage(numels, chunk: int) -> list[np.ndarray]:
+    """How many blocks cover each element of each tensor."""
+    numels = np.asarray(numels, dtype=np.int64)
+    blocks = chunk_map(numels, chunk)
+    begin, end = chunk_bounds(blocks, numels, chunk)
+    counts = [np.zeros(n, dtype=np.int64) for n in numels]
+    for t, b, e in zip(blocks[:, 0], begin, end):
+        counts[t][b:e] += 1
+    return counts
+
+
+@given(numels=numel_lists, chunk=chunks)
+def test_every_element_covered_exactly_once(numels, chunk):
+    for t, counts in enumerate(coverage(numels, chunk)):
+        assert np.all(counts == 1), f"tensor {t} of {numels[t]} elements: coverage {counts}"
+
+
+@given(numels=numel_lists, chunk=chunks)
+def test_blocks_are_whole_chunks_in_order(numels, chunk):
+    numels = np.asarray(numels, dtype=np.int64)
+    blocks = chunk_map(numels, chunk)
+    assert blocks.dtype == np.int32 and blocks.shape == (int(((numels + chunk - 1) // chunk).sum()), 2)
+    begin, end = chunk_bounds(blocks, numels, chunk)
+    assert np.all(begin < end), "a block with no elements"
+    assert np.all(begin % chunk == 0) and np.all(end - begin <= chunk)
+    # blocks are sorted by (tensor, chunk): a launch walks tensors in list order
+    keys = blocks[:, 0].astype(np.int64) * 2**32 + blocks[:, 1]
+    assert np.all(np.diff(keys) > 0)
+    # only the last chunk of a tensor may be partial
+    partial = end - begin < chunk
+    assert np.all(end[partial] == numels[blocks[partial, 0]])
+
+
+@pytest.mark.parametrize("size,expected_blocks,last_len", [
+    (0, 0, None), (1, 1, 1), (CHUNK - 1, 1, CHUNK - 1), (CHUNK, 1, CHUNK), (CHUNK + 1, 2, 1),
+    (2 * CHUNK - 1, 2, CHUNK - 1), (2 * CHUNK, 2, CHUNK), (2 * CHUNK + 1, 3, 1),
+] + [  # the guide's odd sizes: 2048*32 +- 1, a prime, 7777*77, 555^2
+    (n, -(-n // CHUNK), n - (-(-n // CHUNK) - 1) * CHUNK)
+    for n in (2048 * 32 - 1, 2048 * 32 + 1, 278011, 7777 * 77, 555**2)
+])
+def test_chunk_boundaries(size, expected_blocks, last_len):
+    numels = np.array([size], dtype=np.int64)
+    blocks = chunk_map(numels, CHUNK)
+    assert len(blocks) == expected_blocks
+    if expected_blocks:
+        begin, end = chunk_bounds(blocks, numels, CHUNK)
+        assert begin[0] == 0 and end[-1] == size and end[-1] - begin[-1] == last_len
+        assert np.all(begin[1:] == end[:-1])  # contiguous, no gap, no overlap
+
+
+@pytest.mark.parametrize("empty_at", [[0], [2], [4], [0, 2, 4], [0, 1, 2, 3, 4]])
+def test_empty_tensors_get_no_block_and_disturb_nothing(empty_at):
+    sizes = [5, CHUNK + 3, 77, 2 * CHUNK, 1]
+    numels = np.array([0 if i in empty_at else n for i, n in enumerate(sizes)], dtype=np.int64)
+    blocks = chunk_map(numels, CHUNK)
+    assert not set(blocks[:, 0].tolist()) & set(empty_at)
+    # same blocks, after renumbering, as planning the non-empty tensors alone
+    kept = [i for i in range(len(sizes)) if i not in empty_at]
+    alone = chunk_map(numels[kept], CHUNK)
+    assert len(alone) == len(blocks)
+    np.testing.assert_array_equal(np.asarray(kept, dtype=np.int64)[alone[:, 0]], blocks[:, 0])
+    np.testing.assert_array_equal(alone[:, 1], blocks[:, 1])
+    group = Group(device=("cuda", 0), dtypes=("float32",), indices=np.arange(5), numels=numels,
+                  pointers=np.arange(1, 6, dtype=np.uint64).reshape(5, 1) * 4096, chunk=CHUNK)
+    assert group.n_blocks == len(blocks)
+
+
+@pytest.mark.parametrize("chunk", sorted({CHUNK, 16384}))
+def test_tensor_above_2_31_elements_is_planned_without_allocating_it(chunk):
+    big = 2**31 + 5
+    numels = np.array([3, big, 7], dtype=np.int64)
+    blocks = chunk_map(numels, chunk)
+    n_big = -(-big // chunk)
+    assert n_big == 2**31 // chunk + 1
+    assert len(blocks) == 1 + n_big + 1
+    begin, end = chunk_bounds(blocks, numels, chunk)
+    mine = blocks[:, 0] == 1
+    assert begin[mine][0] == 0 and end[mine][0] == chunk
+    assert begin[mine][-1] == 2**31 and end[mine][-1] == big  # the range is 64-bit, not wrapped
+    assert blocks[mine][-1, 1] == n_big - 1
+    assert tuple(blocks[-1]) == (2, 0) and end[-1] == 7
+    group = Group(device=("cuda", 0), dtypes=("float32",) * 4, indices=np.arange(3), numels=numels,
+                  pointers=np.zeros((3, 4), dtype=np.uint64), chunk=chunk)
+    assert group.n_blocks == len(blocks)
+    records = group.table()[group.records_offset:].view(np.int64).reshape(3, 5)
+    assert records[1, 0] == big
+
+
+def test_more_chunks_than_a_grid_holds_is_refused():
+    with pytest.raises(ValueError, match="grid limit"):
+        chunk_map(np.array([2**40], dtype=np.int64), 8)
+
+
+keys = st.tuples(st.sampled_from([("cuda", 0), ("cuda", 1), ("cpu", 0)]),
+                 st.sampled_from([("float32",) * 4, ("bfloat16", "bfloat16", "float32", "float32"),
+                                  ("float16",) * 4, ("float64",) * 4]))
+
+
+@given(members=st.lists(keys, max_size=60), data=st.data())
+def test_group_tensors_by_device_and_dtypes_preserving_indices(members, data):
+    n = len(members)
+    numels = data.draw(st.lists(st.integers(0, 2**33), min_size=n, max_size=n))
+    pointers = np.array(data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=4 * n, max_size=4 * n)),
+                        dtype=np.uint64).reshape(n, 4)
+    groups = group_tensors([d for d, _ in members], [t for _, t in members], numels, pointers, 64)
+    assert len(groups) == len(set(members))
+    assert [(g.device, g.dtypes) for g in groups] == list(dict.fromkeys(members))  # first-seen order
+    seen = np.concatenate([g.indices for g in groups]) if groups else np.zeros(0, dtype=np.int64)
+    assert sorted(seen.tolist()) == list(range(n))
+    for g in groups:
+        assert np.all(np.diff(g.indices) > 0), "indices keep list order"
+        assert all(members[i] == (g.device, g.dtypes) for i in g.indices)
+        np.testing.assert_array_equal(g.numels, np.asarray(numels, dtype=np.int64)[g.indices])
+        np.testing.assert_array_equal(g.pointers, pointers[g.indices])
+        assert g.chunk == 64
+
+
+def decode(table: np.ndarray, n_blocks: int, n_tensors: int, n_slots: int):
+    """(blocks, numels, pointers) read back from a table's bytes as the kernel reads them."""
+    blocks = table[:n_blocks * 8].view(np.int32).reshape(n_blocks, 2)
+    offset = -(-n_blocks * 8 // RECORD_ALIGN) * RECORD_ALIGN
+    records = table[offset:].view(np.int64).reshape(n_tensors, n_slots + 1)
+    return blocks, table[n_blocks * 8:offset], records[:, 0], records[:, 1:].view(np.uint64)
+
+
+@given(numels=st.lists(st.integers(0, 5000), max_size=30), n_slots=st.integers(1, 6),
+       chunk=chunks, data=st.data())
+def test_table_bytes_decode_to_blocks_and_records(numels, n_slots, chunk, data):
+    n = len(numels)
+    pointers = np.array(data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=n * n_slots,
+                                           max_size=n * n_slots)), dtype=np.uint64).reshape(n, n_slots)
+    group = Group(device=("cuda", 0), dtypes=("float32",) * n_slots, indices=np.arange(n),
+                  numels=np.asarray(numels, dtype=np.int64), pointers=pointers, chunk=chunk)
+    table = group.table()
+    assert table.dtype == np.uint8
+    assert group.records_offset % RECORD_ALIGN == 0
+    assert table.nbytes == group.records_offset + n * (n_slots + 1) * 8
+    blocks, padding, got_numels, got_pointers = decode(table, group.n_blocks, n, n_slots)
+    np.testing.assert_array_equal(blocks, chunk_map(group.numels, chunk))
+    assert not padding.any()
+    np.testing.assert_array_equal(got_numels, numels)
+    np.testing.assert_array_equal(got_pointers, pointers)  # high-bit addresses survive int64 storage
+
+
+def test_100000_tensors_plan_into_one_launch():
+    n = 100_000
+    rng = np.random.default_rng()
+    numels = rng.integers(0, CHUNK + 1, n)  # at most one chunk each
+    pointers = (np.arange(4 * n, dtype=np.uint64) * 4096 + 2**40).reshape(n, 4)
+    groups = group_tensors([("cuda", 0)] * n, [("float32",) * 4] * n, numels, pointers, CHUNK)
+    assert len(groups) == 1
+    group = groups[0]
+    np.testing.assert_array_equal(group.indices, np.arange(n))
+    assert group.n_blocks == int(np.count_nonzero(numels))  # every tensor fits in one chunk
+    blocks, _, got_numels, got_pointers = decode(group.table(), group.n_blocks, n, 4)
+    np.testing.assert_array_equal(blocks[:, 0], np.flatnonzero(numels))
+    assert not blocks[:, 1].any()
+    np.testing.assert_array_equal(got_numels, numels)
+    np.testing.assert_array_equal(got_pointers, pointers)
