@@ -15,6 +15,13 @@ OPTIONS = [dict(weight_decay=wd, decoupled_weight_decay=dec, amsgrad=ams, maximi
            if not (wd == 0.0 and dec)]
 
 
+def draw_grads(grads, ref):
+    """Fresh random grads, also given to the torch reference's params."""
+    for g, r in zip(grads, ref):
+        g.copy_(torch.randn_like(g))
+        r.grad = g.clone()
+
+
 def torch_optimizer(params, opts, lr):
     cls = torch.optim.AdamW if opts["decoupled_weight_decay"] else torch.optim.Adam
     return cls(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=opts["weight_decay"],
@@ -36,10 +43,7 @@ def test_fp32_matches_torch_over_ten_steps(opts, table_mode):
                              decoupled_weight_decay=opts["decoupled_weight_decay"], table_mode=table_mode)
     rtol, atol = TOL["float32"]
     for t in range(1, 11):
-        for g in grads:
-            g.copy_(torch.randn_like(g))
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
+        draw_grads(grads, ref)
         opt.step()
         plan.step(lr=1e-2, step=t, weight_decay=opts["weight_decay"])
         for i, r in enumerate(ref):
@@ -89,10 +93,7 @@ def test_16bit_matches_torch_fused(dtype):
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
     plan = mtapply.adam_plan(params, grads, exp_avgs, exp_avg_sqs, decoupled_weight_decay=True)
     for t in range(1, 11):
-        for g in grads:
-            g.copy_(torch.randn_like(g))
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
+        draw_grads(grads, ref)
         opt.step()
         plan.step(lr=1e-3, step=t, eps=1e-3, weight_decay=0.01)
     for p, r in zip(params, ref):
