@@ -11,17 +11,6 @@
 
 namespace mta {
 
-template <int I> struct Index { static constexpr int value = I; };
-
-// Calls f(Index<0>{}), ..., f(Index<N-1>{}): slot loops whose slot types differ.
-template <int I, int N, class F>
-__device__ __forceinline__ void for_each_slot(F&& f) {
-  if constexpr (I < N) {
-    f(Index<I>{});
-    for_each_slot<I + 1, N>(f);
-  }
-}
-
 // Table of one launch group, in device memory:
 //   blocks[b]  = (tensor index, chunk index) of CUDA block b
 //   records[t] = {numel, ptr[0], ..., ptr[N_SLOTS - 1]} as N_SLOTS + 1 64-bit words
@@ -53,16 +42,36 @@ __device__ __forceinline__ void store_vec(char* base, long long i, const acc_t (
   for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) dst[w] = u.words[w];
 }
 
-// Applies op to VEC consecutive elements starting at i (W = VEC) or to one element (W = 1).
+// Loads slots S..N-1 of W elements at i (W = 1: one element) into registers.
+template <int S, int N, int W>
+__device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, acc_t (&v)[N][W]) {
+  if constexpr (S < N) {
+    using T = typename SlotType<S>::type;
+    if constexpr (W == 1) v[S][0] = to_acc(reinterpret_cast<const T*>(ptr[S])[i]);
+    else load_vec<T, W>(ptr[S], i, v[S]);
+    load_slots<S + 1, N, W>(ptr, i, v);
+  }
+}
+
+// Stores the slots among S..N-1 that the op writes (bit s of WRITTEN).
+template <int S, int N, unsigned WRITTEN, int W>
+__device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, const acc_t (&v)[N][W]) {
+  if constexpr (S < N) {
+    using T = typename SlotType<S>::type;
+    if constexpr ((WRITTEN >> S) & 1u) {
+      if constexpr (W == 1) reinterpret_cast<T*>(ptr[S])[i] = from_acc<T>(v[S][0]);
+      else store_vec<T, W>(ptr[S], i, v[S]);
+    }
+    store_slots<S + 1, N, WRITTEN, W>(ptr, i, v);
+  }
+}
+
+// Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path).
 template <class Op, int W>
 __device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLOTS], long long i) {
   constexpr int N = Op::N_SLOTS;
   acc_t v[N][W];
-  for_each_slot<0, N>([&](auto s) {
-    using T = typename SlotType<decltype(s)::value>::type;
-    if constexpr (W == 1) v[s.value][0] = to_acc(reinterpret_cast<const T*>(ptr[s.value])[i]);
-    else load_vec<T, W>(ptr[s.value], i, v[s.value]);
-  });
+  load_slots<0, N, W>(ptr, i, v);
 #pragma unroll
   for (int k = 0; k < W; ++k) {
     acc_t x[N];
@@ -72,13 +81,7 @@ __device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLO
 #pragma unroll
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
   }
-  for_each_slot<0, N>([&](auto s) {
-    using T = typename SlotType<decltype(s)::value>::type;
-    if constexpr ((Op::WRITTEN >> decltype(s)::value) & 1u) {
-      if constexpr (W == 1) reinterpret_cast<T*>(ptr[s.value])[i] = from_acc<T>(v[s.value][0]);
-      else store_vec<T, W>(ptr[s.value], i, v[s.value]);
-    }
-  });
+  store_slots<0, N, Op::WRITTEN, W>(ptr, i, v);
 }
 
 template <class Op>

@@ -49,8 +49,8 @@ class KernelLaunch:
     the driver copies at launch, so it can be rewritten right after.
     """
 
-    def __init__(self, kernel, threads: int, n_blocks: int, arg_fields: tuple):
-        self.function = kernel.kernel.ptr
+    def __init__(self, function, threads: int, n_blocks: int, arg_fields: tuple):
+        self.function = function.ptr
         self.threads = threads
         self.n_blocks = n_blocks
         self._layout = [(name, name + "_ptr" in arg_fields) for name in arg_fields

@@ -2,12 +2,17 @@
 
 A kernel variant is the walker plus one op functor, specialised by a generated preamble that
 fixes the slot storage types, the math type, the op's flags and the launch geometry. Headers are
-inlined into one string, because CuPy's on-disk cache keys on the source string and does not see
-`#include`d files. Each variant is compiled once per device and memoised.
+inlined into one string, so the source text alone identifies a variant. Each variant is compiled
+with NVRTC once per GPU architecture, cached on disk, and loaded once per device.
+
+NVRTC is reached through CuPy's `compile_using_nvrtc` rather than `RawModule`, because RawModule
+appends `-ftz=true` after the caller's options: torch keeps float32 denormals, and so do we.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -77,22 +82,50 @@ def variant_source(kernel_file: str, functor: str, dtypes: tuple[str, ...],
     return "\n".join(lines) + "\n"
 
 
-_compiled: dict = {}
+_loaded: dict = {}
 
 
 def kernel_function(source: str, device_id: int):
-    """The `mta_entry` CUDA function of `source`, compiled once per device (CuPy caches on disk)."""
+    """The `mta_entry` function of `source` on a device (a cupy.cuda.function.Function)."""
     key = (source, device_id)
-    kernel = _compiled.get(key)
-    if kernel is None:
+    function = _loaded.get(key)
+    if function is None:
         import cupy
 
         with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=source, options=COMPILE_OPTIONS)
-            kernel = module.get_function("mta_entry")
-            kernel.kernel  # compile and load now, not inside a later graph capture
-        _compiled[key] = kernel
-    return kernel
+            arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
+            module = cupy.cuda.function.Module()
+            module.load(_compiled_binary(source, arch))
+            function = module.get_function("mta_entry")
+        _loaded[key] = function
+    return function
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $MTAPPLY_CACHE_DIR, else ~/.cache/mtapply."""
+    return Path(os.environ.get("MTAPPLY_CACHE_DIR") or Path.home() / ".cache" / "mtapply")
+
+
+def _compiled_binary(source: str, arch: str) -> bytes:
+    """The cubin (or PTX) of `source` for compute capability `arch`, from the disk cache if there."""
+    from cupy.cuda import compiler
+    from cupy_backends.cuda.libs import nvrtc
+
+    identity = repr((source, COMPILE_OPTIONS, arch, nvrtc.getVersion())).encode()
+    path = cache_dir() / f"{hashlib.sha256(identity).hexdigest()}.bin"
+    if path.is_file():
+        return path.read_bytes()
+    binary = compiler.compile_using_nvrtc(source, COMPILE_OPTIONS, arch)
+    binary = binary[0] if isinstance(binary, tuple) else binary  # (binary, name mapping) in CuPy 13+
+    binary = binary.encode() if isinstance(binary, str) else binary
+    try:  # a read-only or full disk only costs a recompilation next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(binary)
+        partial.replace(path)
+    except OSError:
+        pass
+    return binary
 
 
 def compile_offline(source: str, arch: str) -> bytes:
