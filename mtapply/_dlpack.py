@@ -48,9 +48,12 @@ _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
-@dataclass(frozen=True, eq=False)
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(eq=False, slots=True)
 class TensorRef:
-    """What mtapply knows of one tensor. `obj` keeps the memory alive."""
+    """What mtapply knows of one tensor. `obj` keeps the memory alive; treat it as immutable."""
 
     obj: object
     ptr: int
@@ -61,10 +64,11 @@ class TensorRef:
     device: tuple  # ("cpu", 0) or ("cuda", ordinal)
     read_only: bool
     copied: bool
+    row_major: bool  # dense in row-major order (strides of size-1 dimensions aside)
 
     @property
     def itemsize(self) -> int:
-        return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}.get(self.dtype, 0)
+        return ITEMSIZES.get(self.dtype, 0)
 
     @property
     def nbytes(self) -> int:
@@ -118,9 +122,11 @@ def export(obj, where: str, stream: int | None) -> TensorRef:
     code, bits, lanes = dl.dtype.code, dl.dtype.bits, dl.dtype.lanes
     dtype = _DTYPES.get((code, bits)) if lanes == 1 else None
     dtype = dtype or f"{_CODE_NAMES.get(code, f'code{code}')}{bits}" + (f"x{lanes}" if lanes != 1 else "")
+    row_major = all(s == r for s, r, e in zip(strides, _row_major(shape), shape) if e != 1)
     return TensorRef(obj=obj, ptr=(dl.data or 0) + dl.byte_offset, numel=numel, shape=shape,
                      strides=strides, dtype=dtype, device=device,
-                     read_only=bool(flags & _FLAG_READ_ONLY), copied=bool(flags & _FLAG_IS_COPIED))
+                     read_only=bool(flags & _FLAG_READ_ONLY), copied=bool(flags & _FLAG_IS_COPIED),
+                     row_major=row_major)
 
 
 def _call_dlpack(obj, stream):
@@ -145,7 +151,7 @@ def _row_major(shape: tuple) -> tuple:
 
 def is_dense(ref: TensorRef) -> bool:
     """True when the tensor covers exactly `numel` consecutive elements, in some dimension order."""
-    if ref.numel == 0:  # producers give empty tensors arbitrary strides, e.g. (0, 0) for (3, 0)
+    if ref.row_major or ref.numel == 0:  # producers give empty tensors arbitrary strides, e.g. (0, 0) for (3, 0)
         return True
     dims = sorted((s, e) for s, e in zip(ref.strides, ref.shape) if e != 1)
     expected = 1

@@ -5,7 +5,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._dlpack import TensorRef, device_of, export, is_dense
+from ._dlpack import TensorRef, device_of, export, framework_of, is_dense
+from ._launch import dlpack_stream
+from ._torch_fast import order_after_current_stream, torch_ref
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -33,10 +35,10 @@ def check_lists(slots: dict) -> int:
     return n
 
 
-def ingest(slots: dict, written: frozenset, stream_for_dlpack) -> dict[str, list[TensorRef]]:
+def ingest(slots: dict, written: frozenset, launch_stream) -> dict[str, list[TensorRef]]:
     """TensorRefs of every slot, checked one against another. Raises before anything is written.
 
-    `stream_for_dlpack(device)` gives the DLPack stream number for a CUDA device.
+    `launch_stream(device)` gives the stream handle mtapply will launch on for a CUDA device.
     """
     n = check_lists(slots)
     names = list(slots)
@@ -44,17 +46,53 @@ def ingest(slots: dict, written: frozenset, stream_for_dlpack) -> dict[str, list
     if n == 0:
         return refs
     call_device = first_device(slots)
-    dl_stream = stream_for_dlpack(call_device) if call_device[0] == "cuda" else None
+    stream = launch_stream(call_device) if call_device[0] == "cuda" else None
+    read = _reader(stream)
     for i in range(n):
         for name in names:
             where = f"{name}[{i}]"
-            ref = export(slots[name][i], where, dl_stream)
+            ref = read(slots[name][i], where)
             _check_tensor(ref, where, name in written, call_device, f"{names[0]}[0]")
             if name != names[0]:
                 _check_against_param(ref, refs[names[0]][i], where, f"{names[0]}[{i}]")
             refs[name][i] = ref
     check_no_overlap(refs, written)
     return refs
+
+
+def ingest_slot(slot: str, tensors, current: list[TensorRef], writable: bool, stream) -> list[TensorRef]:
+    """TensorRefs of new tensors for one slot, each of the dtype, shape and layout it replaces."""
+    read = _reader(stream)
+    fresh = []
+    for i, (obj, old) in enumerate(zip(tensors, current)):
+        where = f"{slot}[{i}]"
+        ref = read(obj, where)
+        if ref.dtype != old.dtype or ref.shape != old.shape or ref.device != old.device or (
+                ref.numel > 1 and not (ref.row_major and old.row_major) and ref.strides != old.strides):
+            raise ValueError(f"{where} is {ref.dtype} {ref.shape} on {_device_name(ref.device)} but "
+                             f"the plan has {old.dtype} {old.shape} on {_device_name(old.device)}: "
+                             f"rebind tensors of the same dtype, shape, layout and device, or build "
+                             f"a new plan")
+        _check_tensor(ref, where, writable, old.device, "the plan")
+        fresh.append(ref)
+    return fresh
+
+
+def _reader(stream):
+    """read(obj, where) -> TensorRef: torch's own accessors for torch tensors, else DLPack."""
+    ordered: set = set()
+
+    def read(obj, where: str) -> TensorRef:
+        if framework_of(obj) == "torch":
+            ref = torch_ref(obj)
+            if ref is not None:
+                if stream is not None and ref.device[0] == "cuda" and ref.device not in ordered:
+                    order_after_current_stream(ref.device[1], stream)
+                    ordered.add(ref.device)
+                return ref
+        return export(obj, where, None if stream is None else dlpack_stream(stream))
+
+    return read
 
 
 def _check_tensor(ref: TensorRef, where: str, writable: bool, call_device: tuple, first: str) -> None:
@@ -70,7 +108,7 @@ def _check_tensor(ref: TensorRef, where: str, writable: bool, call_device: tuple
     if writable and ref.read_only:
         raise ValueError(f"{where} is read-only (DLPack READ_ONLY flag) but is updated in place: "
                          f"pass a writable array (for NumPy, one with flags.writeable set)")
-    if not is_dense(ref):
+    if not (ref.row_major or is_dense(ref)):
         raise ValueError(f"{where} with shape {ref.shape} and strides {ref.strides} is not dense "
                          f"(a strided view, or overlapping elements): pass a contiguous tensor; a "
                          f"contiguous copy would not carry the update back, so keep state contiguous")
@@ -80,7 +118,8 @@ def _check_against_param(ref: TensorRef, param: TensorRef, where: str, param_whe
     if ref.shape != param.shape:
         raise ValueError(f"{where} has shape {ref.shape} but {param_where} has {param.shape}: "
                          f"each slot of one parameter must have the parameter's shape")
-    if ref.numel > 1 and _strides_of_shape(ref) != _strides_of_shape(param):
+    if ref.numel > 1 and not (ref.row_major and param.row_major) and (
+            _strides_of_shape(ref) != _strides_of_shape(param)):
         raise ValueError(f"{where} has strides {ref.strides} but {param_where} has {param.strides}: "
                          f"give every slot of one parameter the same memory layout")
 
@@ -91,15 +130,16 @@ def _strides_of_shape(ref: TensorRef) -> tuple:
 
 def check_no_overlap(refs: dict[str, list[TensorRef]], written: frozenset) -> None:
     """No written tensor shares memory with any other tensor of the call (aliasing is refused)."""
-    entries = [(ref.ptr, ref.ptr + ref.nbytes, name in written, name, i)
-               for name, column in refs.items() for i, ref in enumerate(column) if ref.nbytes]
-    if len(entries) < 2:
+    names = list(refs)
+    n = len(refs[names[0]])
+    starts = np.concatenate([np.fromiter((r.ptr for r in refs[name]), np.uint64, n) for name in names])
+    sizes = np.concatenate([np.fromiter((r.nbytes for r in refs[name]), np.uint64, n) for name in names])
+    writes = np.repeat([name in written for name in names], n)
+    keep = np.flatnonzero(sizes)  # empty tensors own no memory
+    if keep.size < 2:
         return
-    starts = np.array([e[0] for e in entries], dtype=np.uint64)
-    ends = np.array([e[1] for e in entries], dtype=np.uint64)
-    writes = np.array([e[2] for e in entries], dtype=bool)
-    order = np.argsort(starts, kind="stable")
-    s, e, w = starts[order], ends[order], writes[order]
+    order = keep[np.argsort(starts[keep], kind="stable")]
+    s, e, w = starts[order], starts[order] + sizes[order], writes[order]
     zero = np.zeros(1, dtype=np.uint64)
     before_all = np.concatenate([zero, np.maximum.accumulate(e)[:-1]])
     before_written = np.concatenate([zero, np.maximum.accumulate(np.where(w, e, 0))[:-1]])
@@ -108,9 +148,10 @@ def check_no_overlap(refs: dict[str, list[TensorRef]], written: frozenset) -> No
         return
     k = int(bad[0])
     j = next(j for j in range(k - 1, -1, -1) if e[j] > s[k] and (w[j] or w[k]))
-    a, b = entries[order[j]], entries[order[k]]
-    raise ValueError(f"{a[3]}[{a[4]}] and {b[3]}[{b[4]}] share memory, and at least one of them "
-                     f"is updated in place: give every slot its own tensor (e.g. torch.zeros_like)")
+    (a_slot, a_index), (b_slot, b_index) = (divmod(int(order[x]), n) for x in (j, k))
+    raise ValueError(f"{names[a_slot]}[{a_index}] and {names[b_slot]}[{b_index}] share memory, and "
+                     f"at least one of them is updated in place: give every slot its own tensor "
+                     f"(e.g. torch.zeros_like)")
 
 
 def _device_name(device: tuple) -> str:

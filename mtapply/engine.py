@@ -13,8 +13,8 @@ import numpy as np
 
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
-from ._launch import KernelLaunch, dlpack_stream, stream_pointer
-from ._validate import check_lists, check_no_overlap, ingest
+from ._launch import KernelLaunch, stream_pointer
+from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar
 from .plan import group_tensors
 
@@ -45,8 +45,7 @@ class Plan:
         self._stream = stream
         slots = {name: tensors[name] for name in spec.slots}
         self._framework = framework_of(slots["params"][0]) if check_lists(slots) else "none"
-        self._refs = ingest(slots, spec.written,
-                            lambda device: dlpack_stream(self._stream_for(device[1], stream)))
+        self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream))
         self._n = len(self._refs["params"])
         self.device = self._refs["params"][0].device if self._n else None
         self._scalars: dict = {}
@@ -76,19 +75,7 @@ class Plan:
         check_lists({"params": self._refs["params"], slot: tensors})
         chosen = self._stream if stream is None else stream
         launch_stream = self._stream_for(self.device[1], chosen) if self._cuda else None
-        fresh = []
-        for i, (obj, old) in enumerate(zip(tensors, self._refs[slot])):
-            ref = export(obj, f"{slot}[{i}]", dlpack_stream(launch_stream) if self._cuda else None)
-            if (ref.dtype, ref.shape, ref.strides, ref.device) != (old.dtype, old.shape, old.strides, old.device):
-                raise ValueError(f"{slot}[{i}] is {ref.dtype} {ref.shape} on {ref.device} but the "
-                                 f"plan has {old.dtype} {old.shape} on {old.device}: rebind tensors "
-                                 f"of the same dtype, shape, layout and device, or build a new plan")
-            if ref.copied:  # the copy's memory is freed with the capsule: never point a table at it
-                raise ValueError(f"{slot}[{i}] was exported as a copy (DLPack IS_COPIED flag): pass "
-                                 f"the tensor's own memory")
-            if slot in self.spec.written and ref.read_only:
-                raise ValueError(f"{slot}[{i}] is read-only but is updated in place: pass a writable array")
-            fresh.append(ref)
+        fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
         check_no_overlap({**self._refs, slot: fresh}, self.spec.written)
         self._refs[slot] = fresh
         if self._cuda is not None:
