@@ -96,8 +96,13 @@ def test_16bit_matches_torch_fused(dtype):
         draw_grads(grads, ref)
         opt.step()
         plan.step(lr=1e-3, step=t, eps=1e-3, weight_decay=0.01)
+    # lr is about one ulp of the params here, so the two kernels' float32 roundings can each flip
+    # the 16-bit rounding of a param once a step: at most 10 ulps apart, rarely more than one.
     for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r.detach(), rtol=5e-3, atol=5e-3)
+        ulp = torch.finfo(p.dtype).eps * r.detach().float().abs().clamp_min(1e-3)
+        diff = (p.float() - r.detach().float()).abs()
+        assert (diff <= 10 * ulp).all()
+        assert (diff > ulp).float().mean().item() < 1e-3
 
 
 def test_mixed_dtypes_in_one_call_form_groups():
