@@ -109,8 +109,7 @@ class _Launcher:
     """The kernels, tables and argument words of a plan's groups on one GPU."""
 
     def __init__(self, spec, dtypes, numels, pointers, table_mode, device_id, stream):
-        self.spec, self.table_mode, self.device_id = spec, table_mode, device_id
-        self.dtypes, self.numels, self.pointers = dtypes, numels, pointers
+        self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     _source.CHUNK_ELEMENTS)
         self.launches, self.tables = [], []
