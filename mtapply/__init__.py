@@ -1,14 +1,17 @@
 """mtapply: fused multi-tensor optimizer updates for any framework, through DLPack.
 
     mtapply.adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=1e-3, step=1)
+    mtapply.sgd_step(params, grads, momentum_buffers, lr=0.1, step=1, momentum=0.9)
 
 updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
 with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
 """
 from .adam import adam_plan, adam_step
 from .engine import Plan
-from .ops import REGISTRY, AdamSpec
+from .ops import REGISTRY, AdamSpec, SGDSpec
+from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamSpec", "Plan", "REGISTRY", "adam_plan", "adam_step", "__version__"]
+__all__ = ["AdamSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan", "adam_step", "sgd_plan",
+           "sgd_step", "__version__"]

@@ -38,3 +38,24 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, bet
     denom = np.sqrt(second) / c(math.sqrt(1 - beta2**step)) + c(eps)
     p = p + c(-step_size) * (m / denom)
     return p, m, v, vmax
+
+
+def sgd(param, grad, momentum_buffer=None, *, lr, step, momentum=0.0, dampening=0.0,
+        weight_decay=0.0, nesterov=False, maximize=False, dtype=np.float64):
+    """One SGD step as torch.optim.SGD defines it; on step 1 the buffer takes the gradient.
+
+    Returns (param, momentum_buffer or None), new arrays of `dtype`. With momentum 0 the buffer,
+    if given, is returned unchanged.
+    """
+    p, g = (np.asarray(a, dtype=dtype) for a in (param, grad))
+    buf = None if momentum_buffer is None else np.asarray(momentum_buffer, dtype=dtype)
+    c = lambda x: dtype(x)  # noqa: E731 - scalars enter the math in its own type, as in torch
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + c(weight_decay) * p
+    if momentum != 0:
+        buf = g if step < 1.5 else buf * c(momentum) + c(1 - dampening) * g
+        g = g + c(momentum) * buf if nesterov else buf
+    p = p + c(-lr) * g
+    return p, buf

@@ -12,7 +12,7 @@ import numpy as np
 
 import mtapply
 from mtapply import reference
-from mtapply.ops import AdamSpec
+from mtapply.ops import AdamSpec, SGDSpec
 
 # (rtol, atol) per storage dtype: PyTorch's defaults, as /work/shared/guide/testing.md lists them.
 TOLERANCES = {
@@ -90,6 +90,54 @@ _ADAM_BAD_HYPER = [
     (dict(beta1=True), TypeError, r"beta1"),
 ]
 
+# ---------------------------------------------------------------------------------------------
+# SGD
+
+
+def _sgd_reference(arrays: dict, *, flags: dict, hyper: dict, step) -> dict:
+    """New values of SGD's written slots, in float64, from float64 inputs."""
+    p, buf = reference.sgd(arrays["params"], arrays["grads"], arrays.get("momentum_buffers"),
+                           step=step, **hyper, nesterov=flags["nesterov"], maximize=flags["maximize"])
+    out = {"params": p}
+    if "momentum_buffers" in arrays:
+        out["momentum_buffers"] = arrays["momentum_buffers"] if buf is None else buf
+    return out
+
+
+def _sgd_state(slot: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    """Momentum buffers hold garbage before step 1, which must overwrite them."""
+    if slot == "momentum_buffers":
+        return rng.standard_normal(shape)
+    raise KeyError(slot)
+
+
+def _sgd_torch(params: list, *, flags: dict, hyper: dict):
+    """torch.optim.SGD, single-tensor (foreach=False) implementation."""
+    import torch
+
+    return torch.optim.SGD(params, lr=hyper["lr"], momentum=hyper["momentum"],
+                           dampening=hyper["dampening"], weight_decay=hyper["weight_decay"],
+                           nesterov=flags["nesterov"], maximize=flags["maximize"], foreach=False)
+
+
+# Buffers are always passed here; momentum 0 (no buffers) has tests of its own. Nesterov needs
+# zero dampening, so dampening is swept by tests of its own too.
+_SGD_FLAGS = [dict(nesterov=n, maximize=m) for n, m in itertools.product((False, True), repeat=2)]
+_SGD_BASE = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0)
+_SGD_HYPER = [
+    dict(_SGD_BASE),
+    dict(_SGD_BASE, weight_decay=0.1),
+    dict(_SGD_BASE, momentum=0.5, weight_decay=0.01, lr=0.03),
+]
+_SGD_BAD_HYPER = [
+    (dict(lr=-0.1), ValueError, r"lr must be >= 0\.0"),
+    (dict(lr=float("nan")), ValueError, r"lr"),
+    (dict(momentum=-0.9), ValueError, r"momentum"),
+    (dict(dampening=1.5), ValueError, r"dampening"),
+    (dict(weight_decay=-1.0), ValueError, r"weight_decay"),
+    (dict(step=0), ValueError, r"step must be >= 1\.0"),
+]
+
 OPS = {
     "adam": dict(
         spec=AdamSpec,
@@ -103,6 +151,20 @@ OPS = {
         torch_state={"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
                      "max_exp_avg_sqs": "max_exp_avg_sq"},
         bad_hyper=_ADAM_BAD_HYPER,
+    ),
+    "sgd": dict(
+        spec=SGDSpec,
+        plan=mtapply.sgd_plan,
+        step=mtapply.sgd_step,
+        flag_sets=_SGD_FLAGS,
+        compile_flag_sets=[dict(momentum_buffers=b, nesterov=n, maximize=m)
+                           for b, n, m in itertools.product((False, True), repeat=3) if b or not n],
+        hyper_sets=_SGD_HYPER,
+        reference=_sgd_reference,
+        init_state=_sgd_state,
+        torch_optimizer=_sgd_torch,
+        torch_state={"momentum_buffers": "momentum_buffer"},
+        bad_hyper=_SGD_BAD_HYPER,
     ),
 }
 

@@ -28,7 +28,7 @@ DTYPE_LIBS = [("float32", "numpy"), ("float32", "torch"), ("float64", "numpy"),
 
 def eps_for(dtype: str, hyper: dict) -> dict:
     """fp16 tests use eps 0.1 (the testing guide's advice: 1e-8 leaves fp16 states fragile)."""
-    return dict(hyper, eps=0.1) if dtype == "float16" else hyper
+    return dict(hyper, eps=0.1) if dtype == "float16" and "eps" in hyper else hyper
 
 
 def written_slots(op: str, flags: dict) -> list:
@@ -96,13 +96,15 @@ def test_plan_matches_reference_each_step(op, flags, hyper, dtype, lib):
     rtol, atol = DRIFT[dtype]
     for name in written_slots(op, flags):
         for i, t in enumerate(slots[name]):
-            np.testing.assert_allclose(to64(t), chain[name][i], rtol=rtol, atol=atol,
+            # rounding drift scales with the magnitudes that flowed through (momentum grows them)
+            scale = max(1.0, float(np.abs(chain[name][i]).max(initial=0.0)))
+            np.testing.assert_allclose(to64(t), chain[name][i], rtol=rtol, atol=atol * scale,
                                        err_msg=f"drift after {STEPS} steps: {name}[{i}]")
 
 
-@pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("flags", OPS["adam"]["flag_sets"], ids=flag_id)
-def test_step_function_matches_reference(op, flags):
+@pytest.mark.parametrize("op,flags,hyper", list(op_cases(with_hyper=False)),
+                         ids=[f"{o}-{flag_id(f)}" for o, f, _ in op_cases(with_hyper=False)])
+def test_step_function_matches_reference(op, flags, hyper):
     """The one-call entry point (e.g. adam_step), every step re-ingesting the lists."""
     rng = np.random.default_rng()
     hyper = OPS[op]["hyper_sets"][1]
@@ -148,7 +150,8 @@ def test_matches_torch_optim(op, flags, hyper, dtype):
                 if slot in slots:
                     torch.testing.assert_close(slots[slot][i], state[key], rtol=rtol, atol=atol,
                                                msg=lambda m, i=i, s=slot: f"step {step} {s}[{i}]: {m}")
-            assert float(state["step"]) == step
+            if "step" in state:
+                assert float(state["step"]) == step
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,3 +52,13 @@ def _to_float(name: str, value) -> float:
     if isinstance(value, bool) or hasattr(value, "__dlpack__") or not hasattr(value, "__float__"):
         raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
     return float(value)
+
+
+def number_or_device_scalar(name: str, value, *, low: float):
+    """A DeviceScalar or a DLPack array (made a DeviceScalar by the plan) as is; else a checked number.
+
+    NumPy scalars (np.float32, np.int64) become floats here, so they are range-checked too.
+    """
+    if isinstance(value, DeviceScalar) or hasattr(value, "__dlpack__"):
+        return value
+    return check_number(name, value, low=low)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import DeviceScalar, OpSpec, check_number
+from ._spec import OpSpec, check_number, number_or_device_scalar
 
 
 class AdamSpec(OpSpec):
@@ -40,8 +40,8 @@ class AdamSpec(OpSpec):
                 "beta2": check_number("beta2", beta2, low=0.0, high=1.0, high_open=True),
                 "eps": check_number("eps", eps, low=0.0),
                 "weight_decay": check_number("weight_decay", weight_decay, low=0.0)}
-        args["lr"] = _number_or_device_scalar("lr", lr, low=0.0)
-        args["step"] = _number_or_device_scalar("step", step, low=1.0)
+        args["lr"] = number_or_device_scalar("lr", lr, low=0.0)
+        args["step"] = number_or_device_scalar("step", step, low=1.0)
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype) -> dict:
@@ -56,16 +56,6 @@ class AdamSpec(OpSpec):
         if self.amsgrad:
             out["max_exp_avg_sqs"] = vmax
         return out
-
-
-def _number_or_device_scalar(name: str, value, *, low: float):
-    """A DeviceScalar or a DLPack array (made a DeviceScalar by the plan) as is; else a checked number.
-
-    NumPy scalars (np.float32, np.int64) become floats here, so they are range-checked too.
-    """
-    if isinstance(value, DeviceScalar) or hasattr(value, "__dlpack__"):
-        return value
-    return check_number(name, value, low=low)
 
 
 __all__ = ["AdamSpec"]

@@ -1,0 +1,52 @@
+// SGD with momentum, dampening, Nesterov momentum and weight decay, matching torch.optim.SGD.
+// Compile-time flags (from the generated preamble): MTA_MOMENTUM (momentum buffers present),
+// MTA_NESTEROV, MTA_MAXIMIZE.
+#pragma once
+#include "walker.cuh"
+
+namespace mta {
+
+// Kernel arguments, 8 bytes each. On step 1 the momentum buffers take the gradient itself,
+// as torch.optim.SGD does when it creates them.
+struct SgdArgs {
+  double lr;
+  const float* lr_ptr;
+  double step;
+  const float* step_ptr;
+  double momentum;
+  double dampening;
+  double weight_decay;
+};
+
+struct Sgd {
+  enum Slot { PARAM, GRAD, MOMENTUM_BUFFER };
+  static constexpr int N_SLOTS = MTA_MOMENTUM ? 3 : 2;
+  static constexpr unsigned WRITTEN = (1u << PARAM) | (MTA_MOMENTUM ? 1u << MOMENTUM_BUFFER : 0u);
+  using Args = SgdArgs;
+
+  acc_t lr, momentum, one_minus_dampening, weight_decay;
+  bool first_step;
+
+  __device__ explicit Sgd(const Args& a) {
+    lr = acc_t(a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr);
+    first_step = (a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step) < 1.5;
+    momentum = acc_t(a.momentum);
+    one_minus_dampening = acc_t(1.0 - a.dampening);
+    weight_decay = acc_t(a.weight_decay);
+  }
+
+  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS]) const {
+    acc_t grad = MTA_MAXIMIZE ? -x[GRAD] : x[GRAD];
+    if (weight_decay != acc_t(0)) grad = grad + weight_decay * x[PARAM];
+    if constexpr (MTA_MOMENTUM) {
+      if (momentum != acc_t(0)) {
+        acc_t& buffer = x[N_SLOTS - 1];
+        buffer = first_step ? grad : buffer * momentum + one_minus_dampening * grad;
+        grad = MTA_NESTEROV ? grad + momentum * buffer : buffer;
+      }
+    }
+    x[PARAM] = x[PARAM] + (-lr) * grad;
+  }
+};
+
+}  // namespace mta

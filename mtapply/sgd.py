@@ -1,0 +1,50 @@
+"""The public SGD entry points."""
+from __future__ import annotations
+
+from .engine import Plan
+from .ops.sgd import SGDSpec
+
+
+def sgd_plan(params, grads, momentum_buffers=None, *, nesterov=False, maximize=False,
+             table_mode=None, stream=None) -> Plan:
+    """Binds SGD's tensor lists once; `plan.step(lr=..., step=..., momentum=...)` then updates them.
+
+    Args:
+        params, grads: lists of tensors, one of each per parameter, all on one device.
+        momentum_buffers: one buffer per param, needed for momentum != 0 (any values: step 1
+            overwrites them with the gradient, as torch.optim.SGD does when it creates them).
+        nesterov, maximize: compile-time variants, as in torch.optim.SGD.
+        table_mode, stream: as for `mtapply.adam_plan`.
+
+    Returns:
+        A `Plan`. `plan.step(lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0,
+        stream=None)`; lr and step may be one-element float32 device arrays.
+    """
+    spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
+                   maximize=maximize)
+    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers}
+    return Plan(spec, tensors, table_mode=table_mode, stream=stream)
+
+
+def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.0, dampening=0.0,
+             nesterov=False, weight_decay=0.0, maximize=False, stream=None,
+             table_mode=None) -> None:
+    """One SGD step over whole lists, in place, matching torch.optim.SGD.
+
+    `step` is the 1-based step count, required with momentum: on step 1 the buffers are set to
+    the gradient (torch's first-step semantics), later steps blend into them. With momentum 0
+    no buffers are needed. Everything is validated before anything is written.
+
+    Update rule (g the grad, b the buffer, t = step):
+        g = -g if maximize;  g += weight_decay * p
+        b = g if t == 1 else momentum * b + (1 - dampening) * g;  g = g + momentum * b if nesterov else b
+        p -= lr * g
+    """
+    spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
+                   maximize=maximize)
+    hyper = dict(lr=lr, step=step, momentum=momentum, dampening=dampening,
+                 weight_decay=weight_decay)
+    spec.arguments(**hyper)
+    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers}
+    Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True).step(
+        stream=stream, **hyper)
