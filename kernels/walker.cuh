@@ -14,10 +14,15 @@ namespace mta {
 // Table of one launch group, in device memory:
 //   blocks[b]  = (tensor index, chunk index) of CUDA block b
 //   records[t] = {numel, ptr[0], ..., ptr[N_SLOTS - 1]} as N_SLOTS + 1 64-bit words
+// AMP loss scaling, common to every op: the grads arrive multiplied by grad_scale (or by
+// *grad_scale_ptr) and are divided by it; when *found_inf_ptr is non-zero nothing is written.
 template <class Op>
 struct Launch {
   const int2* blocks;
   const long long* records;
+  double grad_scale;
+  const float* grad_scale_ptr;
+  const float* found_inf_ptr;
   typename Op::Args args;
 };
 
@@ -68,7 +73,8 @@ __device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, 
 
 // Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path).
 template <class Op, int W>
-__device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLOTS], long long i) {
+__device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
+                                      long long i) {
   constexpr int N = Op::N_SLOTS;
   acc_t v[N][W];
   load_slots<0, N, W>(ptr, i, v);
@@ -77,6 +83,7 @@ __device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLO
     acc_t x[N];
 #pragma unroll
     for (int s = 0; s < N; ++s) x[s] = v[s][k];
+    if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
     op(x);
 #pragma unroll
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
@@ -87,6 +94,8 @@ __device__ __forceinline__ void apply(const Op& op, char* const (&ptr)[Op::N_SLO
 template <class Op>
 __device__ __forceinline__ void walk(const Launch<Op>& launch) {
   constexpr int N = Op::N_SLOTS;
+  if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
+  const acc_t grad_scale = launch.grad_scale_ptr ? acc_t(*launch.grad_scale_ptr) : acc_t(launch.grad_scale);
   const int2 job = launch.blocks[blockIdx.x];
   const long long* rec = launch.records + static_cast<long long>(job.x) * (N + 1);
   const long long numel = rec[0];
@@ -105,10 +114,10 @@ __device__ __forceinline__ void walk(const Launch<Op>& launch) {
   if ((address_bits & 15ull) == 0) {
     scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
     for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
-      apply<Op, MTA_VEC>(op, ptr, i);
+      apply<Op, MTA_VEC>(op, grad_scale, ptr, i);
   }
   for (long long i = scalar_from + threadIdx.x; i < end; i += MTA_BLOCK)
-    apply<Op, 1>(op, ptr, i);
+    apply<Op, 1>(op, grad_scale, ptr, i);
 }
 
 }  // namespace mta

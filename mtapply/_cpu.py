@@ -44,12 +44,15 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def run(spec, refs: dict, args: dict) -> None:
-    """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`."""
+def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
+    """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`;
+    grads are divided by `grad_scale` first (AMP), in the math type, as the kernel does."""
     for i in range(len(refs["params"])):
         if refs["params"][i].numel == 0:
             continue
         dtype = np.float64 if refs["params"][i].dtype == "float64" else np.float32
         arrays = {name: load(column[i], dtype) for name, column in refs.items()}
+        if grad_scale != 1.0:
+            arrays["grads"] = arrays["grads"] / dtype(grad_scale)
         for name, values in spec.cpu_update(arrays, args, dtype).items():
             store(refs[name][i], values)

@@ -44,8 +44,8 @@ def dlpack_stream(handle: int) -> int:
 class KernelLaunch:
     """The argument words and geometry of one group's kernel; `launch` issues it.
 
-    The kernel takes one struct of 64-bit words: the two table addresses, then the op's
-    `arg_fields` (a double, or an address for a `*_ptr` field). It lives in a host buffer that
+    The kernel takes one struct of 64-bit words: the two table addresses, the AMP scaling words,
+    then the op's `arg_fields` (a double, or an address for a `*_ptr` field). It lives in a host buffer that
     the driver copies at launch, so it can be rewritten right after.
     """
 
@@ -55,8 +55,9 @@ class KernelLaunch:
         self.n_blocks = n_blocks
         self._layout = [(name, name + "_ptr" in arg_fields) for name in arg_fields
                         if not name.endswith("_ptr")]
-        self._packer = struct.Struct("<2Q" + "".join("Q" if f.endswith("_ptr") else "d"
-                                                      for f in arg_fields))
+        # blocks, records, grad_scale, grad_scale_ptr, found_inf_ptr, then the op's fields
+        self._packer = struct.Struct("<2QdQQ" + "".join("Q" if f.endswith("_ptr") else "d"
+                                                         for f in arg_fields))
         self._words = ctypes.create_string_buffer(self._packer.size)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._words))
         self._params_ptr = ctypes.addressof(self._params)
@@ -65,9 +66,17 @@ class KernelLaunch:
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
         self._table = (blocks_ptr, records_ptr)
 
-    def set_args(self, args: dict) -> None:
-        """Packs each argument: a float as is, a DeviceScalar as NaN plus its address."""
+    def set_args(self, args: dict, grad_scale=1.0, found_inf=None) -> None:
+        """Packs each argument: a float as is, a DeviceScalar as NaN plus its address.
+
+        grad_scale is a float or a DeviceScalar; found_inf is None or a DeviceScalar.
+        """
         values = list(self._table)
+        if type(grad_scale) is float:
+            values += (grad_scale, 0)
+        else:
+            values += (_NAN, grad_scale.ptr)
+        values.append(0 if found_inf is None else found_inf.ptr)
         for name, has_pointer in self._layout:
             value = args[name]
             if type(value) is float:

@@ -20,8 +20,9 @@ def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, ams
 
     Returns:
         A `Plan`. `plan.step(lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-        stream=None)` takes the per-step hyperparameters; lr and step may be one-element float32
-        device arrays, read by the kernel (no host synchronisation; CUDA-graph safe).
+        grad_scale=None, found_inf=None, stream=None)` takes the per-step hyperparameters; lr,
+        step, grad_scale and found_inf may be one-element float32 device arrays, read by the
+        kernel (no host synchronisation; CUDA-graph safe).
 
     Example:
         >>> plan = mtapply.adam_plan(params, grads, exp_avgs, exp_avg_sqs)
@@ -37,13 +38,15 @@ def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, ams
 
 def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, max_exp_avg_sqs=None,
-              maximize=False, stream=None, table_mode=None) -> None:
+              maximize=False, grad_scale=None, found_inf=None, stream=None,
+              table_mode=None) -> None:
     """One Adam/AdamW step over whole lists, in place, matching torch.optim.Adam / AdamW.
 
     `step` is the 1-based step count after increment (used for bias correction). Everything is
     validated before anything is written. Each call ingests the lists again (O(n) host work) but
     reuses device tables when the tensors are the same; to step repeatedly at O(1) host cost,
-    build an `adam_plan` once.
+    build an `adam_plan` once. AMP: grads are divided by `grad_scale`, and a non-zero
+    `found_inf` skips the step (each a number or a one-element float32 device array).
 
     Update rule (g the grad, t = step):
         g = -g if maximize;  g += weight_decay * p (L2) or p *= 1 - lr * weight_decay (AdamW)
@@ -57,4 +60,4 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
                "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
     plan = Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True)
     plan.step(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              stream=stream)
+              grad_scale=grad_scale, found_inf=found_inf, stream=stream)

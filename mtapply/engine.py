@@ -15,7 +15,7 @@ from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar
+from .ops._spec import DeviceScalar, check_number
 from .plan import group_tensors
 
 _RECENT_LIMIT = 8
@@ -57,15 +57,29 @@ class Plan:
     def __len__(self) -> int:
         return self._n
 
-    def step(self, *, stream=None, **hyper) -> None:
-        """Applies the op once to every tensor. Hyperparameters as the op's step function takes."""
+    def step(self, *, stream=None, grad_scale=None, found_inf=None, **hyper) -> None:
+        """Applies the op once to every tensor. Hyperparameters as the op's step function takes.
+
+        AMP (torch.amp.GradScaler's conventions): grads are divided by `grad_scale`, and when
+        `found_inf` is non-zero nothing is written. Each may be a number or a one-element float32
+        device array read by the kernel (so the step never waits for the host).
+        """
         args = self.spec.arguments(**{k: self._scalar(k, v) for k, v in hyper.items()})
+        scale = 1.0 if grad_scale is None else self._scalar("grad_scale", grad_scale)
+        if not isinstance(scale, DeviceScalar):
+            scale = check_number("grad_scale", scale, low=0.0, low_open=True)
+        skip = None if found_inf is None else self._scalar("found_inf", found_inf)
+        if skip is not None and not isinstance(skip, DeviceScalar):
+            if check_number("found_inf", skip) != 0:
+                return  # known on the host: no launch at all
+            skip = None
         if self._n == 0:
             return
         if self._cuda is None:
-            _cpu.run(self.spec, self._refs, args)
+            _cpu.run(self.spec, self._refs, args, grad_scale=scale)
         else:
-            self._cuda.run(args, self._stream_for(self.device[1], self._stream if stream is None else stream))
+            chosen = self._stream if stream is None else stream
+            self._cuda.run(args, self._stream_for(self.device[1], chosen), scale, skip)
 
     def rebind(self, slot: str, tensors, *, stream=None) -> None:
         """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
@@ -88,7 +102,7 @@ class Plan:
         """A number stays a number; a one-element device array becomes a DeviceScalar."""
         if type(value) is float or type(value) is int or not hasattr(value, "__dlpack__"):
             return value
-        if name not in getattr(self.spec, "device_scalars", ()):
+        if name not in self.spec.device_scalars + ("grad_scale", "found_inf"):
             raise TypeError(f"{name} must be a Python number; only "
                             f"{', '.join(self.spec.device_scalars)} may be device arrays")
         if self._cuda is None:
@@ -141,7 +155,7 @@ class _Launcher:
         self.upload(stream)
         return self
 
-    def run(self, args: dict, stream: int) -> None:
+    def run(self, args: dict, stream: int, grad_scale=1.0, found_inf=None) -> None:
         import cupy
 
         switch = cupy.cuda.runtime.getDevice() != self.device_id
@@ -151,7 +165,7 @@ class _Launcher:
         try:
             for launch, table in zip(self.launches, self.tables):
                 if launch.n_blocks:
-                    launch.set_args(args)
+                    launch.set_args(args, grad_scale, found_inf)
                     table.before_launch(stream)
                     launch.launch(stream)
                     table.launched_on(stream)

@@ -18,7 +18,8 @@ def sgd_plan(params, grads, momentum_buffers=None, *, nesterov=False, maximize=F
 
     Returns:
         A `Plan`. `plan.step(lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0,
-        stream=None)`; lr and step may be one-element float32 device arrays.
+        grad_scale=None, found_inf=None, stream=None)`; lr, step, grad_scale and found_inf may be
+        one-element float32 device arrays.
     """
     spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
                    maximize=maximize)
@@ -27,13 +28,14 @@ def sgd_plan(params, grads, momentum_buffers=None, *, nesterov=False, maximize=F
 
 
 def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.0, dampening=0.0,
-             nesterov=False, weight_decay=0.0, maximize=False, stream=None,
-             table_mode=None) -> None:
+             nesterov=False, weight_decay=0.0, maximize=False, grad_scale=None, found_inf=None,
+             stream=None, table_mode=None) -> None:
     """One SGD step over whole lists, in place, matching torch.optim.SGD.
 
     `step` is the 1-based step count, required with momentum: on step 1 the buffers are set to
     the gradient (torch's first-step semantics), later steps blend into them. With momentum 0
-    no buffers are needed. Everything is validated before anything is written.
+    no buffers are needed. Everything is validated before anything is written. AMP: grads are
+    divided by `grad_scale`, and a non-zero `found_inf` skips the step.
 
     Update rule (g the grad, b the buffer, t = step):
         g = -g if maximize;  g += weight_decay * p
@@ -47,4 +49,4 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.
     spec.arguments(**hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers}
     Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True).step(
-        stream=stream, **hyper)
+        stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)

@@ -29,6 +29,7 @@ class OpSpec:
     written: frozenset
     flags: tuple
     arg_fields: tuple
+    device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
 
     @property
     def key(self) -> tuple:
