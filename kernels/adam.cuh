@@ -23,12 +23,13 @@ struct Adam {
   static constexpr int N_SLOTS = MTA_AMSGRAD ? 5 : 4;
   static constexpr unsigned WRITTEN = (1u << PARAM) | (1u << EXP_AVG) | (1u << EXP_AVG_SQ) |
                                       (MTA_AMSGRAD ? 1u << MAX_EXP_AVG_SQ : 0u);
+  static constexpr int N_SUMS = 0;  // sums nothing per tensor
   using Args = AdamArgs;
 
   acc_t beta1_weight, beta2, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt;
 
   // Per-launch scalars are derived in double, as torch does on the host.
-  __device__ explicit Adam(const Args& a) {
+  __device__ Adam(const Args& a, int /*tensor*/, const float* /*sums*/) {
     const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
     const double step = a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step;
     beta1_weight = acc_t(1.0 - a.beta1);

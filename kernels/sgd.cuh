@@ -22,12 +22,13 @@ struct Sgd {
   enum Slot { PARAM, GRAD, MOMENTUM_BUFFER };
   static constexpr int N_SLOTS = MTA_MOMENTUM ? 3 : 2;
   static constexpr unsigned WRITTEN = (1u << PARAM) | (MTA_MOMENTUM ? 1u << MOMENTUM_BUFFER : 0u);
+  static constexpr int N_SUMS = 0;  // sums nothing per tensor
   using Args = SgdArgs;
 
   acc_t lr, momentum, one_minus_dampening, weight_decay;
   bool first_step;
 
-  __device__ explicit Sgd(const Args& a) {
+  __device__ Sgd(const Args& a, int /*tensor*/, const float* /*sums*/) {
     lr = acc_t(a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr);
     first_step = (a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step) < 1.5;
     momentum = acc_t(a.momentum);

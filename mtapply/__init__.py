@@ -8,10 +8,11 @@ with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-ho
 """
 from .adam import adam_plan, adam_step
 from .engine import Plan
-from .ops import REGISTRY, AdamSpec, SGDSpec
+from .lars import lars_plan, lars_step
+from .ops import REGISTRY, AdamSpec, LARSSpec, SGDSpec
 from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan", "adam_step", "sgd_plan",
-           "sgd_step", "__version__"]
+__all__ = ["AdamSpec", "LARSSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan", "adam_step",
+           "lars_plan", "lars_step", "sgd_plan", "sgd_step", "__version__"]

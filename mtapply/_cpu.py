@@ -54,5 +54,5 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
         arrays = {name: load(column[i], dtype) for name, column in refs.items()}
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        for name, values in spec.cpu_update(arrays, args, dtype).items():
+        for name, values in spec.cpu_update(arrays, args, dtype, i).items():
             store(refs[name][i], values)

@@ -42,11 +42,13 @@ def dlpack_stream(handle: int) -> int:
 
 
 class KernelLaunch:
-    """The argument words and geometry of one group's kernel; `launch` issues it.
+    """The argument words and geometry of one kernel launch; `launch` issues it.
 
-    The kernel takes one struct of 64-bit words: the two table addresses, the AMP scaling words,
-    then the op's `arg_fields` (a double, or an address for a `*_ptr` field). It lives in a host buffer that
-    the driver copies at launch, so it can be rewritten right after.
+    The kernel takes one struct of 64-bit words (kernels/walker.cuh, `Launch`): the two table
+    addresses, the AMP scaling words, the workspace addresses, then the op's `arg_fields` (a
+    double; the address of a DeviceScalar for a `*_ptr` field; of a per-tensor array for an
+    `*_array` field). It lives in a host buffer that the driver copies at launch, so it can be
+    rewritten right after.
     """
 
     def __init__(self, function, threads: int, n_blocks: int, arg_fields: tuple):
@@ -55,16 +57,23 @@ class KernelLaunch:
         self.n_blocks = n_blocks
         self._layout = [(name, name + "_ptr" in arg_fields) for name in arg_fields
                         if not name.endswith("_ptr")]
-        # blocks, records, grad_scale, grad_scale_ptr, found_inf_ptr, then the op's fields
-        self._packer = struct.Struct("<2QdQQ" + "".join("Q" if f.endswith("_ptr") else "d"
-                                                         for f in arg_fields))
+        self._packer = struct.Struct("<2QdQQ3Q" + "".join("Q" if f.endswith(("_ptr", "_array"))
+                                                           else "d" for f in arg_fields))
         self._words = ctypes.create_string_buffer(self._packer.size)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._words))
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
+        self._workspace = (0, 0, 0)
+        self._arrays: dict = {}
 
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
         self._table = (blocks_ptr, records_ptr)
+
+    def set_workspace(self, partials_ptr: int, arrivals_ptr: int, sums_ptr: int) -> None:
+        self._workspace = (partials_ptr, arrivals_ptr, sums_ptr)
+
+    def set_array(self, name: str, ptr: int) -> None:
+        self._arrays[name] = ptr
 
     def set_args(self, args: dict, grad_scale=1.0, found_inf=None) -> None:
         """Packs each argument: a float as is, a DeviceScalar as NaN plus its address.
@@ -77,7 +86,11 @@ class KernelLaunch:
         else:
             values += (_NAN, grad_scale.ptr)
         values.append(0 if found_inf is None else found_inf.ptr)
+        values += self._workspace
         for name, has_pointer in self._layout:
+            if name.endswith("_array"):
+                values.append(self._arrays[name])
+                continue
             value = args[name]
             if type(value) is float:
                 values.append(value)

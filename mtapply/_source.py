@@ -1,7 +1,8 @@
 """Kernel source assembly and the compile cache.
 
-A kernel variant is the walker plus one op functor, specialised by a generated preamble that
-fixes the slot storage types, the math type, the op's flags and the launch geometry. Headers are
+A kernel variant is the walker plus an op's functors (one entry point per pass), specialised by
+a generated preamble that fixes the slot storage types, the math type, the op's flags and the
+launch geometry. Headers are
 inlined into one string, so the source text alone identifies a variant. Each variant is compiled
 with NVRTC once per GPU architecture, cached on disk, and loaded once per device.
 
@@ -63,10 +64,12 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def variant_source(kernel_file: str, functor: str, dtypes: tuple[str, ...],
+def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
                    flags: tuple[tuple[str, bool], ...]) -> str:
-    """Complete source of one kernel variant (op file, slot dtypes, compile-time flags)."""
+    """Complete source of one kernel variant (op file, slot dtypes, compile-time flags), with
+    one entry point per pass: `mta_pass0` for functors[0], and so on."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
+             f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {CHUNK_ELEMENTS}",
              f"#define MTA_VEC {vector_width(dtypes)}"]
     lines += [f"#define MTA_{name} {int(value)}" for name, value in flags]
@@ -78,27 +81,31 @@ def variant_source(kernel_file: str, functor: str, dtypes: tuple[str, ...],
               for s, d in enumerate(dtypes)]
     lines += ["}  // namespace mta"]
     lines += inlined_sources((kernel_file,), seen)
-    lines += [f"MTA_DEFINE_ENTRY({functor})"]
+    lines += [f"MTA_DEFINE_ENTRY({entry_name(k)}, {f})" for k, f in enumerate(functors)]
     return "\n".join(lines) + "\n"
+
+
+def entry_name(pass_index: int) -> str:
+    return f"mta_pass{pass_index}"
 
 
 _loaded: dict = {}
 
 
-def kernel_function(source: str, device_id: int):
-    """The `mta_entry` function of `source` on a device (a cupy.cuda.function.Function)."""
+def kernel_functions(source: str, device_id: int, n_passes: int) -> list:
+    """The entry points of `source` on a device (cupy.cuda.function.Function), one per pass."""
     key = (source, device_id)
-    function = _loaded.get(key)
-    if function is None:
+    functions = _loaded.get(key)
+    if functions is None:
         import cupy
 
         with cupy.cuda.Device(device_id):
             arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
             module = cupy.cuda.function.Module()
             module.load(_compiled_binary(source, arch))
-            function = module.get_function("mta_entry")
-        _loaded[key] = function
-    return function
+            functions = [module.get_function(entry_name(k)) for k in range(n_passes)]
+        _loaded[key] = functions
+    return functions
 
 
 def cache_dir() -> Path:

@@ -47,6 +47,7 @@ class Plan:
         self._framework = framework_of(slots["params"][0]) if check_lists(slots) else "none"
         self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream))
         self._n = len(self._refs["params"])
+        spec.tensor_arrays(self._n)  # checks per-tensor options (e.g. LARS exclude) up front
         self.device = self._refs["params"][0].device if self._n else None
         self._scalars: dict = {}
         self._cuda = None
@@ -120,20 +121,42 @@ class Plan:
 
 
 class _Launcher:
-    """The kernels, tables and argument words of a plan's groups on one GPU."""
+    """The kernels, tables, workspaces and argument words of a plan's groups on one GPU."""
 
     def __init__(self, spec, dtypes, numels, pointers, table_mode, device_id, stream):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     _source.CHUNK_ELEMENTS)
-        self.launches, self.tables = [], []
+        arrays = spec.tensor_arrays(len(numels))
+        self.launches, self.tables, self._memory = [], [], []
         for group in self.groups:
-            source = _source.variant_source(spec.kernel_file, spec.functor, group.dtypes, spec.flags)
-            kernel = _source.kernel_function(source, device_id)
-            self.launches.append(KernelLaunch(kernel, _source.BLOCK_THREADS, group.n_blocks,
-                                              spec.arg_fields))
+            source = _source.variant_source(spec.kernel_file, spec.functors, group.dtypes, spec.flags)
+            functions = _source.kernel_functions(source, device_id, len(spec.functors))
+            passes = [KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks, spec.arg_fields)
+                      for f in functions]
+            self._attach_memory(passes, group, spec.n_sums, arrays, stream)
+            self.launches.append(passes)
             self.tables.append(None)
         self.upload(stream)
+
+    def _attach_memory(self, passes, group, n_sums: int, arrays: dict, stream: int) -> None:
+        """Device memory the passes share: the sums workspace and the per-tensor arrays."""
+        import cupy
+
+        n = len(group.numels)
+        with cupy.cuda.Device(self.device_id):
+            if n_sums:
+                partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
+                arrivals = _device_copy(np.zeros(max(n, 1), np.uint32), stream)
+                sums = _device_copy(np.zeros(max(n * n_sums, 1), np.float32), stream)
+                self._memory += [partials, arrivals, sums]
+                for launch in passes:
+                    launch.set_workspace(partials.ptr, arrivals.ptr, sums.ptr)
+            for name, values in arrays.items():
+                memory = _device_copy(np.asarray(values, np.float32)[group.indices], stream)
+                self._memory.append(memory)
+                for launch in passes:
+                    launch.set_array(name, memory.ptr)
 
     def upload(self, stream: int) -> None:
         import cupy
@@ -145,7 +168,8 @@ class _Launcher:
                     self.tables[k] = _tables.make_table(self.table_mode, table.nbytes, self.device_id)
                 self.tables[k].write(table, stream)
                 base = self.tables[k].ptr
-                self.launches[k].set_table(base, base + group.records_offset)
+                for launch in self.launches[k]:
+                    launch.set_table(base, base + group.records_offset)
 
     def rebound(self, slot_index: int, refs, stream: int) -> "_Launcher":
         self.pointers = self.pointers.copy()
@@ -163,15 +187,28 @@ class _Launcher:
         if switch:
             device.__enter__()
         try:
-            for launch, table in zip(self.launches, self.tables):
-                if launch.n_blocks:
-                    launch.set_args(args, grad_scale, found_inf)
+            for passes, table in zip(self.launches, self.tables):
+                if passes[0].n_blocks:
                     table.before_launch(stream)
-                    launch.launch(stream)
+                    for launch in passes:
+                        launch.set_args(args, grad_scale, found_inf)
+                        launch.launch(stream)
                     table.launched_on(stream)
         finally:
             if switch:
                 device.__exit__(None, None, None)
+
+
+def _device_copy(values: np.ndarray, stream: int):
+    """Device memory holding `values`, copied on `stream` (ordered before the launches).
+
+    From pageable memory the copy returns once `values` has been staged, so it may be freed.
+    """
+    import cupy
+
+    memory = cupy.cuda.alloc(values.nbytes)
+    cupy.cuda.runtime.memcpyAsync(memory.ptr, values.ctypes.data, values.nbytes, 1, stream)
+    return memory
 
 
 def _launcher(spec, refs, table_mode, device_id, stream, share: bool) -> _Launcher:

@@ -59,3 +59,23 @@ def sgd(param, grad, momentum_buffer=None, *, lr, step, momentum=0.0, dampening=
         g = g + c(momentum) * buf if nesterov else buf
     p = p + c(-lr) * g
     return p, buf
+
+
+def lars(param, grad, momentum_buffer, *, lr, momentum=0.9, weight_decay=0.0,
+         trust_coefficient=0.001, eps=0.0, adapt=True, dtype=np.float64):
+    """One LARS step of one tensor (You et al. 2017; Paddle's lars_momentum).
+
+    local_lr = lr * trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps), or lr when
+    a norm is zero or `adapt` is False (then weight decay is off too);
+    v = momentum * v + local_lr * (g + weight_decay * p);  p = p - v.
+    Returns (param, momentum_buffer), new arrays of `dtype`.
+    """
+    p, g, v = (np.asarray(a, dtype=dtype) for a in (param, grad, momentum_buffer))
+    rate, decay = lr, 0.0
+    if adapt:
+        decay = weight_decay
+        p_norm, g_norm = (float(np.sqrt(np.sum(np.square(a, dtype=np.float64)))) for a in (p, g))
+        if p_norm > 0 and g_norm > 0:
+            rate = lr * trust_coefficient * p_norm / (g_norm + weight_decay * p_norm + eps)
+    v = dtype(momentum) * v + dtype(rate) * (g + dtype(decay) * p)
+    return p - v, v

@@ -12,7 +12,7 @@ import numpy as np
 
 import mtapply
 from mtapply import reference
-from mtapply.ops import AdamSpec, SGDSpec
+from mtapply.ops import AdamSpec, LARSSpec, SGDSpec
 
 # (rtol, atol) per storage dtype: PyTorch's defaults, as /work/shared/guide/testing.md lists them.
 TOLERANCES = {
@@ -138,6 +138,34 @@ _SGD_BAD_HYPER = [
     (dict(step=0), ValueError, r"step must be >= 1\.0"),
 ]
 
+# ---------------------------------------------------------------------------------------------
+# LARS (no torch.optim counterpart: the float64 reference is the judge)
+
+
+def _lars_reference(arrays: dict, *, flags: dict, hyper: dict, step) -> dict:
+    p, v = reference.lars(arrays["params"], arrays["grads"], arrays["momentum_buffers"], **hyper)
+    return {"params": p, "momentum_buffers": v}
+
+
+def _lars_state(slot: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    if slot == "momentum_buffers":
+        return 0.01 * rng.standard_normal(shape)
+    raise KeyError(slot)
+
+
+_LARS_BASE = dict(lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.02, eps=0.0)
+_LARS_HYPER = [
+    dict(_LARS_BASE),
+    dict(_LARS_BASE, weight_decay=1e-3, eps=1e-6),
+    dict(_LARS_BASE, momentum=0.0, weight_decay=5e-4, trust_coefficient=0.001, lr=1.0),
+]
+_LARS_BAD_HYPER = [
+    (dict(lr=-0.1), ValueError, r"lr must be >= 0\.0"),
+    (dict(momentum=-0.9), ValueError, r"momentum"),
+    (dict(trust_coefficient=float("nan")), ValueError, r"trust_coefficient"),
+    (dict(eps=-1.0), ValueError, r"eps"),
+]
+
 OPS = {
     "adam": dict(
         spec=AdamSpec,
@@ -165,6 +193,18 @@ OPS = {
         torch_optimizer=_sgd_torch,
         torch_state={"momentum_buffers": "momentum_buffer"},
         bad_hyper=_SGD_BAD_HYPER,
+    ),
+    "lars": dict(
+        spec=LARSSpec,
+        plan=mtapply.lars_plan,
+        step=mtapply.lars_step,
+        flag_sets=[{}],
+        hyper_sets=_LARS_HYPER,
+        reference=_lars_reference,
+        init_state=_lars_state,
+        torch_optimizer=None,
+        torch_state={},
+        bad_hyper=_LARS_BAD_HYPER,
     ),
 }
 

@@ -56,7 +56,7 @@ def test_every_registered_op_has_a_test_row():
 
 @pytest.mark.parametrize("spec,dtypes", list(variants()))
 def test_variant_compiles(spec, dtypes):
-    source = _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
+    source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
     assert "#include" not in source, "headers must be inlined (CuPy's cache keys on the source text)"
     for name, value in spec.flags:
         assert f"#define MTA_{name} {int(value)}" in source
@@ -65,7 +65,8 @@ def test_variant_compiles(spec, dtypes):
     for arch, cubin in cubins.items():
         assert isinstance(cubin, bytes) and len(cubin) > 1000, arch
         assert cubin[:4] == b"\x7fELF", f"{arch}: not an ELF cubin"
-        assert b"mta_entry" in cubin, f"{arch}: the entry point is missing"
+        for k in range(len(spec.functors)):
+            assert _source.entry_name(k).encode() in cubin, f"{arch}: entry point {k} is missing"
     assert cubins["sm_80"] != cubins["sm_90"]
 
 
@@ -76,8 +77,8 @@ def test_variant_sources_differ_by_key_and_are_memoised():
                                            dtype_signatures(4).values()):
         spec = spec_cls(**flags)
         dtypes = dtypes + (dtypes[-1],) * (len(spec.slots) - 4)
-        source = _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
-        assert source is _source.variant_source(spec.kernel_file, spec.functor, dtypes, spec.flags)
+        source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
+        assert source is _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
         sources[(spec.flags, dtypes)] = source
     assert len(set(sources.values())) == len(sources), "two compile keys share one source"
 
@@ -91,7 +92,7 @@ def test_chunk_is_a_multiple_of_every_vector_width(dtypes):
 
 def test_broken_source_raises_with_the_compiler_log():
     spec = REGISTRY["adam"]()
-    source = _source.variant_source(spec.kernel_file, spec.functor, ("float32",) * 4, spec.flags)
+    source = _source.variant_source(spec.kernel_file, spec.functors, ("float32",) * 4, spec.flags)
     broken = source + "\n__device__ float mta_broken() { return undeclared_value_xyz; }\n"
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_90") as info:
         _source.compile_offline(broken, "sm_90")

@@ -381,3 +381,20 @@ def test_snapshot_sees_a_one_element_change():
     value.reshape(-1)[-1] += 1.0
     assign(slots["params"][LAST], value)
     assert snapshot(slots) != before
+
+
+BAD_HYPER_CASES = [(op, hyper, error, match) for op in OPS if op != "adam"
+                   for hyper, error, match in OPS[op]["bad_hyper"]]
+
+
+@pytest.mark.parametrize("op,hyper,error,match", BAD_HYPER_CASES,
+                         ids=[f"{op}-{h!r}" for op, h, _, _ in BAD_HYPER_CASES])
+def test_bad_hyperparameter_of_other_ops(op, hyper, error, match):
+    """Every op refuses its out-of-range hyperparameters before writing anything."""
+    flags = OPS[op]["flag_sets"][0]
+    slots = make_slots(op, flags, [(4,), (0,), (9,)], "float32", "numpy", np.random.default_rng())
+    before = snapshot(slots)
+    good = dict(OPS[op]["hyper_sets"][0], step=1)
+    with pytest.raises(error, match=match):
+        OPS[op]["step"](**slots, **flags, **dict(good, **hyper))
+    assert snapshot(slots) == before

@@ -6,7 +6,7 @@ import datetime
 import platform
 import sys
 
-from .competitors import BYTES_PER_PARAM, COMPETITORS, REFERENCE
+from .ops import OPS, all_competitors
 from .workloads import EXPECTED, WORKLOADS, count_params
 
 
@@ -28,44 +28,48 @@ def main(argv=None) -> int:
           f"read + written, median of {len(bandwidth['samples_ms'])})\n", flush=True)
     budget = harness.Budget(warmup=args.warmup, repeats=args.repeats, repeat_s=args.repeat_seconds,
                             min_steps=args.min_steps, row_s=args.max_row_seconds)
-    for name in args.workloads:
-        info, rows = _run_workload(name, args.only, device, budget, bandwidth["GBps"], args.seed)
-        results["workloads"].append(info)
-        results["rows"].extend(rows)
-        report.add_ratios(results["rows"], REFERENCE)
-        report.write_json(args.json, results)  # after each workload: a cut-off run keeps its rows
+    for run in args.runs:
+        op = OPS[run["op"]]
+        for name in run["workloads"]:
+            info, rows = _run_workload(op, name, run["competitors"], device, budget,
+                                       bandwidth["GBps"], args.seed)
+            results["workloads"].append(info)
+            results["rows"].extend(rows)
+            report.add_ratios(results["rows"], OPS)
+            report.write_json(args.json, results)  # per workload: a cut-off run keeps its rows
     print()
-    print(report.format_table(results["rows"], REFERENCE))
+    print(report.format_table(results["rows"], OPS))
     print()
     print(report.format_summary(results["rows"]))
     print(f"\nresults written to {args.json}")
     return 0
 
 
-def _run_workload(name, competitors, device, budget, bandwidth_gbps, seed):
-    """(workload info, rows): every selected competitor on its own copy of the same data."""
-    from .competitors import make_data
+def _run_workload(op, name, competitors, device, budget, bandwidth_gbps, seed):
+    """(workload info, rows): every selected competitor of `op` on its own copy of the same
+    data, against the floor of `op`'s bytes per parameter."""
     from .harness import free_memory
 
     shapes = WORKLOADS[name]()
     n_params = count_params(shapes)
-    floor_ms = BYTES_PER_PARAM * n_params / (bandwidth_gbps * 1e9) * 1e3
-    info = {"name": name, "n_tensors": len(shapes), "n_params": n_params,
-            "bytes_per_param": BYTES_PER_PARAM, "floor_ms": floor_ms}
-    _progress(f"{name}: {len(shapes):,} tensors, {n_params:,} params, floor {floor_ms:.4g} ms")
-    initial = make_data(shapes, device, seed)
-    rows = [_run_competitor(info, competitor, initial, budget) for competitor in competitors]
+    floor_ms = op.BYTES_PER_PARAM * n_params / (bandwidth_gbps * 1e9) * 1e3
+    info = {"op": op.NAME, "name": name, "n_tensors": len(shapes), "n_params": n_params,
+            "bytes_per_param": op.BYTES_PER_PARAM, "floor_ms": floor_ms}
+    _progress(f"{op.NAME} {name}: {len(shapes):,} tensors, {n_params:,} params, "
+              f"floor {floor_ms:.4g} ms")
+    initial = op.make_data(shapes, device, seed)
+    rows = [_run_competitor(op, info, competitor, initial, budget) for competitor in competitors]
     del initial
     free_memory()
     return info, rows
 
 
-def _run_competitor(info: dict, competitor: str, initial, budget) -> dict:
+def _run_competitor(op, info: dict, competitor: str, initial, budget) -> dict:
     from . import harness, report
 
     stepper = None
     try:
-        stepper = COMPETITORS[competitor].build(initial.clone())
+        stepper = op.COMPETITORS[competitor].build(initial.clone())
         row = report.timing_row(info, competitor, harness.measure(stepper.step, budget))
         _progress(f"  {competitor:<18} GPU {row['gpu_ms']:.4g} ms  wall {row['wall_ms']:.4g} ms  "
                   f"x floor {row['x_floor']:.3f}  ({row['steps']} steps x {row['repeats']})")
@@ -80,13 +84,19 @@ def _run_competitor(info: dict, competitor: str, initial, budget) -> dict:
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mtapply.bench",
-        description="Benchmark mtapply's fused Adam (fp32) against torch.optim.Adam on a CUDA GPU. "
-                    "Reports GPU and wall ms per step, x the byte floor (28 B/param over the "
-                    "measured copy bandwidth) and x torch's fused Adam. Needs PyTorch with CUDA.")
-    parser.add_argument("--workloads", nargs="+", metavar="NAME", default=list(WORKLOADS),
-                        help=f"workloads to run (default: all): {', '.join(WORKLOADS)}")
-    parser.add_argument("--only", nargs="+", metavar="NAME", default=list(COMPETITORS),
-                        help=f"competitors to run (default: all): {', '.join(COMPETITORS)}")
+        description="Benchmark mtapply's fused optimizer steps (fp32 Adam, SGD with momentum) "
+                    "against torch.optim's on a CUDA GPU. Reports GPU and wall ms per step, x the "
+                    "byte floor (the op's bytes per param over the measured copy bandwidth: Adam "
+                    "28, SGD 20) and x torch's fused step. Needs PyTorch with CUDA. "
+                    "--list shows each op's workloads and competitors.")
+    parser.add_argument("--op", choices=[*OPS, "all"], default="all",
+                        help="op to benchmark (default: %(default)s)")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME",
+                        help="workloads to run for each op (default: each op's own, see --list): "
+                             f"{', '.join(WORKLOADS)}")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="competitors to run (default: all); an op runs those it has: "
+                             f"{', '.join(all_competitors())}")
     parser.add_argument("--json", default="bench_results.json", metavar="PATH",
                         help="where to write all results as JSON (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -105,21 +115,39 @@ def _parse_args(argv):
                         help="seed of the random data (default: %(default)s)")
     parser.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s)")
     parser.add_argument("--list", action="store_true",
-                        help="list workloads and competitors, then exit")
+                        help="list workloads, ops and their competitors, then exit")
     args = parser.parse_args(argv)
-    args.workloads = _selected(parser, "--workloads", args.workloads, WORKLOADS)
-    args.only = _selected(parser, "--only", args.only, COMPETITORS)
     if min(args.repeats, args.warmup, args.min_steps) < 1:
         parser.error("--repeats, --warmup and --min-steps must be at least 1")
+    args.runs = _runs(parser, args)
     return args
 
 
-def _selected(parser, option: str, values: list, known: dict) -> list:
+def _runs(parser, args) -> list:
+    """{'op', 'workloads', 'competitors'} for each chosen op that has a chosen competitor."""
+    workloads = None if args.workloads is None else _selected(parser, "--workloads",
+                                                               args.workloads, WORKLOADS)
+    only = None if args.only is None else _selected(parser, "--only", args.only,
+                                                    all_competitors())
+    runs = []
+    for name in OPS if args.op == "all" else [args.op]:
+        op = OPS[name]
+        competitors = [c for c in op.COMPETITORS if only is None or c in only]
+        if competitors:
+            runs.append({"op": name, "workloads": workloads or list(op.DEFAULT_WORKLOADS),
+                         "competitors": competitors})
+    if not runs:
+        parser.error(f"--only: no competitor of --op {args.op} among {', '.join(only)}")
+    return runs
+
+
+def _selected(parser, option: str, values: list, known) -> list:
     """Names given with spaces or commas, checked, in the registry's order."""
     names = {name for value in values for name in value.split(",") if name}
     unknown = sorted(names - set(known))
-    if unknown:
-        parser.error(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if unknown or not names:
+        problem = f"unknown {', '.join(unknown)}" if unknown else "no name given"
+        parser.error(f"{option}: {problem}; choose from {', '.join(known)}")
     return [name for name in known if name in names]
 
 
@@ -156,9 +184,17 @@ def _environment(torch, device, args) -> dict:
             "device": props.name, "compute_capability": f"{props.major}.{props.minor}",
             "device_memory_GiB": props.total_memory / 2**30, "python": platform.python_version(),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cupy": cupy.__version__,
-            "mtapply": mtapply.__version__, "op": "adam fp32, lr=1e-3, eps=1e-8, weight_decay=0",
+            "mtapply": mtapply.__version__, "ops": {run["op"]: _op_info(OPS[run["op"]])
+                                                    for run in args.runs},
             "settings": {k: v for k, v in vars(args).items() if k != "list"},
             "workloads": [], "rows": []}
+
+
+def _op_info(op) -> dict:
+    return {"description": op.DESCRIPTION, "bytes_per_param": op.BYTES_PER_PARAM,
+            "reference": op.REFERENCE,
+            "targets": {name: {"metric": metric, "limit": limit}
+                        for name, (metric, limit) in op.TARGETS.items()}}
 
 
 def _header_text(results: dict) -> str:
@@ -167,15 +203,23 @@ def _header_text(results: dict) -> str:
             f"{results['device_memory_GiB']:.0f} GiB)\n"
             f"torch {results['torch']} (CUDA {results['torch_cuda']}), cupy {results['cupy']}, "
             f"mtapply {results['mtapply']}, python {results['python']}\n"
-            f"op: {results['op']}; floor = {BYTES_PER_PARAM} B/param / copy bandwidth")
+            + "\n".join(f"op: {op['description']}; floor = {op['bytes_per_param']} B/param / "
+                        f"copy bandwidth" for op in results["ops"].values()))
 
 
 def _listing() -> str:
     lines = ["workloads:"]
     lines += [f"  {name:<12} {tensors:>6,} tensors {params:>13,} params"
               for name, (tensors, params) in EXPECTED.items() if name in WORKLOADS]
-    lines.append("competitors:")
-    lines += [f"  {name:<18} {competitor.description}" for name, competitor in COMPETITORS.items()]
+    for name, op in OPS.items():
+        targets = ", ".join(f"{workload} {metric} <= {limit:g}"
+                            for workload, (metric, limit) in op.TARGETS.items())
+        lines += [f"op {name}: {op.DESCRIPTION}",
+                  f"  floor {op.BYTES_PER_PARAM} B/param; ratios over {op.REFERENCE}",
+                  f"  default workloads: {', '.join(op.DEFAULT_WORKLOADS)}",
+                  f"  targets (mtapply): {targets}", "  competitors:"]
+        lines += [f"    {competitor:<18} {entry.description}"
+                  for competitor, entry in op.COMPETITORS.items()]
     return "\n".join(lines)
 
 

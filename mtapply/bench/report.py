@@ -1,18 +1,20 @@
-"""Results: one row per (workload, competitor), ratios, targets, the printed table and JSON."""
+"""Results: one row per (op, workload, competitor), ratios, targets, the printed table and JSON.
+
+The functions that need an op's reference competitor or targets take `ops`, a mapping from op
+name to its module (see `ops.py`).
+"""
 from __future__ import annotations
 
 import json
-
-from .workloads import TARGETS
 
 TARGET_COMPETITORS = ("mtapply", "mtapply-unified")  # rows the issue's targets apply to
 DEFAULT_MTAPPLY = "mtapply"
 
 
 def timing_row(workload: dict, competitor: str, timing) -> dict:
-    """A measured row: medians, samples, and ratios to the byte floor."""
+    """A measured row: medians, samples, and ratios to the op's byte floor."""
     floor_ms = workload["floor_ms"]
-    return {"workload": workload["name"], "competitor": competitor,
+    return {"op": workload["op"], "workload": workload["name"], "competitor": competitor,
             "gpu_ms": timing.gpu_ms, "wall_ms": timing.wall_ms, "wall_us": timing.wall_ms * 1e3,
             "x_floor": timing.gpu_ms / floor_ms, "x_floor_wall": timing.wall_ms / floor_ms,
             "steps": timing.steps, "repeats": timing.repeats,
@@ -20,28 +22,30 @@ def timing_row(workload: dict, competitor: str, timing) -> dict:
 
 
 def error_row(workload: dict, competitor: str, error: BaseException) -> dict:
-    return {"workload": workload["name"], "competitor": competitor,
+    return {"op": workload["op"], "workload": workload["name"], "competitor": competitor,
             "error": f"{type(error).__name__}: {error}"}
 
 
-def add_ratios(rows: list, reference: str) -> None:
-    """Adds each row's target verdict and its times over the reference competitor's."""
+def add_ratios(rows: list, ops: dict) -> None:
+    """Adds each row's target verdict and its times over its op's reference competitor's."""
     for row in rows:
         if "error" in row:
             continue
-        target = _target(row)
+        target = _target(row, ops[row["op"]].TARGETS)
         if target is not None:
             row["target"] = target
-        ref = _find(rows, row["workload"], reference)
+        reference = ops[row["op"]].REFERENCE
+        ref = _find(rows, row, reference)
         if ref is not None and "error" not in ref:
             row[f"x_{_key(reference)}_gpu"] = row["gpu_ms"] / ref["gpu_ms"]
             row[f"x_{_key(reference)}_wall"] = row["wall_ms"] / ref["wall_ms"]
 
 
-def format_table(rows: list, reference: str) -> str:
-    header = ["workload", "competitor", "GPU ms/step", "wall ms/step", "wall us/step", "x floor",
-              f"x {reference} (GPU)", f"x {reference} (wall)", "steps x reps", "target"]
-    lines = [header] + [_table_cells(row, reference) for row in rows]
+def format_table(rows: list, ops: dict) -> str:
+    label = _reference_label(rows, ops)
+    header = ["op", "workload", "competitor", "GPU ms/step", "wall ms/step", "wall us/step",
+              "x floor", f"x {label} (GPU)", f"x {label} (wall)", "steps x reps", "target"]
+    lines = [header] + [_table_cells(row, ops[row["op"]].REFERENCE) for row in rows]
     widths = [max(len(line[k]) for line in lines) for k in range(len(header))]
     text = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     text.insert(1, "-+-".join("-" * width for width in widths))
@@ -49,20 +53,23 @@ def format_table(rows: list, reference: str) -> str:
 
 
 def format_summary(rows: list) -> str:
-    """The issue's targets for mtapply's default row, and which table mode is faster."""
-    lines = [f"targets ({DEFAULT_MTAPPLY}, table_mode='memcpy'):"]
-    for row in rows:
-        if row["competitor"] == DEFAULT_MTAPPLY and "target" in row:
-            lines.append(f"  {row['workload']:<10} {row['target']['text']}")
-    unified = [(row, _find(rows, row["workload"], "mtapply-unified")) for row in rows
-               if row["competitor"] == DEFAULT_MTAPPLY and "error" not in row]
-    if any(other is not None and "error" not in other for _, other in unified):
+    """Each op's targets for mtapply's default row, and which table mode is faster."""
+    lines = []
+    for op in dict.fromkeys(row["op"] for row in rows):
+        targets = [row for row in rows if row["op"] == op
+                   and row["competitor"] == DEFAULT_MTAPPLY and "target" in row]
+        if targets:
+            lines.append(f"{op} targets ({DEFAULT_MTAPPLY}, table_mode='memcpy'):")
+            lines += [f"  {row['workload']:<10} {row['target']['text']}" for row in targets]
+    pairs = [(row, _find(rows, row, "mtapply-unified")) for row in rows
+             if row["competitor"] == DEFAULT_MTAPPLY and "error" not in row]
+    pairs = [(row, other) for row, other in pairs if other is not None and "error" not in other]
+    if pairs:
         lines.append("table mode (unified time / memcpy time; < 1 means unified is faster):")
-        for row, other in unified:
-            if other is not None and "error" not in other:
-                lines.append(f"  {row['workload']:<10} GPU {other['gpu_ms'] / row['gpu_ms']:.3f}"
-                             f"  wall {other['wall_ms'] / row['wall_ms']:.3f}")
-    return "\n".join(lines)
+        lines += [f"  {row['op']:<5} {row['workload']:<10} "
+                  f"GPU {other['gpu_ms'] / row['gpu_ms']:.3f}  "
+                  f"wall {other['wall_ms'] / row['wall_ms']:.3f}" for row, other in pairs]
+    return "\n".join(lines) or f"no {DEFAULT_MTAPPLY} row with a target was run"
 
 
 def write_json(path: str, results: dict) -> None:
@@ -71,11 +78,11 @@ def write_json(path: str, results: dict) -> None:
         f.write("\n")
 
 
-def _target(row: dict):
+def _target(row: dict, targets: dict):
     """{'metric', 'limit', 'value', 'met', 'text'} for rows the issue sets a target on."""
-    if row["competitor"] not in TARGET_COMPETITORS or row["workload"] not in TARGETS:
+    if row["competitor"] not in TARGET_COMPETITORS or row["workload"] not in targets:
         return None
-    metric, limit = TARGETS[row["workload"]]
+    metric, limit = targets[row["workload"]]
     value = row[metric]
     met = value <= limit
     unit = "x floor" if metric == "x_floor" else " us wall/step"
@@ -83,8 +90,14 @@ def _target(row: dict):
     return {"metric": metric, "limit": limit, "value": value, "met": met, "text": text}
 
 
+def _reference_label(rows: list, ops: dict) -> str:
+    """The reference competitor's name for the column headers, if every op shown shares it."""
+    references = {ops[row["op"]].REFERENCE for row in rows}
+    return references.pop() if len(references) == 1 else "reference"
+
+
 def _table_cells(row: dict, reference: str) -> list:
-    head = [row["workload"], row["competitor"]]
+    head = [row["op"], row["workload"], row["competitor"]]
     if "error" in row:
         return head + ["-"] * 7 + [f"skipped: {row['error']}"[:120]]
     ref = _key(reference)
@@ -104,9 +117,10 @@ def _ratio(value) -> str:
     return f"{value:.3f}" if value < 100 else f"{value:.0f}"
 
 
-def _find(rows: list, workload: str, competitor: str):
-    return next((r for r in rows if r["workload"] == workload and r["competitor"] == competitor),
-                None)
+def _find(rows: list, like: dict, competitor: str):
+    """`competitor`'s row on the same op and workload as the row `like`."""
+    return next((r for r in rows if r["op"] == like["op"] and r["workload"] == like["workload"]
+                 and r["competitor"] == competitor), None)
 
 
 def _key(name: str) -> str:

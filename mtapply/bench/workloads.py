@@ -1,9 +1,9 @@
 """Benchmark workloads: each is a list of parameter shapes (fp32 unless its op says otherwise).
 
 `WORKLOADS` maps a name to a function returning the shapes. A new workload (e.g. resnet50 for
-LARS) adds its function here, its expected tensor and parameter counts to `EXPECTED` (so a wrong
-shape list fails loudly instead of producing a plausible-looking benchmark) and, if it has one,
-its target to `TARGETS`. Needs only NumPy, so `--list` works without torch or a GPU.
+LARS) adds its function here and its expected tensor and parameter counts to `EXPECTED` (so a wrong
+shape list fails loudly instead of producing a plausible-looking benchmark); targets belong to
+each op's module. Needs only NumPy, so `--list` works without torch or a GPU.
 """
 from __future__ import annotations
 
@@ -17,15 +17,6 @@ EXPECTED = {
     "gpt2-124M": (148, 124_439_808),
     "small10k": (10_000, 21_762_580),
     "tiny2k": (2_000, 200_000),
-}
-
-# name -> (metric, limit) for mtapply's default row. "x_floor" is GPU time over the byte floor;
-# tiny lists are launch-bound, so there the target is wall-clock microseconds per step.
-TARGETS = {
-    "big256M": ("x_floor", 1.05),
-    "gpt2-124M": ("x_floor", 1.05),
-    "small10k": ("x_floor", 1.10),
-    "tiny2k": ("wall_us", 20.0),
 }
 
 

@@ -18,8 +18,10 @@ class OpSpec:
     A subclass sets: `name`, `kernel_file`, `functor` (C++ name), `slots` (argument names in
     kernel slot order), `written` (the slots the op writes), `flags` (compile-time switches),
     `arg_fields` (kernel argument words in order; a `NAME_ptr` word follows NAME and carries the
-    address of a DeviceScalar given for NAME)
-    and implements `arguments(**hyper)` and `cpu_update(arrays, args)`.
+    address of a DeviceScalar given for NAME; a `NAME_array` word is the address of a per-tensor
+    array from `tensor_arrays`)
+    and implements `arguments(**hyper)` and `cpu_update(arrays, args, dtype, index)`. An op of
+    several passes overrides `functors` and sets `n_sums`.
     """
 
     name: str
@@ -30,6 +32,16 @@ class OpSpec:
     flags: tuple
     arg_fields: tuple
     device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
+    n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
+
+    @property
+    def functors(self) -> tuple:
+        """C++ functor of each pass, in launch order; most ops have one pass."""
+        return (self.functor,)
+
+    def tensor_arrays(self, n_tensors: int) -> dict:
+        """name -> float32 array of one value per tensor, for `*_array` kernel arguments."""
+        return {}
 
     @property
     def key(self) -> tuple:

@@ -44,7 +44,7 @@ class AdamSpec(OpSpec):
         args["step"] = number_or_device_scalar("step", step, low=1.0)
         return args
 
-    def cpu_update(self, arrays: dict, args: dict, dtype) -> dict:
+    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         """New values of the written slots of one tensor, computed in `dtype`."""
         p, m, v, vmax = reference.adam(
             arrays["params"], arrays["grads"], arrays["exp_avgs"], arrays["exp_avg_sqs"],

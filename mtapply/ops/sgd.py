@@ -52,7 +52,7 @@ class SGDSpec(OpSpec):
         args["step"] = 2.0 if step is None else number_or_device_scalar("step", step, low=1.0)
         return args
 
-    def cpu_update(self, arrays: dict, args: dict, dtype) -> dict:
+    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         """New values of the written slots of one tensor, computed in `dtype`."""
         p, buf = reference.sgd(
             arrays["params"], arrays["grads"], arrays.get("momentum_buffers"), lr=args["lr"],

@@ -1,59 +1,51 @@
-"""Adam (fp32, lr=1e-3, default betas, eps=1e-8, no weight decay): the data and the competitors.
+"""Adam (fp32, lr=1e-3, default betas, eps=1e-8, no weight decay): data, competitors, targets.
 
 Every competitor gets its own copy of the same random initial data and returns a `Stepper`
-whose `step()` performs one optimizer step with the gradients already in place. Another op
-(SGD, LARS) adds a module like this one with its own bytes per parameter, data and competitors.
-torch is imported inside the functions so that listing the competitors needs no torch.
+whose `step()` performs one optimizer step with the gradients already in place.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+from .common import (Competitor, Stepper, TensorLists, attach_grads, generator, graph_stepper,
+                     randn_list)
+
+NAME = "adam"
+DESCRIPTION = "adam fp32, lr=1e-3, eps=1e-8, weight_decay=0"
 BYTES_PER_PARAM = 28  # read p, g, m, v and write p, m, v: 7 fp32 words per parameter
+REFERENCE = "torch-fused"  # the peer every row's time is divided by
+DEFAULT_WORKLOADS = ("big256M", "gpt2-124M", "small10k", "tiny2k")
+# workload -> (metric, limit) for mtapply's rows. "x_floor" is GPU time over the byte floor;
+# tiny lists are launch-bound, so there the target is wall-clock microseconds per step.
+TARGETS = {
+    "big256M": ("x_floor", 1.05),
+    "gpt2-124M": ("x_floor", 1.05),
+    "small10k": ("x_floor", 1.10),
+    "tiny2k": ("wall_us", 20.0),
+}
 LR = 1e-3
 EPS = 1e-8
-REFERENCE = "torch-fused"  # the peer every row's time is divided by
 
 
 @dataclass
-class AdamData:
-    """One set of tensors of an Adam step, each a separate allocation as in a real model."""
-
+class AdamData(TensorLists):
     params: list
     grads: list
     exp_avgs: list
     exp_avg_sqs: list
-
-    def clone(self) -> "AdamData":
-        return AdamData(*([t.clone() for t in tensors] for tensors in self.lists()))
-
-    def lists(self) -> tuple:
-        return self.params, self.grads, self.exp_avgs, self.exp_avg_sqs
 
 
 def make_data(shapes, device, seed: int = 0) -> AdamData:
     """Random tensors (never zeros, which can flatter a kernel): states as if mid-training."""
     import torch
 
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-
-    def randn(shape, scale=1.0):
-        return torch.randn(shape, generator=generator, device=device).mul_(scale)
-
-    return AdamData(params=[randn(s) for s in shapes], grads=[randn(s) for s in shapes],
-                    exp_avgs=[randn(s, 0.1) for s in shapes],
-                    exp_avg_sqs=[torch.rand(s, generator=generator, device=device) for s in shapes])
-
-
-class Stepper:
-    """A step function plus everything it uses, so that nothing it points to (a CUDA graph
-    holds raw addresses) is freed before the stepper itself is dropped."""
-
-    def __init__(self, step, *keep_alive):
-        self.step = step
-        self.keep_alive = keep_alive
+    gen = generator(device, seed)
+    params = randn_list(shapes, gen)
+    grads = randn_list(shapes, gen)
+    exp_avgs = randn_list(shapes, gen, 0.1)
+    exp_avg_sqs = [torch.rand(s, generator=gen, device=gen.device) for s in shapes]
+    return AdamData(params, grads, exp_avgs, exp_avg_sqs)
 
 
 def mtapply_plan(data: AdamData, table_mode: str) -> Stepper:
@@ -80,32 +72,20 @@ def torch_foreach(data: AdamData) -> Stepper:
 
 
 def torch_fused_graph(data: AdamData) -> Stepper:
-    """Fused Adam captured in a CUDA graph, per the PyTorch docs: a tensor lr and
-    capturable=True, a few warm-up steps on a side stream, capture, then replay."""
+    """Fused Adam replayed from a CUDA graph: capture needs a tensor lr and capturable=True."""
     import torch
 
     lr = torch.tensor(LR, device=data.params[0].device)
     opt = _torch_adam(data, lr=lr, fused=True, capturable=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    return Stepper(graph.replay, graph, opt, lr, data)
+    return graph_stepper(opt.step, opt, lr, data)
 
 
 def _torch_adam(data: AdamData, **options):
-    """torch.optim.Adam over `data`: params as leaves with .grad set once, and the optimizer
-    state preset to `data`'s moments (its lazy init would make them zeros)."""
+    """torch.optim.Adam over `data`, its state preset to `data`'s moments (its lazy init
+    would make them zeros)."""
     import torch
 
-    for p, g in zip(data.params, data.grads):
-        p.requires_grad_(True)  # clones of plain tensors are leaves
-        p.grad = g
+    attach_grads(data.params, data.grads)
     opt = torch.optim.Adam(data.params, eps=EPS, weight_decay=0.0, **options)
     # Where torch.optim.Adam keeps `step`: on the device for fused/capturable, else on the host.
     on_device = options.get("fused") or options.get("capturable")
@@ -113,12 +93,6 @@ def _torch_adam(data: AdamData, **options):
         step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
         opt.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
     return opt
-
-
-@dataclass(frozen=True)
-class Competitor:
-    build: object  # AdamData -> Stepper
-    description: str
 
 
 COMPETITORS = {
