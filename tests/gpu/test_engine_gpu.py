@@ -241,7 +241,7 @@ def test_hundred_thousand_tensors_in_one_launch():
     n = 100_000
     params, grads, ms, vs, _ = adam_state([(int(k % 7) + 1,) for k in range(n)], seed=16)
     plan = mtapply.adam_plan(params, grads, ms, vs)
-    assert [lnch.n_blocks for lnch in plan._cuda.launches] == [n]
+    assert [passes[0].n_blocks for passes in plan._cuda.launches] == [n]
     launches = []
     original = mtapply._launch.KernelLaunch.launch
     mtapply._launch.KernelLaunch.launch = lambda self, s: (launches.append(s), original(self, s))[1]
