@@ -1,12 +1,13 @@
 """The benchmark program: `python -m mtapply.bench [--op ...] [--workloads ...] [--only ...]`.
 
-Times mtapply's fused optimizer steps (Adam, SGD with momentum) against PyTorch's (fused, fused in
-a CUDA graph, foreach) in one process on the same random data, and reports each against the byte
-floor (the bytes the op's step must move over the device's measured copy bandwidth) and against
-torch's fused step. Needs PyTorch with CUDA and a GPU; mtapply itself never imports torch, and
-neither does importing this package.
+Times mtapply's fused optimizer steps (Adam, SGD with momentum, LARS) against their peers
+(torch.optim's fused, fused in a CUDA graph and foreach steps; for LARS a per-tensor PyTorch loop,
+the loop in a CUDA graph and optax under jax.jit) in one process on the same random data, and
+reports each against the byte floor (the bytes the op's step must move over the device's measured
+copy bandwidth) and against the op's reference peer. Needs PyTorch with CUDA and a GPU; mtapply
+itself never imports torch, and neither does importing this package.
 
 Modules: `workloads` (the parameter shapes), `ops` (the registry of ops), one module per op
-(`adam`, `sgd`: data, competitors, bytes per parameter, targets), `common` (what the ops share),
-`harness` (bandwidth and timing), `report` (ratios, targets, table, JSON).
+(`adam`, `sgd`, `lars`: data, competitors, bytes per parameter, targets), `common` (what the ops
+share), `harness` (bandwidth and timing), `report` (ratios, targets, table, JSON).
 """

@@ -21,11 +21,16 @@ class TensorLists:
 
 class Stepper:
     """A step function plus everything it uses, so that nothing it points to (a CUDA graph
-    holds raw addresses) is freed before the stepper itself is dropped."""
+    holds raw addresses) is freed before the stepper itself is dropped.
 
-    def __init__(self, step, *keep_alive):
+    `sync`, for a step whose work runs outside torch's streams (JAX), waits for that work; the
+    harness then times the step by wall clock alone, since CUDA events on torch's stream would
+    not see it."""
+
+    def __init__(self, step, *keep_alive, sync=None):
         self.step = step
         self.keep_alive = keep_alive
+        self.sync = sync
 
 
 @dataclass(frozen=True)

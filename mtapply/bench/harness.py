@@ -2,7 +2,9 @@
 
 A step is timed two ways over the same back-to-back loop: CUDA events (GPU ms per step; for
 host-bound runs this includes the GPU waiting on the host) and the wall clock between two
-synchronizations (what the user's training loop pays, host overhead included).
+synchronizations (what the user's training loop pays, host overhead included). A step that runs
+outside torch's streams (JAX) comes with its own wait and is timed by wall clock alone: its GPU
+time is None.
 """
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ COPY_ELEMENTS = 2**28  # 1 GiB of fp32
 
 @dataclass
 class Timing:
-    """Medians over repeats, and every sample, of one competitor on one workload."""
+    """Medians over repeats, and every sample, of one competitor on one workload (GPU figures
+    None for a step timed by wall clock alone)."""
 
-    gpu_ms: float
+    gpu_ms: float | None
     wall_ms: float
     steps: int
     repeats: int
-    gpu_ms_samples: list
+    gpu_ms_samples: list | None
     wall_ms_samples: list
 
 
@@ -63,12 +66,19 @@ def copy_bandwidth(device, samples: int = 10, warmup: int = 3) -> dict:
             "GBps": moved / median_ms / 1e6}
 
 
-def measure(step, budget: Budget) -> Timing:
-    """Warms `step` up, sizes the loop from a probe, then times `budget.repeats` loops."""
+def measure(step, budget: Budget, sync=None) -> Timing:
+    """Warms `step` up, sizes the loop from a probe, then times `budget.repeats` loops.
+
+    `sync`, for a step outside torch's streams, waits for its work; such a step is timed by
+    wall clock alone."""
+    wait = sync or torch.cuda.synchronize
     for _ in range(budget.warmup):  # first steps compile kernels and fill caches
         step()
-    torch.cuda.synchronize()
-    steps, repeats = _loop_size(_probe_seconds_per_step(step), budget)
+    wait()
+    steps, repeats = _loop_size(_probe_seconds_per_step(step, wait), budget)
+    if sync is not None:
+        wall = [_wall_loop(step, steps, sync) for _ in range(repeats)]
+        return Timing(None, statistics.median(wall), steps, repeats, None, wall)
     gpu, wall = zip(*(_timed_loop(step, steps) for _ in range(repeats)))
     return Timing(statistics.median(gpu), statistics.median(wall), steps, repeats,
                   list(gpu), list(wall))
@@ -81,14 +91,14 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def _probe_seconds_per_step(step) -> float:
+def _probe_seconds_per_step(step, wait) -> float:
     """Wall seconds per step, from loops growing until one lasts long enough to trust."""
     count = 2
     while True:
         start = time.perf_counter()
         for _ in range(count):
             step()
-        torch.cuda.synchronize()
+        wait()
         elapsed = time.perf_counter() - start
         if elapsed >= 0.05 or count >= 4096:
             return elapsed / count
@@ -118,6 +128,16 @@ def _timed_loop(step, steps: int) -> tuple:
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - wall_start) * 1e3
     return start.elapsed_time(end) / steps, wall_ms / steps
+
+
+def _wall_loop(step, steps: int, sync) -> float:
+    """Wall ms per step over `steps` back-to-back steps, waiting with `sync` at both ends."""
+    sync()
+    wall_start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - wall_start) * 1e3 / steps
 
 
 def _event_pair() -> tuple:

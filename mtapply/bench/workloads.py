@@ -1,9 +1,9 @@
 """Benchmark workloads: each is a list of parameter shapes (fp32 unless its op says otherwise).
 
-`WORKLOADS` maps a name to a function returning the shapes. A new workload (e.g. resnet50 for
-LARS) adds its function here and its expected tensor and parameter counts to `EXPECTED` (so a wrong
-shape list fails loudly instead of producing a plausible-looking benchmark); targets belong to
-each op's module. Needs only NumPy, so `--list` works without torch or a GPU.
+`WORKLOADS` maps a name to a function returning the shapes. A new workload adds its function here
+and its expected tensor and parameter counts to `EXPECTED` (so a wrong shape list fails loudly
+instead of producing a plausible-looking benchmark); targets belong to each op's module. Needs
+only NumPy, so `--list` works without torch or a GPU.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ EXPECTED = {
     "gpt2-124M": (148, 124_439_808),
     "small10k": (10_000, 21_762_580),
     "tiny2k": (2_000, 200_000),
+    "resnet50": (161, 25_557_032),
 }
 
 
@@ -51,11 +52,39 @@ def tiny2k() -> list:
     return _checked("tiny2k", [(100,)] * 2_000)
 
 
+def resnet50() -> list:
+    """torchvision.models.resnet50()'s parameters in `model.parameters()` order, written out from
+    the architecture (torchvision is not always installed): a 7x7 stem, four stages of bottleneck
+    blocks, then the classifier. Convolutions have no bias; each is followed by a batch norm
+    (weight, bias)."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
+    in_channels = 64
+    for blocks, width in ((3, 64), (4, 128), (6, 256), (3, 512)):
+        for block in range(blocks):
+            shapes += _bottleneck(in_channels, width, downsample=block == 0)
+            in_channels = 4 * width  # bottleneck expansion
+    shapes += [(1000, in_channels), (1000,)]  # fc weight, bias
+    return _checked("resnet50", shapes)
+
+
+def _bottleneck(in_channels: int, width: int, downsample: bool) -> list:
+    """One bottleneck block: conv1 1x1, conv2 3x3, conv3 1x1 (each with its batch norm), and on
+    a stage's first block the 1x1 downsample convolution and its batch norm."""
+    out_channels = 4 * width
+    shapes = [(width, in_channels, 1, 1), (width,), (width,),
+              (width, width, 3, 3), (width,), (width,),
+              (out_channels, width, 1, 1), (out_channels,), (out_channels,)]
+    if downsample:
+        shapes += [(out_channels, in_channels, 1, 1), (out_channels,), (out_channels,)]
+    return shapes
+
+
 WORKLOADS = {
     "big256M": big256m,
     "gpt2-124M": gpt2_124m,
     "small10k": small10k,
     "tiny2k": tiny2k,
+    "resnet50": resnet50,
 }
 
 
