@@ -8,11 +8,13 @@ with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-ho
 """
 from .adam import adam_plan, adam_step
 from .engine import Plan
+from .lamb import lamb_plan, lamb_step
 from .lars import lars_plan, lars_step
-from .ops import REGISTRY, AdamSpec, LARSSpec, SGDSpec
+from .ops import REGISTRY, AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamSpec", "LARSSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan", "adam_step",
-           "lars_plan", "lars_step", "sgd_plan", "sgd_step", "__version__"]
+__all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan",
+           "adam_step", "lamb_plan", "lamb_step", "lars_plan", "lars_step", "sgd_plan", "sgd_step",
+           "__version__"]

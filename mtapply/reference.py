@@ -79,3 +79,35 @@ def lars(param, grad, momentum_buffer, *, lr, momentum=0.9, weight_decay=0.0,
             rate = lr * trust_coefficient * p_norm / (g_norm + weight_decay * p_norm + eps)
     v = dtype(momentum) * v + dtype(rate) * (g + dtype(decay) * p)
     return p - v, v
+
+
+def lamb(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-6,
+         weight_decay=0.01, adam_w_mode=True, grad_averaging=True, bias_correction=True,
+         max_grad_norm=0.0, global_grad_norm=0.0, use_nvlamb=False, dtype=np.float64):
+    """One LAMB step of one tensor, with Apex FusedLAMB's semantics.
+
+    g = grad / clip (clip = global_grad_norm / max_grad_norm when that exceeds 1);
+    L2 mode: g += wd * p.  m = beta1 m + (1 - beta1 or 1) g;  v = beta2 v + (1 - beta2) g^2;
+    u = m_hat / (sqrt(v_hat) + eps) (+ wd * p in AdamW mode);
+    p -= lr * ratio * u, ratio = ||p|| / ||u|| when wd != 0 or use_nvlamb (1 if a norm is 0).
+    Returns (param, exp_avg, exp_avg_sq), new arrays of `dtype`.
+    """
+    p, g, m, v = (np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq))
+    c = dtype
+    clip = global_grad_norm / max_grad_norm if max_grad_norm > 0 and global_grad_norm > max_grad_norm else 1.0
+    g = g * c(1.0 / clip)
+    if not adam_w_mode:
+        g = g + c(weight_decay) * p
+    m = m * c(beta1) + c(1 - beta1 if grad_averaging else 1.0) * g
+    v = v * c(beta2) + c(1 - beta2) * g * g
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    u = (m / c(bc1)) / (np.sqrt(v / c(bc2)) + c(eps))
+    if adam_w_mode:
+        u = u + c(weight_decay) * p
+    ratio = 1.0
+    if use_nvlamb or weight_decay != 0:
+        p_norm, u_norm = (float(np.sqrt(np.sum(np.square(a, dtype=np.float64)))) for a in (p, u))
+        if p_norm != 0 and u_norm != 0:
+            ratio = p_norm / u_norm
+    return p - c(lr * ratio) * u, m, v

@@ -12,7 +12,7 @@ import numpy as np
 
 import mtapply
 from mtapply import reference
-from mtapply.ops import AdamSpec, LARSSpec, SGDSpec
+from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 
 # (rtol, atol) per storage dtype: PyTorch's defaults, as /work/shared/guide/testing.md lists them.
 TOLERANCES = {
@@ -166,6 +166,32 @@ _LARS_BAD_HYPER = [
     (dict(eps=-1.0), ValueError, r"eps"),
 ]
 
+# ---------------------------------------------------------------------------------------------
+# LAMB (no torch.optim counterpart; Apex FusedLAMB semantics, judged by the float64 reference)
+
+
+def _lamb_reference(arrays: dict, *, flags: dict, hyper: dict, step) -> dict:
+    p, m, v = reference.lamb(arrays["params"], arrays["grads"], arrays["exp_avgs"],
+                             arrays["exp_avg_sqs"], step=step, **hyper, **flags)
+    return {"params": p, "exp_avgs": m, "exp_avg_sqs": v}
+
+
+_LAMB_FLAGS = [dict(adam_w_mode=a, use_nvlamb=n) for a, n in itertools.product((True, False), repeat=2)]
+_LAMB_BASE = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
+_LAMB_HYPER = [
+    dict(_LAMB_BASE),
+    dict(_LAMB_BASE, weight_decay=0.0),
+    dict(_LAMB_BASE, max_grad_norm=1.0, global_grad_norm=5.0),
+    dict(_LAMB_BASE, grad_averaging=False, bias_correction=False, beta1=0.5),
+]
+_LAMB_BAD_HYPER = [
+    (dict(beta2=1.0), ValueError, r"beta2"),
+    (dict(lr=float("nan")), ValueError, r"lr"),
+    (dict(max_grad_norm=1.0), TypeError, r"global_grad_norm"),
+    (dict(max_grad_norm=1.0, global_grad_norm=-2.0), ValueError, r"global_grad_norm"),
+    (dict(step=0), ValueError, r"step"),
+]
+
 OPS = {
     "adam": dict(
         spec=AdamSpec,
@@ -205,6 +231,18 @@ OPS = {
         torch_optimizer=None,
         torch_state={},
         bad_hyper=_LARS_BAD_HYPER,
+    ),
+    "lamb": dict(
+        spec=LAMBSpec,
+        plan=mtapply.lamb_plan,
+        step=mtapply.lamb_step,
+        flag_sets=_LAMB_FLAGS,
+        hyper_sets=_LAMB_HYPER,
+        reference=_lamb_reference,
+        init_state=_adam_state,
+        torch_optimizer=None,
+        torch_state={},
+        bad_hyper=_LAMB_BAD_HYPER,
     ),
 }
 

@@ -1,0 +1,69 @@
+"""LAMB on the GPU against the float64 reference (Apex FusedLAMB semantics), two launches."""
+import numpy as np
+import pytest
+
+import mtapply
+
+torch = pytest.importorskip("torch")
+from _helpers import assert_matches, to64  # noqa: E402
+
+CHUNK = mtapply._source.CHUNK_ELEMENTS
+SHAPES = [(1,), (0,), (CHUNK - 1,), (CHUNK + 1,), (64, 3, 7, 7), (278011,), (2048,), (0,)]
+BASE = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
+
+
+def _lists(dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    make = lambda s, scale: (torch.randn(s, generator=g, device="cuda") * scale).to(dt)  # noqa: E731
+    params = [make(s, 1.0) for s in SHAPES]
+    grads = [make(s, 1.0) for s in SHAPES]
+    ms = [make(s, 0.1) for s in SHAPES]
+    vs = [make(s, 0.1).abs_() for s in SHAPES]
+    return params, grads, ms, vs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("adam_w_mode,use_nvlamb", [(True, False), (False, True)])
+@pytest.mark.parametrize("extra", [{}, dict(weight_decay=0.0), dict(max_grad_norm=1.0),
+                                   dict(grad_averaging=False, bias_correction=False)],
+                         ids=["base", "no-decay", "clipped", "plain-moments"])
+def test_matches_reference_each_step(dtype, adam_w_mode, use_nvlamb, extra):
+    params, grads, ms, vs = _lists(dtype, seed=5)
+    plan = mtapply.lamb_plan(params, grads, ms, vs, adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb)
+    scale = 4.0 if dtype == "bfloat16" else 4.0  # norms from fp32 sums: a few roundings more
+    for step in range(1, 6):
+        for g in grads:
+            g.copy_(torch.randn_like(g))
+        hyper = dict(BASE, **extra)
+        if "max_grad_norm" in extra:
+            norm = float(np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads)))
+            hyper["global_grad_norm"] = torch.tensor([norm], device="cuda")
+            ref_hyper = dict(hyper, global_grad_norm=float(np.float32(norm)))
+        else:
+            ref_hyper = hyper
+        expected = [mtapply.reference.lamb(to64(p), to64(g), to64(m), to64(v), step=step,
+                                           adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb, **ref_hyper)
+                    for p, g, m, v in zip(params, grads, ms, vs)]
+        plan.step(step=step, **hyper)
+        for i, (p, m, v) in enumerate(expected):
+            assert_matches(params[i], p, dtype, f"params[{i}] step {step}", scale)
+            assert_matches(ms[i], m, dtype, f"exp_avgs[{i}] step {step}", scale)
+            assert_matches(vs[i], v, dtype, f"exp_avg_sqs[{i}] step {step}", scale)
+
+
+def test_two_launches_and_found_inf_skips_both():
+    params, grads, ms, vs = _lists("float32", seed=6)
+    before = [t.clone() for t in params + ms + vs]
+    plan = mtapply.lamb_plan(params, grads, ms, vs)
+    launches = []
+    original = mtapply._launch.KernelLaunch.launch
+    mtapply._launch.KernelLaunch.launch = lambda self, s: (launches.append(s), original(self, s))[1]
+    try:
+        plan.step(step=1, found_inf=torch.ones((), device="cuda"), **BASE)
+    finally:
+        mtapply._launch.KernelLaunch.launch = original
+    torch.cuda.synchronize()
+    assert len(launches) == 2
+    for a, b in zip(params + ms + vs, before):
+        assert torch.equal(a, b)
