@@ -18,8 +18,9 @@ class LAMBSpec(OpSpec):
 
     Two launches whatever the number of tensors: moments and both norms, then the update.
     Differences from Apex: the global gradient norm is an input (a number or a device scalar)
-    rather than computed inside the step, and grads are left as they are (Apex overwrites them
-    with the update).
+    rather than computed inside the step; grads are left as they are (Apex overwrites them with
+    the update); and the update pass recomputes the update from the moments as stored, so with
+    16-bit moments it uses their rounded values (keep moments in fp32 for mixed precision).
     """
 
     name = "lamb"
