@@ -14,7 +14,7 @@ import mtapply
 from mtapply import reference
 from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 
-# (rtol, atol) per storage dtype: PyTorch's defaults, as /work/shared/guide/testing.md lists them.
+# (rtol, atol) per storage dtype: the defaults of torch.testing.assert_close.
 TOLERANCES = {
     "float32": (1.3e-6, 1e-5),
     "float16": (1e-3, 1e-5),
