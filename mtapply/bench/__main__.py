@@ -6,8 +6,9 @@ import datetime
 import platform
 import sys
 
-from .ops import OPS, all_competitors, target_pairs
-from .workloads import EXPECTED, WORKLOADS, count_params
+from .ops import (OPS, accepts, all_competitors, bytes_per_param, make_data, runs_on,
+                  target_pairs)
+from .workloads import EXPECTED, FP32, WORKLOADS, count_params, dtypes
 
 
 def main(argv=None) -> int:
@@ -46,19 +47,22 @@ def main(argv=None) -> int:
 
 
 def _run_workload(op, name, competitors, device, budget, bandwidth_gbps, seed):
-    """(workload info, rows): every selected competitor of `op` on its own copy of the same
-    data, against the floor of `op`'s bytes per parameter."""
+    """(workload info, rows): every selected competitor of `op` that runs on the workload, on its
+    own copy of the same data, against the floor of `op`'s bytes per parameter in the workload's
+    dtypes."""
     from .harness import free_memory
 
     shapes = WORKLOADS[name]()
     n_params = count_params(shapes)
-    floor_ms = op.BYTES_PER_PARAM * n_params / (bandwidth_gbps * 1e9) * 1e3
+    moved = bytes_per_param(op, name)
+    floor_ms = moved * n_params / (bandwidth_gbps * 1e9) * 1e3
     info = {"op": op.NAME, "name": name, "n_tensors": len(shapes), "n_params": n_params,
-            "bytes_per_param": op.BYTES_PER_PARAM, "floor_ms": floor_ms}
+            "dtypes": dtypes(name).text(), "bytes_per_param": moved, "floor_ms": floor_ms}
     _progress(f"{op.NAME} {name}: {len(shapes):,} tensors, {n_params:,} params, "
-              f"floor {floor_ms:.4g} ms")
-    initial = op.make_data(shapes, device, seed)
-    rows = [_run_competitor(op, info, competitor, initial, budget) for competitor in competitors]
+              f"{info['dtypes']}, floor {floor_ms:.4g} ms ({moved} B/param)")
+    initial = make_data(op, name, shapes, device, seed)
+    rows = [_run_competitor(op, info, competitor, initial, budget) for competitor in competitors
+            if runs_on(op, competitor, name)]
     del initial
     free_memory()
     return info, rows
@@ -71,7 +75,7 @@ def _run_competitor(op, info: dict, competitor: str, initial, budget) -> dict:
     try:
         stepper = op.COMPETITORS[competitor].build(initial.clone())
         timing = harness.measure(stepper.step, budget, stepper.sync)
-        row = report.timing_row(info, competitor, timing)
+        row = report.timing_row(info, competitor, timing, stepper.moves, stepper.note)
         _progress(f"  {competitor:<18} {_progress_times(row)}  "
                   f"({row['steps']} steps x {row['repeats']})")
     except Exception as error:  # one competitor failing (no managed memory, OOM) ends only its row
@@ -93,11 +97,12 @@ def _progress_times(row: dict) -> str:
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mtapply.bench",
-        description="Benchmark mtapply's fused optimizer steps (fp32 Adam, SGD with momentum, "
-                    "LARS) against their peers (torch.optim, a PyTorch loop, optax) on a CUDA "
-                    "GPU. Reports GPU and wall ms per step, x the byte floor (the op's bytes per "
-                    "param over the measured copy bandwidth: Adam 28, SGD 20, LARS 20) and x the "
-                    "op's reference peer (torch's fused step; for LARS the PyTorch loop). Needs "
+        description="Benchmark mtapply's fused optimizer steps (Adam in fp32 and in bf16 with "
+                    "fp32 master weights, SGD with momentum, LARS) against their peers "
+                    "(torch.optim, a PyTorch loop, optax) on a CUDA GPU. Reports GPU and wall ms "
+                    "per step, x the byte floor (the bytes per param mtapply's step moves over "
+                    "the measured copy bandwidth: Adam 28, SGD 20, LARS 20) and x the op's "
+                    "reference peer (torch's fused step; for LARS the PyTorch loop). Needs "
                     "PyTorch with CUDA. --list shows each op's workloads and competitors.")
     parser.add_argument("--op", choices=[*OPS, "all"], default="all",
                         help="op to benchmark (default: %(default)s)")
@@ -134,7 +139,8 @@ def _parse_args(argv):
 
 
 def _runs(parser, args) -> list:
-    """{'op', 'workloads', 'competitors'} for each chosen op that has a chosen competitor."""
+    """{'op', 'workloads', 'competitors'} for each chosen op with a chosen competitor that runs
+    on one of its chosen workloads (an fp32-only op skips mixed-precision workloads)."""
     workloads = None if args.workloads is None else _selected(parser, "--workloads",
                                                                args.workloads, WORKLOADS)
     only = None if args.only is None else _selected(parser, "--only", args.only,
@@ -143,11 +149,15 @@ def _runs(parser, args) -> list:
     for name in OPS if args.op == "all" else [args.op]:
         op = OPS[name]
         competitors = [c for c in op.COMPETITORS if only is None or c in only]
-        if competitors:
-            runs.append({"op": name, "workloads": workloads or list(op.DEFAULT_WORKLOADS),
-                         "competitors": competitors})
+        chosen = [w for w in workloads or op.DEFAULT_WORKLOADS if accepts(op, w)
+                  and any(runs_on(op, c, w) for c in competitors)]
+        if chosen:
+            runs.append({"op": name, "workloads": chosen, "competitors": competitors})
     if not runs:
-        parser.error(f"--only: no competitor of --op {args.op} among {', '.join(only)}")
+        among = f" among --only {' '.join(only)}" if only else ""
+        on = f"--workloads {' '.join(workloads)}" if workloads else "its default workloads"
+        parser.error(f"nothing to run: no competitor of --op {args.op}{among} runs on {on} "
+                     f"(see --list)")
     return runs
 
 
@@ -224,19 +234,29 @@ def _header_text(results: dict) -> str:
 
 def _listing() -> str:
     lines = ["workloads:"]
-    lines += [f"  {name:<12} {tensors:>6,} tensors {params:>13,} params"
+    lines += [f"  {name:<12} {tensors:>6,} tensors {params:>13,} params  {dtypes(name).text()}"
               for name, (tensors, params) in EXPECTED.items() if name in WORKLOADS]
     for name, op in OPS.items():
         targets = ", ".join(f"{workload} {metric} <= {limit:g}"
                             for workload, pairs in target_pairs(op).items()
                             for metric, limit in pairs)
         lines += [f"op {name}: {op.DESCRIPTION}",
-                  f"  floor {op.BYTES_PER_PARAM} B/param; ratios over {op.REFERENCE}",
+                  f"  floor {_floors(op)}; ratios over {op.REFERENCE}",
                   f"  default workloads: {', '.join(op.DEFAULT_WORKLOADS)}",
                   f"  targets (mtapply): {targets}", "  competitors:"]
         lines += [f"    {competitor:<18} {entry.description}"
+                  + (" (mixed-precision workloads only)" if entry.mixed_only else "")
                   for competitor, entry in op.COMPETITORS.items()]
     return "\n".join(lines)
+
+
+def _floors(op) -> str:
+    """The op's floor in bytes per param: fp32's, then each mixed-precision workload's it runs."""
+    mixed = [f"{name} {bytes_per_param(op, name)}" for name in WORKLOADS
+             if dtypes(name) != FP32 and accepts(op, name)]
+    if not mixed:
+        return f"{op.BYTES_PER_PARAM} B/param (fp32 workloads only)"
+    return f"{op.BYTES_PER_PARAM} B/param (fp32), {', '.join(mixed)} B/param"
 
 
 def _progress(text: str) -> None:

@@ -25,18 +25,23 @@ class Stepper:
 
     `sync`, for a step whose work runs outside torch's streams (JAX), waits for that work; the
     harness then times the step by wall clock alone, since CUDA events on torch's stream would
-    not see it."""
+    not see it. `moves`, for a step that moves other than the op's floor bytes per parameter
+    (a peer keeping its states in the params' low precision), is what it moves; `note` says
+    what the row's reader must know about it."""
 
-    def __init__(self, step, *keep_alive, sync=None):
+    def __init__(self, step, *keep_alive, sync=None, moves=None, note=None):
         self.step = step
         self.keep_alive = keep_alive
         self.sync = sync
+        self.moves = moves
+        self.note = note
 
 
 @dataclass(frozen=True)
 class Competitor:
     build: object  # the op's data -> Stepper
     description: str
+    mixed_only: bool = False  # on an all-fp32 workload it would repeat another row
 
 
 def generator(device, seed: int):
@@ -56,6 +61,13 @@ def randn_list(shapes, generator, scale: float = 1.0) -> list:
             for shape in shapes]
 
 
+def cast_list(tensors: list, dtype: str) -> list:
+    """`tensors` stored as `dtype` (a torch dtype name); the same tensors where they already are."""
+    import torch
+
+    return [t.to(getattr(torch, dtype)) for t in tensors]
+
+
 def attach_grads(params: list, grads: list) -> None:
     """Makes `params` leaves with `.grad` set once, as torch.optim finds them after backward."""
     for p, g in zip(params, grads):
@@ -63,9 +75,9 @@ def attach_grads(params: list, grads: list) -> None:
         p.grad = g
 
 
-def graph_stepper(step, *keep_alive) -> Stepper:
+def graph_stepper(step, *keep_alive, **notes) -> Stepper:
     """`step` captured in a CUDA graph, per the PyTorch docs: a few warm-up steps on a side
-    stream, capture, then every step is a replay."""
+    stream, capture, then every step is a replay. `notes`: Stepper's `moves` and `note`."""
     import torch
 
     side = torch.cuda.Stream()
@@ -77,4 +89,4 @@ def graph_stepper(step, *keep_alive) -> Stepper:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return Stepper(graph.replay, graph, *keep_alive)
+    return Stepper(graph.replay, graph, *keep_alive, **notes)

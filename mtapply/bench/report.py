@@ -13,9 +13,12 @@ TARGET_COMPETITORS = ("mtapply", "mtapply-unified")  # rows the issue's targets 
 DEFAULT_MTAPPLY = "mtapply"
 
 
-def timing_row(workload: dict, competitor: str, timing) -> dict:
+def timing_row(workload: dict, competitor: str, timing, moves=None, note=None) -> dict:
     """A measured row: medians, samples, and ratios to the op's byte floor. A row timed by wall
-    clock alone has None for its GPU figures (n/a) and says so in "timed_by"."""
+    clock alone has None for its GPU figures (n/a) and says so in "timed_by". `moves`: the bytes
+    per param the competitor's step moves where that is not the floor's count (a peer with
+    low-precision states); its row keeps x floor against the workload's floor, the one mtapply
+    is held to, and adds x its own floor. `note`: what the reader must know about the row."""
     floor_ms = workload["floor_ms"]
     gpu_ms = timing.gpu_ms
     row = {"op": workload["op"], "workload": workload["name"], "competitor": competitor,
@@ -27,6 +30,12 @@ def timing_row(workload: dict, competitor: str, timing) -> dict:
     if gpu_ms is None:
         row["timed_by"] = ("wall clock only: the step runs on its own streams (JAX), which CUDA "
                            "events on torch's stream do not see; GPU ms n/a")
+    if note:
+        row["note"] = note
+    if moves is not None and moves != workload["bytes_per_param"]:
+        own_floor_ms = floor_ms * moves / workload["bytes_per_param"]
+        row.update(bytes_per_param=moves, own_floor_ms=own_floor_ms,
+                   x_own_floor=None if gpu_ms is None else gpu_ms / own_floor_ms)
     return row
 
 
@@ -53,13 +62,19 @@ def add_ratios(rows: list, ops: dict) -> None:
 
 
 def format_table(rows: list, ops: dict) -> str:
+    """The table, then the rows' notes, each once, numbered as the competitors are marked."""
     label = _reference_label(rows, ops)
+    notes = list(dict.fromkeys(row["note"] for row in rows if row.get("note")))
     header = ["op", "workload", "competitor", "GPU ms/step", "wall ms/step", "wall us/step",
               "x floor", f"x {label} (GPU)", f"x {label} (wall)", "steps x reps", "target"]
-    lines = [header] + [_table_cells(row, ops[row["op"]].REFERENCE) for row in rows]
+    lines = [header] + [_table_cells(row, ops[row["op"]].REFERENCE, notes) for row in rows]
     widths = [max(len(line[k]) for line in lines) for k in range(len(header))]
     text = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     text.insert(1, "-+-".join("-" * width for width in widths))
+    if any("x_own_floor" in row for row in rows):
+        text.append("x floor (own N): over the workload's floor; N over the floor of the bytes "
+                    "the competitor itself moves (bytes_per_param in the JSON)")
+    text += [f"[{number}] {note}" for number, note in enumerate(notes, 1)]
     return "\n".join(text)
 
 
@@ -128,13 +143,16 @@ def _reference_label(rows: list, ops: dict) -> str:
     return references.pop() if len(references) == 1 else "reference"
 
 
-def _table_cells(row: dict, reference: str) -> list:
-    head = [row["op"], row["workload"], row["competitor"]]
+def _table_cells(row: dict, reference: str, notes: list) -> list:
+    mark = f" [{notes.index(row['note']) + 1}]" if row.get("note") else ""
+    head = [row["op"], row["workload"], row["competitor"] + mark]
     if "error" in row:
         return head + ["-"] * 7 + [f"skipped: {row['error']}"[:120]]
     ref = _key(reference)
     wall_only = row["gpu_ms"] is None  # GPU time n/a: x floor by wall clock, and marked so
     x_floor = f"{_ratio(row['x_floor_wall'])} (wall)" if wall_only else _ratio(row["x_floor"])
+    if row.get("x_own_floor") is not None:
+        x_floor += f" (own {_ratio(row['x_own_floor'])})"
     return head + [_time(row["gpu_ms"]), _time(row["wall_ms"]), _time(row["wall_us"]),
                    x_floor, _ratio(row.get(f"x_{ref}_gpu")),
                    _ratio(row.get(f"x_{ref}_wall")), f"{row['steps']} x {row['repeats']}",

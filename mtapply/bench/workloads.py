@@ -1,13 +1,15 @@
-"""Benchmark workloads: each is a list of parameter shapes (fp32 unless its op says otherwise).
+"""Benchmark workloads: each is a list of parameter shapes, stored in fp32 unless it says otherwise.
 
 `WORKLOADS` maps a name to a function returning the shapes. A new workload adds its function here
 and its expected tensor and parameter counts to `EXPECTED` (so a wrong shape list fails loudly
-instead of producing a plausible-looking benchmark); targets belong to each op's module. Needs
-only NumPy, so `--list` works without torch or a GPU.
+instead of producing a plausible-looking benchmark); a workload that is not all fp32 adds its
+`Dtypes` to `WORKLOAD_DTYPES`, and only ops that list those dtypes run it. Targets belong to each
+op's module. Needs only NumPy, so `--list` works without torch or a GPU.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,10 +17,37 @@ import numpy as np
 EXPECTED = {
     "big256M": (1, 268_435_456),
     "gpt2-124M": (148, 124_439_808),
+    "gpt2-bf16": (148, 124_439_808),
     "small10k": (10_000, 21_762_580),
     "tiny2k": (2_000, 200_000),
     "resnet50": (161, 25_557_032),
 }
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element, by torch dtype name
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """What a workload's tensors are stored in (torch dtype names): params, grads, optimizer
+    states, and the master weights kept beside low-precision params (None: no master copy;
+    an op that offers none updates the params themselves)."""
+
+    params: str = "float32"
+    grads: str = "float32"
+    states: str = "float32"
+    master: str | None = None
+
+    def text(self) -> str:
+        if self == FP32:
+            return "fp32"
+        master = f", {_short(self.master)} master weights" if self.master else ""
+        return (f"{_short(self.params)} params, {_short(self.grads)} grads, "
+                f"{_short(self.states)} states{master}")
+
+
+FP32 = Dtypes()
+BF16_MASTER = Dtypes(params="bfloat16", grads="bfloat16", states="float32", master="float32")
+WORKLOAD_DTYPES = {"gpt2-bf16": BF16_MASTER}  # every other workload is all fp32
 
 
 def big256m() -> list:
@@ -39,6 +68,11 @@ def gpt2_124m() -> list:
     ]
     shapes = [(vocab, d_model), (context, d_model)] + block * layers + [(d_model,), (d_model,)]
     return _checked("gpt2-124M", shapes)
+
+
+def gpt2_bf16() -> list:
+    """GPT-2 small's shapes again, for mixed precision (dtypes in `WORKLOAD_DTYPES`)."""
+    return _checked("gpt2-bf16", gpt2_124m())
 
 
 def small10k() -> list:
@@ -82,14 +116,23 @@ def _bottleneck(in_channels: int, width: int, downsample: bool) -> list:
 WORKLOADS = {
     "big256M": big256m,
     "gpt2-124M": gpt2_124m,
+    "gpt2-bf16": gpt2_bf16,
     "small10k": small10k,
     "tiny2k": tiny2k,
     "resnet50": resnet50,
 }
 
 
+def dtypes(name: str) -> Dtypes:
+    return WORKLOAD_DTYPES.get(name, FP32)
+
+
 def count_params(shapes) -> int:
     return sum(math.prod(shape) for shape in shapes)
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
 def _checked(name: str, shapes: list) -> list:
