@@ -7,10 +7,30 @@
 //   MTA_SLOTS                       slots per table record (an op's pass may load fewer)
 //   mta::acc_t                      math type (float, or double for float64 params)
 //   mta::SlotType<S>::type          storage type of slot S
+//   MTA_MASTER, mta::param_t        fp32 master weights (below), and the params' storage type
+//
+// An op's functor declares N_SLOTS (it uses the first slots of each record), WRITTEN (bit mask
+// of the slots it stores), GRAD (the slot the walker unscales, -1 for none), N_SUMS (per-tensor
+// sums it accumulates for a later pass) and Args; optionally READ (slots it loads, default all)
+// and GLOBAL (a static finish(args, all_sums, positions, n) run once per launch, after every
+// tensor's sums are known, by the block that finishes last).
+//
+// Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
+// The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
+// the master and also the master rounded to the param's own storage.
 #pragma once
 #include "dtypes.cuh"
 
+#ifndef MTA_MASTER
+#define MTA_MASTER 0
+#endif
+
 namespace mta {
+
+template <class Op, class = void> struct ReadMask { static constexpr unsigned value = ~0u; };
+template <class Op> struct ReadMask<Op, decltype(void(Op::READ))> { static constexpr unsigned value = Op::READ; };
+template <class Op, class = void> struct IsGlobal { static constexpr bool value = false; };
+template <class Op> struct IsGlobal<Op, decltype(void(Op::GLOBAL))> { static constexpr bool value = Op::GLOBAL; };
 
 // Arguments of every launch. The group's table, in device memory:
 //   blocks[b]  = (tensor index, chunk index) of CUDA block b; a tensor's blocks are consecutive
@@ -18,7 +38,9 @@ namespace mta {
 // AMP loss scaling, common to every op: grads arrive multiplied by grad_scale (or by
 // *grad_scale_ptr) and are divided by it; when *found_inf_ptr is non-zero nothing is written.
 // Ops that sum over each tensor (Op::N_SUMS > 0) use the workspace: partials (per block),
-// arrivals (per tensor, zero between launches) and sums (per tensor, the totals).
+// arrivals (per tensor, zero between launches) and sums (per tensor, the totals). The sums of
+// every group of the plan lie in all_sums; positions[i] is where the i-th tensor of the caller's
+// list lies there; finished counts the tensors done in this step, over all groups.
 template <class Args>
 struct Launch {
   const int2* blocks;
@@ -29,6 +51,11 @@ struct Launch {
   float* partials;
   unsigned* arrivals;
   float* sums;
+  const float* all_sums;
+  const int* positions;
+  unsigned* finished;
+  long long n_tensors;
+  long long n_nonempty;
   Args args;
 };
 
@@ -53,14 +80,21 @@ __device__ __forceinline__ void store_vec(char* base, long long i, const acc_t (
   for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) dst[w] = u.words[w];
 }
 
-// Loads slots S..N-1 of W elements at i (W = 1: one element) into registers.
-template <int S, int N, int W>
+// Loads the slots among S..N-1 that the op reads (bit s of READ), W elements at i (W = 1: one
+// element), into registers; the others are zero.
+template <int S, int N, unsigned READ, int W>
 __device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, acc_t (&v)[N][W]) {
   if constexpr (S < N) {
     using T = typename SlotType<S>::type;
-    if constexpr (W == 1) v[S][0] = to_acc(reinterpret_cast<const T*>(ptr[S])[i]);
-    else load_vec<T, W>(ptr[S], i, v[S]);
-    load_slots<S + 1, N, W>(ptr, i, v);
+    if constexpr (!((READ >> S) & 1u)) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) v[S][k] = acc_t(0);
+    } else if constexpr (W == 1) {
+      v[S][0] = to_acc(reinterpret_cast<const T*>(ptr[S])[i]);
+    } else {
+      load_vec<T, W>(ptr[S], i, v[S]);
+    }
+    load_slots<S + 1, N, READ, W>(ptr, i, v);
   }
 }
 
@@ -79,12 +113,14 @@ __device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, 
 
 // Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path);
 // an op that sums also adds each element's contributions to `acc`.
+// With master weights, `param_copy` is the 16-bit param that receives the rounded master.
 template <class Op, int W>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
-                                      long long i, float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+                                      char* param_copy, long long i,
+                                      float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   constexpr int N = Op::N_SLOTS;
   acc_t v[N][W];
-  load_slots<0, N, W>(ptr, i, v);
+  load_slots<0, N, ReadMask<Op>::value, W>(ptr, i, v);
 #pragma unroll
   for (int k = 0; k < W; ++k) {
     acc_t x[N];
@@ -99,6 +135,12 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
   }
   if constexpr (Op::WRITTEN != 0u) store_slots<0, N, Op::WRITTEN, W>(ptr, i, v);
+#if MTA_MASTER
+  if constexpr ((Op::WRITTEN & 1u) != 0u) {
+    if constexpr (W == 1) reinterpret_cast<param_t*>(param_copy)[i] = from_acc<param_t>(v[0][0]);
+    else store_vec<param_t, W>(param_copy, i, v[0]);
+  }
+#endif
 }
 
 // Sum of `value` over the block, in a fixed order (deterministic); every thread gets it.
@@ -117,9 +159,27 @@ __device__ __forceinline__ float block_sum(float value) {
 
 // Writes this block's sums; the last block of the tensor to finish adds all of the tensor's
 // block sums in block order (so the result does not depend on timing) into sums[tensor].
-template <int N_SUMS, class Args>
-__device__ void finish_sums(const Launch<Args>& launch, const float (&acc)[N_SUMS], int tensor,
-                            int chunk, long long numel) {
+// Of the blocks that finish a tensor, the last one of the launch's plan-wide step runs the op's
+// global finish (every tensor's sums are then in all_sums), and resets the count.
+template <class Op>
+__device__ void finish_global(const Launch<typename Op::Args>& launch) {
+  __shared__ bool last_tensor;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this tensor's sums, written by thread 0, before the count
+    last_tensor = atomicAdd(launch.finished, 1u) == static_cast<unsigned>(launch.n_nonempty - 1);
+  }
+  __syncthreads();
+  if (!last_tensor) return;
+  __threadfence();
+  Op::finish(launch.args, launch.all_sums, launch.positions, launch.n_tensors);
+  if (threadIdx.x == 0) *launch.finished = 0u;  // ready for the next step
+}
+
+template <class Op>
+__device__ void finish_sums(const Launch<typename Op::Args>& launch, const float (&acc)[Op::N_SUMS],
+                            int tensor, int chunk, long long numel) {
+  constexpr int N_SUMS = Op::N_SUMS;
   float mine[N_SUMS];
 #pragma unroll
   for (int k = 0; k < N_SUMS; ++k) mine[k] = block_sum(acc[k]);
@@ -145,6 +205,7 @@ __device__ void finish_sums(const Launch<Args>& launch, const float (&acc)[N_SUM
     if (threadIdx.x == 0) launch.sums[static_cast<long long>(tensor) * N_SUMS + k] = total;
   }
   if (threadIdx.x == 0) launch.arrivals[tensor] = 0u;  // ready for the next launch
+  if constexpr (IsGlobal<Op>::value) finish_global<Op>(launch);
 }
 
 template <class Op>
@@ -162,6 +223,12 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
     ptr[s] = reinterpret_cast<char*>(rec[1 + s]);
     address_bits |= static_cast<unsigned long long>(rec[1 + s]);
   }
+  char* param_copy = nullptr;
+#if MTA_MASTER
+  param_copy = ptr[0];
+  ptr[0] = reinterpret_cast<char*>(rec[MTA_SLOTS]);  // the fp32 master is the op's param
+  address_bits |= static_cast<unsigned long long>(rec[MTA_SLOTS]);
+#endif
   const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
   const long long end = min(begin + static_cast<long long>(MTA_CHUNK), numel);
   const Op op(launch.args, job.x, launch.sums);
@@ -171,11 +238,11 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
   if ((address_bits & 15ull) == 0) {
     scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
     for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
-      apply<Op, MTA_VEC>(op, grad_scale, ptr, i, acc);
+      apply<Op, MTA_VEC>(op, grad_scale, ptr, param_copy, i, acc);
   }
   for (long long i = scalar_from + threadIdx.x; i < end; i += MTA_BLOCK)
-    apply<Op, 1>(op, grad_scale, ptr, i, acc);
-  if constexpr (Op::N_SUMS > 0) finish_sums<Op::N_SUMS>(launch, acc, job.x, job.y, numel);
+    apply<Op, 1>(op, grad_scale, ptr, param_copy, i, acc);
+  if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.x, job.y, numel);
 }
 
 }  // namespace mta

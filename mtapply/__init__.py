@@ -5,16 +5,19 @@
 
 updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
 with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
+List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `zero_`.
 """
 from .adam import adam_plan, adam_step
 from .engine import Plan
 from .lamb import lamb_plan, lamb_step
 from .lars import lars_plan, lars_step
+from .norms import clip_grad_norm_, l2_norms
 from .ops import REGISTRY, AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from .scaling import scale_, unscale_, zero_
 from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
 __all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan",
-           "adam_step", "lamb_plan", "lamb_step", "lars_plan", "lars_step", "sgd_plan", "sgd_step",
-           "__version__"]
+           "adam_step", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
+           "lars_step", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]

@@ -46,13 +46,22 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
 
 def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`;
-    grads are divided by `grad_scale` first (AMP), in the math type, as the kernel does."""
-    for i in range(len(refs["params"])):
-        if refs["params"][i].numel == 0:
+    grads are divided by `grad_scale` first (AMP), in the math type, as the kernel does.
+    With master weights the op sees the fp32 master as its param, and the param receives the
+    rounded result."""
+    if spec.cpu_run(refs, args, grad_scale):
+        return
+    first = refs[spec.slots[0]]
+    for i in range(len(first)):
+        if first[i].numel == 0:
             continue
-        dtype = np.float64 if refs["params"][i].dtype == "float64" else np.float32
+        dtype = np.float64 if first[i].dtype == "float64" else np.float32
         arrays = {name: load(column[i], dtype) for name, column in refs.items()}
+        if spec.master_weights:
+            arrays["params"] = arrays.pop("master_params")
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
         for name, values in spec.cpu_update(arrays, args, dtype, i).items():
             store(refs[name][i], values)
+            if name == "params" and spec.master_weights:
+                store(refs["master_params"][i], values)

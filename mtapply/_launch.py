@@ -13,6 +13,7 @@ import struct
 import sys
 
 _NAN = float("nan")
+_ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:
@@ -45,10 +46,10 @@ class KernelLaunch:
     """The argument words and geometry of one kernel launch; `launch` issues it.
 
     The kernel takes one struct of 64-bit words (kernels/walker.cuh, `Launch`): the two table
-    addresses, the AMP scaling words, the workspace addresses, then the op's `arg_fields` (a
+    addresses, the AMP scaling words, the workspace words, then the op's `arg_fields` (a
     double; the address of a DeviceScalar for a `*_ptr` field; of a per-tensor array for an
-    `*_array` field). It lives in a host buffer that the driver copies at launch, so it can be
-    rewritten right after.
+    `*_array` field; of an output array for an `*_out` field). It lives in a host buffer that
+    the driver copies at launch, so it can be rewritten right after.
     """
 
     def __init__(self, function, threads: int, n_blocks: int, arg_fields: tuple):
@@ -57,20 +58,22 @@ class KernelLaunch:
         self.n_blocks = n_blocks
         self._layout = [(name, name + "_ptr" in arg_fields) for name in arg_fields
                         if not name.endswith("_ptr")]
-        self._packer = struct.Struct("<2QdQQ3Q" + "".join("Q" if f.endswith(("_ptr", "_array"))
-                                                           else "d" for f in arg_fields))
+        self._packer = struct.Struct("<2QdQQ6Q2q" + "".join("Q" if f.endswith(_ADDRESSES) else "d"
+                                                             for f in arg_fields))
         self._words = ctypes.create_string_buffer(self._packer.size)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._words))
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
-        self._workspace = (0, 0, 0)
+        self._workspace = (0,) * 8
         self._arrays: dict = {}
 
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
         self._table = (blocks_ptr, records_ptr)
 
-    def set_workspace(self, partials_ptr: int, arrivals_ptr: int, sums_ptr: int) -> None:
-        self._workspace = (partials_ptr, arrivals_ptr, sums_ptr)
+    def set_workspace(self, partials_ptr: int, arrivals_ptr: int, sums_ptr: int, plan_sums) -> None:
+        """This group's workspace, and the plan's (all_sums, positions, finished, n_tensors,
+        n_nonempty): see kernels/walker.cuh, `Launch`."""
+        self._workspace = (partials_ptr, arrivals_ptr, sums_ptr, *plan_sums)
 
     def set_array(self, name: str, ptr: int) -> None:
         self._arrays[name] = ptr
@@ -90,6 +93,9 @@ class KernelLaunch:
         for name, has_pointer in self._layout:
             if name.endswith("_array"):
                 values.append(self._arrays[name])
+                continue
+            if name.endswith("_out"):  # an output array: its address, or 0 for none
+                values.append(0 if args[name] is None else args[name].ptr)
                 continue
             value = args[name]
             if type(value) is float:

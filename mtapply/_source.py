@@ -67,7 +67,8 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
                    flags: tuple[tuple[str, bool], ...]) -> str:
     """Complete source of one kernel variant (op file, slot dtypes, compile-time flags), with
-    one entry point per pass: `mta_pass0` for functors[0], and so on."""
+    one entry point per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the
+    last slot holds the fp32 master weights of the 16-bit params of slot 0."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
              f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {CHUNK_ELEMENTS}",
@@ -75,10 +76,13 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     lines += [f"#define MTA_{name} {int(value)}" for name, value in flags]
     seen: set[str] = set()
     lines += inlined_sources(("dtypes.cuh",), seen)
-    lines += ["namespace mta {", f"typedef {math_type(dtypes)} acc_t;",
-              "template <int S> struct SlotType;"]
+    # With master weights the op's param (slot 0) is the fp32 master, held in the last slot.
+    master = dict(flags).get("MASTER", False)
+    loaded = (dtypes[-1],) + tuple(dtypes[1:]) if master else tuple(dtypes)
+    lines += ["namespace mta {", f"typedef {math_type(loaded)} acc_t;",
+              f"typedef {CUDA_TYPES[dtypes[0]]} param_t;", "template <int S> struct SlotType;"]
     lines += [f"template <> struct SlotType<{s}> {{ typedef {CUDA_TYPES[d]} type; }};"
-              for s, d in enumerate(dtypes)]
+              for s, d in enumerate(loaded)]
     lines += ["}  // namespace mta"]
     lines += inlined_sources((kernel_file,), seen)
     lines += [f"MTA_DEFINE_ENTRY({entry_name(k)}, {f})" for k, f in enumerate(functors)]

@@ -5,14 +5,18 @@ from .engine import Plan
 from .ops.adam import AdamSpec
 
 
-def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, amsgrad=False,
-              decoupled_weight_decay=False, maximize=False, table_mode=None, stream=None) -> Plan:
+def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, master_params=None,
+              amsgrad=False, decoupled_weight_decay=False, maximize=False, table_mode=None,
+              stream=None) -> Plan:
     """Binds Adam's tensor lists once; `plan.step(lr=..., step=..., ...)` then updates them.
 
     Args:
         params, grads, exp_avgs, exp_avg_sqs: lists of tensors (torch, CuPy, NumPy, any DLPack
             producer), one of each per parameter, all on one device. grads are only read.
         max_exp_avg_sqs: the amsgrad state list, required when amsgrad is True.
+        master_params: optional fp32 copies of 16-bit (fp16/bf16) params, one per param. The
+            kernel then updates the master (read in place of the param) and writes the param
+            as the master rounded to nearest.
         amsgrad, decoupled_weight_decay, maximize: compile-time variants, as in torch.optim.Adam
             (decoupled_weight_decay=True is AdamW).
         table_mode: "memcpy" (default) or "unified": where the device pointer tables live.
@@ -30,15 +34,16 @@ def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, ams
         ...     plan.step(lr=1e-3, step=t)
     """
     spec = AdamSpec(amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay,
-                    maximize=maximize)
+                    maximize=maximize, master_weights=master_params is not None)
     tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
-               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
+               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
+               "master_params": master_params}
     return Plan(spec, tensors, table_mode=table_mode, stream=stream)
 
 
 def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, max_exp_avg_sqs=None,
-              maximize=False, grad_scale=None, found_inf=None, stream=None,
+              maximize=False, master_params=None, grad_scale=None, found_inf=None, stream=None,
               table_mode=None) -> None:
     """One Adam/AdamW step over whole lists, in place, matching torch.optim.Adam / AdamW.
 
@@ -47,6 +52,7 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
     reuses device tables when the tensors are the same; to step repeatedly at O(1) host cost,
     build an `adam_plan` once. AMP: grads are divided by `grad_scale`, and a non-zero
     `found_inf` skips the step (each a number or a one-element float32 device array).
+    `master_params`: fp32 copies of 16-bit params, updated in their place (see `adam_plan`).
 
     Update rule (g the grad, t = step):
         g = -g if maximize;  g += weight_decay * p (L2) or p *= 1 - lr * weight_decay (AdamW)
@@ -54,10 +60,11 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
         p -= lr / (1 - beta1**t) * m / (sqrt(max(v) if amsgrad else v) / sqrt(1 - beta2**t) + eps)
     """
     spec = AdamSpec(amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay,
-                    maximize=maximize)
+                    maximize=maximize, master_weights=master_params is not None)
     spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
-               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
+               "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
+               "master_params": master_params}
     plan = Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True)
     plan.step(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
               grad_scale=grad_scale, found_inf=found_inf, stream=stream)

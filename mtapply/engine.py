@@ -15,7 +15,7 @@ from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar, check_number
+from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
 _RECENT_LIMIT = 8
@@ -44,11 +44,12 @@ class Plan:
             raise ValueError(f"table_mode={self.table_mode!r}; use one of {', '.join(_tables.MODES)}")
         self._stream = stream
         slots = {name: tensors[name] for name in spec.slots}
-        self._framework = framework_of(slots["params"][0]) if check_lists(slots) else "none"
+        first = spec.slots[0]
+        self._framework = framework_of(slots[first][0]) if check_lists(slots) else "none"
         self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream))
-        self._n = len(self._refs["params"])
-        spec.tensor_arrays(self._n)  # checks per-tensor options (e.g. LARS exclude) up front
-        self.device = self._refs["params"][0].device if self._n else None
+        spec.check_tensors(self._refs)  # per-tensor options (e.g. LARS exclude), master dtypes
+        self._n = len(self._refs[first])
+        self.device = self._refs[first][0].device if self._n else None
         self._scalars: dict = {}
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
@@ -87,7 +88,8 @@ class Plan:
         if slot not in self.spec.slots:
             raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
                              f"{', '.join(self.spec.slots)}")
-        check_lists({"params": self._refs["params"], slot: tensors})
+        first = self.spec.slots[0]
+        check_lists({first: self._refs[first], slot: tensors})
         chosen = self._stream if stream is None else stream
         launch_stream = self._stream_for(self.device[1], chosen) if self._cuda else None
         fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
@@ -100,9 +102,12 @@ class Plan:
         return stream_pointer(stream, self._framework, device_id)
 
     def _scalar(self, name: str, value):
-        """A number stays a number; a one-element device array becomes a DeviceScalar."""
+        """A number stays a number; a one-element device array becomes a DeviceScalar; an
+        array for an `*_out` argument becomes an OutputArray."""
         if type(value) is float or type(value) is int or not hasattr(value, "__dlpack__"):
             return value
+        if name.endswith("_out"):
+            return self._output(name, value)
         if name not in self.spec.device_scalars + ("grad_scale", "found_inf"):
             raise TypeError(f"{name} must be a Python number; only "
                             f"{', '.join(self.spec.device_scalars)} may be device arrays")
@@ -120,6 +125,28 @@ class Plan:
         return scalar
 
 
+    def _output(self, name: str, value) -> OutputArray:
+        cached = self._scalars.get(id(value))
+        if cached is not None and cached.obj is value:
+            return cached
+        ref = export(value, name, None)
+        numel = self.spec.output_numel(name, self._n)
+        if (ref.dtype != "float32" or ref.numel != numel or (numel > 1 and not ref.row_major)
+                or ref.read_only
+                or (self.device is not None and ref.device != self.device)):
+            where = "the tensors' device" if self.device is None else _device_label(self.device)
+            raise ValueError(f"{name} must be a writable contiguous float32 array of {numel} "
+                             f"element(s) on {where}, got {ref.dtype} {ref.shape} on "
+                             f"{_device_label(ref.device)}")
+        output = OutputArray(ptr=ref.ptr, obj=value, ref=ref)
+        self._scalars[id(value)] = output
+        return output
+
+
+def _device_label(device: tuple) -> str:
+    return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
+
+
 class _Launcher:
     """The kernels, tables, workspaces and argument words of a plan's groups on one GPU."""
 
@@ -132,28 +159,43 @@ class _Launcher:
         for group in self.groups:
             source = _source.variant_source(spec.kernel_file, spec.functors, group.dtypes, spec.flags)
             functions = _source.kernel_functions(source, device_id, len(spec.functors))
-            passes = [KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks, spec.arg_fields)
-                      for f in functions]
-            self._attach_memory(passes, group, spec.n_sums, arrays, stream)
-            self.launches.append(passes)
+            self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
+                                               spec.arg_fields) for f in functions])
             self.tables.append(None)
+        with cupy_device(device_id):
+            if spec.n_sums:
+                self._attach_sums(spec.n_sums, numels, stream)
+            self._attach_arrays(arrays, stream)
         self.upload(stream)
 
-    def _attach_memory(self, passes, group, n_sums: int, arrays: dict, stream: int) -> None:
-        """Device memory the passes share: the sums workspace and the per-tensor arrays."""
+    def _attach_sums(self, n_sums: int, numels: np.ndarray, stream: int) -> None:
+        """The sums workspace: per group, block partials, arrival counts and a slice of the
+        plan's sums (groups one after another), which `positions` maps to the caller's order."""
         import cupy
 
-        n = len(group.numels)
-        with cupy.cuda.Device(self.device_id):
-            if n_sums:
-                partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
-                arrivals = _device_copy(np.zeros(max(n, 1), np.uint32), stream)
-                sums = _device_copy(np.zeros(max(n * n_sums, 1), np.float32), stream)
-                self._memory += [partials, arrivals, sums]
-                for launch in passes:
-                    launch.set_workspace(partials.ptr, arrivals.ptr, sums.ptr)
-            for name, values in arrays.items():
-                memory = _device_copy(np.asarray(values, np.float32)[group.indices], stream)
+        offsets = np.cumsum([0] + [len(g.numels) for g in self.groups])
+        positions = np.empty(len(numels), np.int32)
+        for group, offset in zip(self.groups, offsets):
+            positions[group.indices] = offset + np.arange(len(group.numels))
+        positions *= n_sums
+        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums, 1), np.float32), stream)
+        mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
+        finished = _device_copy(np.zeros(1, np.uint32), stream)
+        self._memory += [all_sums, mapping, finished]
+        plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
+        for group, offset, passes in zip(self.groups, offsets, self.launches):
+            partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
+            arrivals = _device_copy(np.zeros(max(len(group.numels), 1), np.uint32), stream)
+            self._memory += [partials, arrivals]
+            for launch in passes:
+                launch.set_workspace(partials.ptr, arrivals.ptr, all_sums.ptr + 4 * n_sums * int(offset),
+                                     plan_sums)
+
+    def _attach_arrays(self, arrays: dict, stream: int) -> None:
+        """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""
+        for name, values in arrays.items():
+            for group, passes in zip(self.groups, self.launches):
+                memory = _device_copy(np.ascontiguousarray(np.asarray(values)[group.indices]), stream)
                 self._memory.append(memory)
                 for launch in passes:
                     launch.set_array(name, memory.ptr)
@@ -180,6 +222,8 @@ class _Launcher:
         return self
 
     def run(self, args: dict, stream: int, grad_scale=1.0, found_inf=None) -> None:
+        """Every pass over every group, pass by pass: a pass may need all groups' sums (a
+        global norm) from the one before."""
         import cupy
 
         switch = cupy.cuda.runtime.getDevice() != self.device_id
@@ -187,16 +231,25 @@ class _Launcher:
         if switch:
             device.__enter__()
         try:
-            for passes, table in zip(self.launches, self.tables):
-                if passes[0].n_blocks:
-                    table.before_launch(stream)
-                    for launch in passes:
-                        launch.set_args(args, grad_scale, found_inf)
-                        launch.launch(stream)
-                    table.launched_on(stream)
+            busy = [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
+            for k in busy:
+                self.tables[k].before_launch(stream)
+            for p in range(len(self.launches[0]) if busy else 0):
+                for k in busy:
+                    launch = self.launches[k][p]
+                    launch.set_args(args, grad_scale, found_inf)
+                    launch.launch(stream)
+            for k in busy:
+                self.tables[k].launched_on(stream)
         finally:
             if switch:
                 device.__exit__(None, None, None)
+
+
+def cupy_device(device_id: int):
+    import cupy
+
+    return cupy.cuda.Device(device_id)
 
 
 def _device_copy(values: np.ndarray, stream: int):
@@ -214,9 +267,9 @@ def _device_copy(values: np.ndarray, stream: int):
 def _launcher(spec, refs, table_mode, device_id, stream, share: bool) -> _Launcher:
     """A new launcher, or with `share` one whose tables already hold exactly these tensors."""
     slots = spec.slots
-    n = len(refs["params"])
+    n = len(refs[slots[0]])
     dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
-    numels = np.fromiter((r.numel for r in refs["params"]), dtype=np.int64, count=n)
+    numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
     if not share:
         return _Launcher(spec, dtypes, numels, pointers, table_mode, device_id, stream)

@@ -5,14 +5,17 @@ from .engine import Plan
 from .ops.sgd import SGDSpec
 
 
-def sgd_plan(params, grads, momentum_buffers=None, *, nesterov=False, maximize=False,
-             table_mode=None, stream=None) -> Plan:
+def sgd_plan(params, grads, momentum_buffers=None, *, master_params=None, nesterov=False,
+             maximize=False, table_mode=None, stream=None) -> Plan:
     """Binds SGD's tensor lists once; `plan.step(lr=..., step=..., momentum=...)` then updates them.
 
     Args:
         params, grads: lists of tensors, one of each per parameter, all on one device.
         momentum_buffers: one buffer per param, needed for momentum != 0 (any values: step 1
             overwrites them with the gradient, as torch.optim.SGD does when it creates them).
+        master_params: optional fp32 copies of 16-bit (fp16/bf16) params, one per param. The
+            kernel then updates the master (read in place of the param) and writes the param
+            as the master rounded to nearest.
         nesterov, maximize: compile-time variants, as in torch.optim.SGD.
         table_mode, stream: as for `mtapply.adam_plan`.
 
@@ -22,20 +25,22 @@ def sgd_plan(params, grads, momentum_buffers=None, *, nesterov=False, maximize=F
         one-element float32 device arrays.
     """
     spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
-                   maximize=maximize)
-    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers}
+                   maximize=maximize, master_weights=master_params is not None)
+    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
+               "master_params": master_params}
     return Plan(spec, tensors, table_mode=table_mode, stream=stream)
 
 
 def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.0, dampening=0.0,
-             nesterov=False, weight_decay=0.0, maximize=False, grad_scale=None, found_inf=None,
-             stream=None, table_mode=None) -> None:
+             nesterov=False, weight_decay=0.0, maximize=False, master_params=None, grad_scale=None,
+             found_inf=None, stream=None, table_mode=None) -> None:
     """One SGD step over whole lists, in place, matching torch.optim.SGD.
 
     `step` is the 1-based step count, required with momentum: on step 1 the buffers are set to
     the gradient (torch's first-step semantics), later steps blend into them. With momentum 0
     no buffers are needed. Everything is validated before anything is written. AMP: grads are
-    divided by `grad_scale`, and a non-zero `found_inf` skips the step.
+    divided by `grad_scale`, and a non-zero `found_inf` skips the step. `master_params`: fp32
+    copies of 16-bit params, updated in their place (see `sgd_plan`).
 
     Update rule (g the grad, b the buffer, t = step):
         g = -g if maximize;  g += weight_decay * p
@@ -43,10 +48,11 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.
         p -= lr * g
     """
     spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
-                   maximize=maximize)
+                   maximize=maximize, master_weights=master_params is not None)
     hyper = dict(lr=lr, step=step, momentum=momentum, dampening=dampening,
                  weight_decay=weight_decay)
     spec.arguments(**hyper)
-    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers}
+    tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
+               "master_params": master_params}
     Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True).step(
         stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)

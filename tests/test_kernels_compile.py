@@ -10,30 +10,43 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (with nvidia-cu
                     "installed: kernels cannot be compiled offline")
 
 from mtapply import REGISTRY, _source  # noqa: E402
+from mtapply.ops import UTILITIES  # noqa: E402
 
 from _registry import OPS  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90")
 
 
-def dtype_signatures(n_slots: int) -> dict:
-    """Storage dtype per slot: uniform lists, and bf16 params+grads with fp32 states."""
+def dtype_signatures(n_slots: int, master: bool = False) -> dict:
+    """Storage dtype per slot: uniform lists, and bf16 params+grads with fp32 states; with
+    master weights (the last slot), 16-bit params and grads with fp32 states and masters."""
+    mixed = {f"{d}-fp32state": (d, d) + ("float32",) * (n_slots - 2) for d in ("bfloat16", "float16")}
+    if master:
+        return mixed
     uniform = {d: (d,) * n_slots for d in ("float32", "float16", "bfloat16", "float64")}
-    return {**uniform, "bf16-fp32state": ("bfloat16", "bfloat16") + ("float32",) * (n_slots - 2)}
+    return {**uniform, "bf16-fp32state": mixed["bfloat16-fp32state"]}
 
 
 def compile_flag_sets(name: str) -> list:
-    """The spec keyword sets of every kernel variant of an op (a row may list more than it tests)."""
-    return OPS[name].get("compile_flag_sets", OPS[name]["flag_sets"])
+    """The spec keyword sets of every kernel variant of an op (a row may list more than it
+    tests), each with and without master weights."""
+    listed = OPS[name].get("compile_flag_sets", OPS[name]["flag_sets"])
+    return [dict(flags, master_weights=master) for flags in listed for master in (False, True)]
 
 
 def variants():
     for name, spec_cls in REGISTRY.items():
         for flags in compile_flag_sets(name):
             spec = spec_cls(**flags)
-            for sig_name, dtypes in dtype_signatures(len(spec.slots)).items():
+            for sig_name, dtypes in dtype_signatures(len(spec.slots), spec.master_weights).items():
                 flag_names = "+".join(k for k, v in spec.flags if v) or "plain"
                 yield pytest.param(spec, dtypes, id=f"{name}-{flag_names}-{sig_name}")
+    for name, spec_cls in UTILITIES.items():
+        for flags in ([{"into_outputs": False}, {"into_outputs": True}] if name == "scale" else [{}]):
+            spec = spec_cls(**flags)
+            for sig_name, dtypes in dtype_signatures(len(spec.slots)).items():
+                if len(set(dtypes)) == 1:
+                    yield pytest.param(spec, dtypes, id=f"{name}-{sig_name}-{len(spec.slots)}")
 
 
 def test_every_registered_op_has_a_test_row():

@@ -2,8 +2,14 @@
 from .adam import AdamSpec
 from .lamb import LAMBSpec
 from .lars import LARSSpec
+from .norms import ClipGradNormSpec, L2NormSpec
+from .scaling import ScaleSpec, UnscaleSpec, ZeroSpec
 from .sgd import SGDSpec
 
 REGISTRY = {"adam": AdamSpec, "sgd": SGDSpec, "lars": LARSSpec, "lamb": LAMBSpec}
+# List utilities: ops of the same engine that are not optimizers.
+UTILITIES = {"l2norm": L2NormSpec, "clip_grad_norm": ClipGradNormSpec, "scale": ScaleSpec,
+             "unscale": UnscaleSpec, "zero": ZeroSpec}
 
-__all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "REGISTRY", "SGDSpec"]
+__all__ = ["AdamSpec", "ClipGradNormSpec", "L2NormSpec", "LAMBSpec", "LARSSpec", "REGISTRY",
+           "SGDSpec", "ScaleSpec", "UTILITIES", "UnscaleSpec", "ZeroSpec"]

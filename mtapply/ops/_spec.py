@@ -12,6 +12,15 @@ class DeviceScalar:
     obj: object  # keeps the memory alive
 
 
+@dataclass(frozen=True)
+class OutputArray:
+    """A float32 array (device or host) that an op writes results into (`*_out` arguments)."""
+
+    ptr: int
+    obj: object
+    ref: object  # its TensorRef, for the CPU backend
+
+
 class OpSpec:
     """Base of op specs.
 
@@ -33,6 +42,29 @@ class OpSpec:
     arg_fields: tuple
     device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
     n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
+    master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
+
+    def _use_master_weights(self, enabled: bool) -> None:
+        """Adds the `master_params` slot: the kernel updates the fp32 master (read in place of
+        the param) and writes both it and the param rounded to its 16-bit storage."""
+        self.master_weights = bool(enabled)
+        self.flags = tuple(self.flags) + (("MASTER", self.master_weights),)
+        if self.master_weights:
+            self.slots = tuple(self.slots) + ("master_params",)
+            self.written = self.written | {"master_params"}
+
+    def check_tensors(self, refs: dict) -> None:
+        """Checks that need the ingested tensors (before anything is written)."""
+        self.tensor_arrays(len(refs[self.slots[0]]))
+        if self.master_weights:
+            for i, (param, master) in enumerate(zip(refs["params"], refs["master_params"])):
+                if master.dtype != "float32":
+                    raise TypeError(f"master_params[{i}] is {master.dtype}: master weights are "
+                                    f"float32 copies of the params (param.float())")
+                if param.dtype not in ("float16", "bfloat16"):
+                    raise TypeError(f"params[{i}] is {param.dtype}: master weights are for float16 "
+                                    f"or bfloat16 params; pass master_params=None for "
+                                    f"{param.dtype} params")
 
     @property
     def functors(self) -> tuple:
@@ -40,8 +72,17 @@ class OpSpec:
         return (self.functor,)
 
     def tensor_arrays(self, n_tensors: int) -> dict:
-        """name -> float32 array of one value per tensor, for `*_array` kernel arguments."""
+        """name -> NumPy array of one value per tensor, for `*_array` kernel arguments."""
         return {}
+
+    def output_numel(self, name: str, n_tensors: int) -> int:
+        """Elements of the output array `name` (an `*_out` argument) for a list of n tensors."""
+        raise NotImplementedError(f"{self.name} has no output {name}")
+
+    def cpu_run(self, refs: dict, args: dict, grad_scale: float) -> bool:
+        """The whole step on the CPU, for ops whose result spans tensors (a global norm);
+        returns False to have the CPU backend call `cpu_update` tensor by tensor."""
+        return False
 
     @property
     def key(self) -> tuple:

@@ -25,7 +25,7 @@ class AdamSpec(OpSpec):
     device_scalars = ("lr", "step")
 
     def __init__(self, *, amsgrad: bool = False, decoupled_weight_decay: bool = False,
-                 maximize: bool = False):
+                 maximize: bool = False, master_weights: bool = False):
         self.amsgrad = bool(amsgrad)
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.maximize = bool(maximize)
@@ -33,6 +33,7 @@ class AdamSpec(OpSpec):
             ("max_exp_avg_sqs",) if self.amsgrad else ())
         self.flags = (("AMSGRAD", self.amsgrad), ("DECOUPLED", self.decoupled_weight_decay),
                       ("MAXIMIZE", self.maximize))
+        self._use_master_weights(master_weights)
 
     def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0) -> dict:
         """Checked hyperparameters. lr and step are numbers or DeviceScalars (checked earlier)."""

@@ -36,10 +36,12 @@ class LAMBSpec(OpSpec):
                   "global_grad_norm_ptr")
     device_scalars = ("lr", "step", "global_grad_norm")
 
-    def __init__(self, *, adam_w_mode: bool = True, use_nvlamb: bool = False):
+    def __init__(self, *, adam_w_mode: bool = True, use_nvlamb: bool = False,
+                 master_weights: bool = False):
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
         self.flags = (("ADAMW", self.adam_w_mode), ("NVLAMB", self.use_nvlamb))
+        self._use_master_weights(master_weights)
 
     def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
                   grad_averaging=True, bias_correction=True, max_grad_norm=0.0,

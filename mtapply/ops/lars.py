@@ -31,8 +31,9 @@ class LARSSpec(OpSpec):
                   "adapt_array")
     device_scalars = ("lr",)
 
-    def __init__(self, *, exclude=None):
+    def __init__(self, *, exclude=None, master_weights: bool = False):
         self.exclude = None if exclude is None else [bool(e) for e in exclude]
+        self._use_master_weights(master_weights)
 
     def tensor_arrays(self, n_tensors: int) -> dict:
         if self.exclude is not None and len(self.exclude) != n_tensors:

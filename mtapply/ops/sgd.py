@@ -24,7 +24,7 @@ class SGDSpec(OpSpec):
     device_scalars = ("lr", "step")
 
     def __init__(self, *, momentum_buffers: bool = True, nesterov: bool = False,
-                 maximize: bool = False):
+                 maximize: bool = False, master_weights: bool = False):
         self.has_buffers = bool(momentum_buffers)
         self.nesterov = bool(nesterov)
         self.maximize = bool(maximize)
@@ -33,6 +33,7 @@ class SGDSpec(OpSpec):
         self.slots = ("params", "grads") + (("momentum_buffers",) if self.has_buffers else ())
         self.flags = (("MOMENTUM", self.has_buffers), ("NESTEROV", self.nesterov),
                       ("MAXIMIZE", self.maximize))
+        self._use_master_weights(master_weights)
 
     def arguments(self, *, lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0) -> dict:
         """Checked hyperparameters; `step` is needed only with momentum (1 sets the buffers)."""

@@ -1,0 +1,36 @@
+"""The public elementwise list utilities: scale, unscale (AMP), zero."""
+from __future__ import annotations
+
+from .engine import Plan
+from .ops.scaling import ScaleSpec, UnscaleSpec, ZeroSpec
+
+
+def scale_(tensors, factor, *, outputs=None, stream=None, table_mode=None) -> None:
+    """Multiplies every element of a list by `factor`: in place, or into `outputs` (one tensor
+    of the same shape per input; the inputs are then only read).
+
+    `factor` is a number or a one-element float32 device array read by the kernel. One launch
+    per (device, dtype) group.
+    """
+    spec = ScaleSpec(into_outputs=outputs is not None)
+    slots = {"tensors": tensors, "outputs": outputs} if outputs is not None else {"tensors": tensors}
+    spec.arguments(factor=factor)
+    Plan(spec, slots, table_mode=table_mode, stream=stream, _share_tables=True).step(
+        stream=stream, factor=factor)
+
+
+def unscale_(grads, inv_scale, found_inf, *, stream=None, table_mode=None) -> None:
+    """torch.amp.GradScaler's unscale on the device: grads *= inv_scale, and `found_inf`
+    (a one-element float32 array) is set to 1.0 when any grad is inf or NaN.
+
+    `found_inf` is only ever set, never cleared: zero it first, as GradScaler does. Pass the
+    result on as `found_inf=` to a step, which then writes nothing.
+    """
+    Plan(UnscaleSpec(), {"tensors": grads}, table_mode=table_mode, stream=stream,
+         _share_tables=True).step(stream=stream, factor=inv_scale, found_inf_out=found_inf)
+
+
+def zero_(tensors, *, stream=None, table_mode=None) -> None:
+    """Sets every element of a list to zero, in one launch per (device, dtype) group."""
+    Plan(ZeroSpec(), {"tensors": tensors}, table_mode=table_mode, stream=stream,
+         _share_tables=True).step(stream=stream)
