@@ -14,6 +14,7 @@ import numpy as np
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
+from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
@@ -116,7 +117,7 @@ class Plan:
         cached = self._scalars.get(id(value))
         if cached is not None and cached.obj is value:
             return cached
-        ref = export(value, name, None)
+        ref = _read_array(value, name)
         if ref.dtype != "float32" or ref.numel != 1 or ref.device != self.device:
             raise ValueError(f"{name} as a device array must be a one-element float32 array on "
                              f"cuda:{self.device[1]}, got {ref.dtype} {ref.shape} on {ref.device}")
@@ -129,7 +130,7 @@ class Plan:
         cached = self._scalars.get(id(value))
         if cached is not None and cached.obj is value:
             return cached
-        ref = export(value, name, None)
+        ref = _read_array(value, name)
         numel = self.spec.output_numel(name, self._n)
         if (ref.dtype != "float32" or ref.numel != numel or (numel > 1 and not ref.row_major)
                 or ref.read_only
@@ -141,6 +142,13 @@ class Plan:
         output = OutputArray(ptr=ref.ptr, obj=value, ref=ref)
         self._scalars[id(value)] = output
         return output
+
+
+def _read_array(value, name: str):
+    """The TensorRef of a scalar or output array. torch's accessors first: a DLPack export with
+    no stream would order against the legacy default stream, which breaks CUDA graph capture."""
+    ref = torch_ref(value) if framework_of(value) == "torch" else None
+    return ref if ref is not None else export(value, name, None)
 
 
 def _device_label(device: tuple) -> str:

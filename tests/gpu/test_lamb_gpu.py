@@ -72,3 +72,28 @@ def test_two_launches_and_found_inf_skips_both():
     assert len(launches) == 2
     for a, b in zip(params + ms + vs, before):
         assert torch.equal(a, b)
+
+
+def test_16_bit_moments_follow_the_reference_within_one_rounding_of_the_update():
+    # With bf16 moments the update pass recomputes the update u from the moments as stored: u
+    # then carries their rounding (2**-8 relative each), so a param may differ from the float64
+    # reference by up to lr * ratio * |u| * 2**-7 beyond the usual bf16 tolerance.
+    g = torch.Generator(device="cuda").manual_seed(8)
+    make = lambda s, scale: (torch.randn(s, generator=g, device="cuda") * scale).bfloat16()  # noqa: E731
+    params, grads = [make(s, 1.0) for s in SHAPES], [make(s, 1.0) for s in SHAPES]
+    ms, vs = [make(s, 0.1) for s in SHAPES], [make(s, 0.1).abs_() for s in SHAPES]
+    old = [to64(p) for p in params]
+    expected = [mtapply.reference.lamb(to64(p), to64(gr), to64(m), to64(v), step=1, **BASE)
+                for p, gr, m, v in zip(params, grads, ms, vs)]
+    mtapply.lamb_step(params, grads, ms, vs, step=1, **BASE)
+    b1, b2 = BASE["beta1"], BASE["beta2"]
+    for i, (p, m, v) in enumerate(expected):
+        if not p.size:
+            continue
+        u = (m / (1 - b1)) / (np.sqrt(v / (1 - b2)) + BASE["eps"]) + BASE["weight_decay"] * old[i]
+        ratio = np.linalg.norm(old[i]) / np.linalg.norm(u)
+        bound = 1.6e-2 * np.abs(p) + 1e-5 + BASE["lr"] * ratio * np.abs(u) * 2.0 ** -7
+        error = np.abs(to64(params[i]) - p.reshape(params[i].shape))
+        assert (error <= bound.reshape(error.shape)).all(), f"params[{i}]: {error.max()}"
+        assert_matches(ms[i], m, "bfloat16", f"exp_avgs[{i}]")
+        assert_matches(vs[i], v, "bfloat16", f"exp_avg_sqs[{i}]")

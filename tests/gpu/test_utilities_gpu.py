@@ -65,18 +65,23 @@ def test_l2_norms_of_empty_tensors_are_zero():
 
 @pytest.mark.parametrize("max_norm", [1.0, 1e9])
 @pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")], ids="-".join)
-def test_clip_grad_norm_matches_torch(dtypes, max_norm):
+def test_clip_grad_norm_matches_float64_and_torch(dtypes, max_norm):
     grads = _lists(dtypes)
     params = [torch.zeros_like(g, requires_grad=True) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g.clone()
     expected_total = np.sqrt(np.sum(_norms64(grads) ** 2))
+    coefficient = min(1.0, max_norm / (expected_total + 1e-6))
+    expected = [g.double() * coefficient for g in grads]
     torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     total = mtapply.clip_grad_norm_(grads, max_norm)
     np.testing.assert_allclose(float(total), expected_total, rtol=1e-5)
-    for i, (g, p) in enumerate(zip(grads, params)):
+    # torch rounds the norms of bf16 grads to bf16, so next to torch bf16 precision applies
+    near_torch = 1.6e-2 if len(dtypes) > 1 else 1e-5
+    for i, (g, p, want) in enumerate(zip(grads, params, expected)):
         rtol = 1.6e-2 if g.dtype == torch.bfloat16 else 1e-5
-        torch.testing.assert_close(g, p.grad, rtol=rtol, atol=1e-6, msg=f"grads[{i}]")
+        torch.testing.assert_close(g.double(), want, rtol=rtol, atol=1e-6, msg=f"grads[{i}]")
+        torch.testing.assert_close(g, p.grad, rtol=near_torch, atol=1e-5, msg=f"grads[{i}] vs torch")
         if g.numel() > 1:
             assert g.flatten()[0] != 0 and g.flatten()[-1] != 0
 
@@ -88,16 +93,23 @@ def test_unscale_matches_torch_amp_bit_for_bit(dtype, poison, as_array):
     grads = _lists((dtype,), scale=256.0)
     if poison is not None:
         grads[5][-1] = poison  # the last element of a large tensor
-    expected = [g.clone() for g in grads]
-    expected_flag = torch.zeros(1, device="cuda")
     inv_scale = torch.full((1,), 1 / 256, device="cuda")
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_flag, inv_scale)
+    expected = [(g.float() * inv_scale).to(g.dtype) for g in grads]  # fp32 math, then rounding
+    if dtype != "bfloat16":  # torch's CUDA unscale has no bf16 kernel
+        from_torch, torch_flag = [g.clone() for g in grads], torch.zeros(1, device="cuda")
+        torch._amp_foreach_non_finite_check_and_unscale_(from_torch, torch_flag, inv_scale)
+        assert float(torch_flag) == (0.0 if poison is None else 1.0)
+        assert all(_same_bits(a, b) for a, b in zip(from_torch, expected))
     flag = torch.zeros(1, device="cuda")
     mtapply.unscale_(grads, inv_scale if as_array else 1 / 256, flag)
-    assert float(flag) == float(expected_flag) == (0.0 if poison is None else 1.0)
+    assert float(flag) == (0.0 if poison is None else 1.0)
     for i, (a, b) in enumerate(zip(grads, expected)):
-        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), f"grads[{i}]"
+        assert _same_bits(a, b), f"grads[{i}]"
+
+
+def _same_bits(a, b) -> bool:
+    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.view(bits), b.view(bits))
 
 
 def test_scale_into_outputs_and_zero():
