@@ -128,12 +128,19 @@ def _strides_of_shape(ref: TensorRef) -> tuple:
     return tuple(s for s, e in zip(ref.strides, ref.shape) if e != 1)
 
 
-def check_no_overlap(refs: dict[str, list[TensorRef]], written: frozenset) -> None:
-    """No written tensor shares memory with any other tensor of the call (aliasing is refused)."""
+def check_no_overlap(refs: dict, written: frozenset) -> None:
+    """No written tensor shares memory with any other tensor of the call (aliasing is refused).
+
+    `refs` maps each slot to its TensorRefs, or to (start addresses, sizes in bytes) arrays.
+    """
     names = list(refs)
-    n = len(refs[names[0]])
-    starts = np.concatenate([np.fromiter((r.ptr for r in refs[name]), np.uint64, n) for name in names])
-    sizes = np.concatenate([np.fromiter((r.nbytes for r in refs[name]), np.uint64, n) for name in names])
+    extents = [refs[name] if isinstance(refs[name], tuple) else
+               (np.fromiter((r.ptr for r in refs[name]), np.uint64, len(refs[name])),
+                np.fromiter((r.nbytes for r in refs[name]), np.uint64, len(refs[name])))
+               for name in names]
+    n = len(extents[0][0])
+    starts = np.concatenate([e[0] for e in extents]).astype(np.uint64)
+    sizes = np.concatenate([e[1] for e in extents]).astype(np.uint64)
     writes = np.repeat([name in written for name in names], n)
     keep = np.flatnonzero(sizes)  # empty tensors own no memory
     if keep.size < 2:

@@ -50,6 +50,10 @@ class Plan:
         self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream))
         spec.check_tensors(self._refs)  # per-tensor options (e.g. LARS exclude), master dtypes
         self._n = len(self._refs[first])
+        self._addresses = {name: np.fromiter((r.ptr for r in refs), np.uint64, self._n)
+                           for name, refs in self._refs.items()}
+        self._sizes: dict = {}
+        self._alive: dict = {}
         self.device = self._refs[first][0].device if self._n else None
         self._scalars: dict = {}
         self._cuda = None
@@ -94,10 +98,40 @@ class Plan:
         chosen = self._stream if stream is None else stream
         launch_stream = self._stream_for(self.device[1], chosen) if self._cuda else None
         fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
-        check_no_overlap({**self._refs, slot: fresh}, self.spec.written)
+        addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
+        check_no_overlap(self._extents(slot, addresses), self.spec.written)
         self._refs[slot] = fresh
+        self._alive.pop(slot, None)
+        self._addresses[slot] = addresses
         if self._cuda is not None:
-            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), fresh, launch_stream)
+            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses, launch_stream)
+
+    def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None) -> None:
+        """`rebind` for callers that guarantee what `rebind` checks tensor by tensor: each new
+        tensor has the dtype, shape, device and dense layout of the one it replaces (e.g. the
+        grads autograd gives a framework's params). `addresses` holds their data pointers.
+        Only overlaps are checked (vectorised): O(n) at tens of nanoseconds per tensor.
+        """
+        if self._cuda is None:
+            self.rebind(slot, tensors, stream=stream)
+            return
+        addresses = np.asarray(addresses, np.uint64)
+        if len(addresses) != self._n:
+            raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has {self._n} tensors")
+        check_no_overlap(self._extents(slot, addresses), self.spec.written)
+        chosen = self._stream if stream is None else stream
+        self._alive[slot] = tensors  # the plan keeps its tensors alive
+        self._addresses[slot] = addresses
+        self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
+                                        self._stream_for(self.device[1], chosen))
+
+    def _extents(self, slot: str, addresses: np.ndarray) -> dict:
+        """slot -> (start addresses, sizes in bytes), with `slot` at `addresses`."""
+        if not self._sizes:
+            self._sizes = {name: np.fromiter((r.nbytes for r in refs), np.uint64, len(refs))
+                           for name, refs in self._refs.items()}
+        return {name: (addresses if name == slot else self._addresses[name], self._sizes[name])
+                for name in self._refs}
 
     def _stream_for(self, device_id: int, stream) -> int:
         return stream_pointer(stream, self._framework, device_id)
@@ -221,9 +255,9 @@ class _Launcher:
                 for launch in self.launches[k]:
                     launch.set_table(base, base + group.records_offset)
 
-    def rebound(self, slot_index: int, refs, stream: int) -> "_Launcher":
+    def rebound(self, slot_index: int, addresses: np.ndarray, stream: int) -> "_Launcher":
         self.pointers = self.pointers.copy()
-        self.pointers[:, slot_index] = [ref.ptr for ref in refs]
+        self.pointers[:, slot_index] = addresses
         for group in self.groups:
             group.pointers = self.pointers[group.indices]
         self.upload(stream)

@@ -1,0 +1,565 @@
+"""optax transformations run by mtapply's fused kernels, and a fused in-place train step.
+
+    import mtapply.optax as mtx
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), mtx.adamw(1e-3, weight_decay=0.01))
+    updates, state = tx.update(grads, state, params)          # an optax.GradientTransformation
+
+    opt = mtx.fused_adamw(1e-3, weight_decay=0.01)             # the fast path
+    state = opt.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 2))
+    def train_step(params, batch, state):
+        grads = jax.grad(loss)(params, batch)
+        return opt.step(params, grads, state)                  # -> (params, state), in place
+
+`adam`, `adamw`, `sgd`, `lars` and `lamb` take optax's arguments and return
+`optax.GradientTransformation`s whose `update` returns deltas (new params - params), as optax's
+contract requires, so they compose with `optax.chain` and `optax.apply_updates`. The fused forms
+(`fused_adam`, ...) return `FusedOptimizer(init, step, donated_step)`: `step(params, grads,
+state) -> (params, state)` writes the new params and state into the buffers of the old ones when
+the enclosing `jax.jit` donates them (`donated_step` is `step` jitted with params and state
+donated), so a step moves each tensor through memory once. Prefer it: the transformation form
+also writes a copy of the params and subtracts.
+
+How it runs. Each update is one `jax.experimental.buffer_callback` (jax >= 0.6.1) inside a
+jitted function, also when called eagerly. Its outputs (params and state) alias its inputs
+(`input_output_aliases`), so XLA hands the callback buffers that already hold the old values:
+the inputs themselves when they are donated and used nowhere else, otherwise fresh copies. An
+array the caller still holds is therefore never written. The callback gives those buffers to
+mtapply through DLPack and launches the whole tree in one plan step (one kernel launch per dtype
+group; two for LARS and LAMB) on XLA's own stream (`ctx.stream`), with lr and the step count
+read by the kernel from device memory: no host synchronisation. On the CPU the same callback
+runs mtapply's NumPy backend on XLA's host buffers. Plans are cached by buffer addresses, so a
+training loop whose buffers recur (the usual case with donation) does O(1) host work per step
+besides reading the addresses. Setting MTAPPLY_OPTAX_CALLBACK=host (read at trace time) uses
+`jax.pure_callback` and the NumPy backend instead: a slow fallback that copies through the host.
+
+Semantics (the count in the state is the number of steps taken; the kernel's step is count + 1;
+a schedule is evaluated at count, as optax does):
+- adam: optax.adam. u = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1**t) and likewise
+  v_hat, as torch.optim.Adam (eps outside the root).
+- adamw: optax.adamw's update -lr * (u + wd * p) equals torch.optim.AdamW's p *= 1 - lr * wd,
+  p -= lr * u, which mtapply runs (decoupled_weight_decay=True).
+- sgd: optax.sgd. The trace t = g + momentum * t (optax.trace) equals torch's momentum buffer
+  with dampening 0, whose first-step buf = g is the same as a zero trace; nesterov alike.
+- lars: mtapply's LARS (Paddle, You et al.), which differs from optax.lars when weight_decay > 0:
+  the trust ratio divides by ||g|| + wd * ||p|| (optax: ||g + wd * p||). The state holds
+  mtapply's velocity v (p -= v), minus optax.lars's trace. Equal to optax.lars when wd = 0.
+- lamb: Apex FusedLAMB (see `mtapply.LAMBSpec`). Without weight decay the trust ratio applies
+  only with use_nvlamb=True (optax.lamb always applies it); equal to optax.lamb when it applies.
+Only learning_rate may be a schedule or an array; the other hyperparameters are Python numbers
+fixed at construction (so `optax.inject_hyperparams` can drive learning_rate only).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._dlpack import export
+from .adam import adam_plan
+from .lamb import lamb_plan
+from .lars import lars_plan
+from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from .ops._spec import DeviceScalar, check_number
+from .sgd import sgd_plan
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # jax < 0.6.1: only the host fallback works
+    buffer_callback = None
+
+_CALLBACK_ENV = "MTAPPLY_OPTAX_CALLBACK"
+_PLAN_CACHE = 8  # plans kept per optimizer, keyed by buffer addresses
+_DLPACK_CPU = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# States: pytrees of jax arrays, so they jit, checkpoint and shard like optax's.
+
+
+class AdamState(NamedTuple):
+    """State of `adam` and `adamw`: steps taken (int32) and the moments, pytrees like params."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+class SgdState(NamedTuple):
+    """State of `sgd`: steps taken and the momentum trace (None without momentum)."""
+
+    count: Any
+    trace: Any = None
+
+
+class LarsState(NamedTuple):
+    """State of `lars`: steps taken and mtapply's LARS velocity (minus optax.lars's trace)."""
+
+    count: Any
+    momentum: Any
+
+
+class LambState(NamedTuple):
+    """State of `lamb`: steps taken and the moments, pytrees like params."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+class FusedOptimizer(NamedTuple):
+    """The fused form: `step(params, grads, state) -> (params, state)`.
+
+    `step` is pure; inside a `jax.jit` that donates params and state it updates them in place.
+    `donated_step` is `step` jitted with params and state donated (they are invalid afterwards).
+    """
+
+    init: Callable
+    step: Callable
+    donated_step: Callable
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules: how each mtapply op is bound and stepped.
+
+
+class _Rule:
+    """One mtapply op as the adapter drives it. `slots` are the state fields that hold one
+    buffer per param, in the op's slot order; `statics(params, treedef)` gives the per-tree
+    static choices the plan needs (hashable)."""
+
+    name = ""
+    state_type: type = AdamState
+    slots: tuple = ()
+    reads_params = True  # False: the update ignores the params' values
+    global_norm = False  # the step takes the gradients' global L2 norm
+
+    def statics(self, params, treedef) -> tuple:
+        return ()
+
+    def plan(self, params, grads, slots, statics, stream):
+        raise NotImplementedError
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        raise NotImplementedError
+
+
+class _Adam(_Rule):
+    name, state_type, slots = "adam", AdamState, ("mu", "nu")
+
+    def __init__(self, b1, b2, eps, weight_decay):
+        self.hyper = dict(beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay)
+        _check(AdamSpec().arguments, lr=0.0, step=1, **self.hyper)
+        self.reads_params = weight_decay != 0
+
+    def plan(self, params, grads, slots, statics, stream):
+        return adam_plan(params, grads, *slots, decoupled_weight_decay=True, stream=stream)
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        return dict(lr=lr, step=step, **self.hyper)
+
+
+class _Sgd(_Rule):
+    name, state_type, reads_params = "sgd", SgdState, False
+
+    def __init__(self, momentum, nesterov):
+        self.momentum = 0.0 if momentum is None else momentum
+        self.nesterov = bool(nesterov) and self.momentum != 0
+        self.slots = ("trace",) if self.momentum != 0 else ()
+        _check(SGDSpec(nesterov=self.nesterov).arguments, lr=0.0, step=1, momentum=self.momentum)
+
+    def plan(self, params, grads, slots, statics, stream):
+        buffers = slots[0] if slots else None
+        return sgd_plan(params, grads, buffers, nesterov=self.nesterov, stream=stream)
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        return dict(lr=lr, step=step, momentum=self.momentum)
+
+
+class _Lars(_Rule):
+    name, state_type, slots = "lars", LarsState, ("momentum",)
+
+    def __init__(self, weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
+                 weight_decay_mask):
+        self.hyper = dict(momentum=momentum, weight_decay=weight_decay,
+                          trust_coefficient=trust_coefficient, eps=eps)
+        _check(LARSSpec().arguments, lr=0.0, **self.hyper)
+        self.trust_ratio_mask, self.weight_decay_mask = trust_ratio_mask, weight_decay_mask
+
+    def statics(self, params, treedef) -> tuple:
+        """mtapply's `exclude` flags: a tensor is excluded from both the trust ratio and weight
+        decay, so the two masks must agree wherever weight decay is on."""
+        adapt = _mask_leaves(self.trust_ratio_mask, params, treedef, "trust_ratio_mask")
+        decay = _mask_leaves(self.weight_decay_mask, params, treedef, "weight_decay_mask")
+        if self.hyper["weight_decay"] != 0 and adapt != decay:
+            raise ValueError("mtapply.optax.lars excludes a tensor from both the trust ratio and "
+                             "weight decay: pass the same weight_decay_mask and trust_ratio_mask")
+        return tuple(not a for a in adapt)
+
+    def plan(self, params, grads, slots, statics, stream):
+        exclude = list(statics) if any(statics) else None
+        return lars_plan(params, grads, slots[0], exclude=exclude, stream=stream)
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        return dict(lr=lr, **self.hyper)
+
+
+class _Lamb(_Rule):
+    name, state_type, slots = "lamb", LambState, ("mu", "nu")
+
+    def __init__(self, b1, b2, eps, weight_decay, adam_w_mode, use_nvlamb, grad_averaging,
+                 bias_correction, max_grad_norm):
+        self.hyper = dict(beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
+                          grad_averaging=grad_averaging, bias_correction=bias_correction,
+                          max_grad_norm=max_grad_norm)
+        self.flags = dict(adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb)
+        _check(LAMBSpec(**self.flags).arguments, lr=0.0, step=1, global_grad_norm=0.0,
+               **self.hyper)
+        self.global_norm = max_grad_norm > 0
+
+    def plan(self, params, grads, slots, statics, stream):
+        return lamb_plan(params, grads, *slots, stream=stream, **self.flags)
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        return dict(lr=lr, step=step, global_grad_norm=norm, **self.hyper)
+
+
+def _check(arguments: Callable, **hyper) -> None:
+    """Runs an op's own hyperparameter checks at construction, naming optax's arguments."""
+    try:
+        arguments(**hyper)
+    except (TypeError, ValueError) as error:
+        message = str(error).replace("beta1", "b1").replace("beta2", "b2")
+        raise type(error)(message) from None
+
+
+def _mask_leaves(mask, params, treedef, name: str) -> tuple:
+    """A per-leaf mask (True, a pytree of bools like params, or a callable of params) as a
+    tuple of Python bools: the plan needs them before the step runs."""
+    if callable(mask):
+        mask = mask(params)
+    if mask is None or mask is True or mask is False:
+        return (mask is not False,) * treedef.num_leaves
+    leaves = treedef.flatten_up_to(mask)
+    if not all(isinstance(leaf, (bool, np.bool_)) for leaf in leaves):
+        raise TypeError(f"{name} must hold Python bools (one per param), known when the step is "
+                        f"traced; got {[type(leaf).__name__ for leaf in leaves][:3]}")
+    return tuple(bool(leaf) for leaf in leaves)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: one callback per update, one plan step per callback.
+
+
+class _Engine:
+    """Runs a rule over whole pytrees. Holds the learning rate and the plans of its callbacks."""
+
+    def __init__(self, rule: _Rule, learning_rate):
+        if not callable(learning_rate) and not hasattr(learning_rate, "dtype"):
+            check_number("learning_rate", learning_rate, low=0.0)
+        self.rule, self.learning_rate = rule, learning_rate
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # XLA may run callbacks from several threads
+
+    def init(self, params):
+        """The rule's state: count 0 and zero buffers like params (optax's initial state)."""
+        zeros = [jax.tree.map(jnp.zeros_like, params) for _ in self.rule.slots]
+        return self.rule.state_type(jnp.zeros([], jnp.int32), *zeros)
+
+    def apply(self, params, grads, state):
+        """(new params, new state) after one step; traceable, and traced by the callers."""
+        leaves, treedef = jax.tree.flatten(params)
+        grad_leaves = treedef.flatten_up_to(grads)
+        slot_leaves = [treedef.flatten_up_to(getattr(state, s)) for s in self.rule.slots]
+        count = state.count
+        scalars = [self._learning_rate(count), (count + 1).astype(jnp.float32).reshape(1)]
+        if self.rule.global_norm:
+            scalars.append(optax.global_norm(grads).astype(jnp.float32).reshape(1))
+        written = leaves + [leaf for slot in slot_leaves for leaf in slot]
+        if leaves:
+            statics = self.rule.statics(params, treedef)
+            written = self._launch(written, grad_leaves, scalars, statics)
+        n = len(leaves)
+        new_slots = [treedef.unflatten(written[n * (k + 1): n * (k + 2)])
+                     for k in range(len(self.rule.slots))]
+        new_state = self.rule.state_type(optax.safe_increment(count), *new_slots)
+        return treedef.unflatten(written[:n]), new_state
+
+    def _learning_rate(self, count):
+        lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
+        return jnp.asarray(lr, jnp.float32).reshape(1)
+
+    def _launch(self, written: list, grads: list, scalars: list, statics: tuple) -> list:
+        """The written leaves after the step, computed by one callback."""
+        signature = tuple((x.shape, str(x.dtype)) for x in written + grads)
+        key = (statics, signature)
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
+        if os.environ.get(_CALLBACK_ENV, "buffer") == "host" or buffer_callback is None:
+            return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
+                                          written, grads, scalars))
+        call = buffer_callback(functools.partial(self._buffer_callback, key), results,
+                               input_output_aliases={i: i for i in range(len(written))})
+        return list(call(written, grads, scalars))
+
+    def _buffer_callback(self, key, ctx, outs, written, grads, scalars) -> None:
+        """Steps XLA's buffers in place. `outs` alias `written`, so they hold the old values."""
+        del written
+        outs, grads = [_XlaBuffer(b) for b in outs], [_XlaBuffer(b) for b in grads]
+        kind, device_id = outs[0].__dlpack_device__()
+        if kind == _DLPACK_CPU:
+            values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
+            self._step(key, outs, grads, values, None)
+            return
+        import cupy
+
+        stream = ctx.stream
+        # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
+        with cupy.cuda.Device(device_id), cupy.cuda.Stream.from_external(_StreamRef(stream)):
+            values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
+            self._step(key, outs, grads, values, stream)
+
+    def _host_callback(self, key, written, grads, scalars) -> list:
+        """The host fallback: new arrays from NumPy copies, through a fresh plan."""
+        outs = [np.array(x, copy=True) for x in written]
+        values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
+        plan = self._new_plan(key, outs, [np.asarray(g) for g in grads], None)
+        plan.step(**self.rule.step_args(*values))
+        return outs
+
+    def _step(self, key, outs: list, grads: list, scalars: list, stream) -> None:
+        """One plan step over the buffers, with a plan cached by their addresses."""
+        addresses = (key, tuple(b.address() for b in outs + grads))
+        with self._lock:
+            plan = self._plans.pop(addresses, None)
+            if plan is None:
+                plan = self._new_plan(key, outs, grads, stream)
+            self._plans[addresses] = plan
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+            plan.step(stream=stream, **self.rule.step_args(*scalars))
+
+    def _new_plan(self, key, outs: list, grads: list, stream):
+        n = len(grads)
+        slots = [outs[n * (k + 1): n * (k + 2)] for k in range(len(self.rule.slots))]
+        return self.rule.plan(outs[:n], grads, slots, key[0], stream)
+
+
+class _XlaBuffer:
+    """An XLA buffer of a running callback as mtapply ingests it, through DLPack.
+
+    mtapply refuses jax arrays (immutable); these are the mutable buffers XLA lends the callback
+    (outputs writable, inputs exported read-only). Row-major, as XLA passes custom-call buffers.
+    """
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def __dlpack__(self, **kwargs):
+        return self.buffer.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.buffer.__dlpack_device__()
+
+    def address(self) -> int:
+        if self.buffer.__dlpack_device__()[0] == _DLPACK_CPU:
+            return np.asarray(self.buffer).__array_interface__["data"][0]
+        return _device_address(self.buffer)
+
+
+def _device_address(buffer) -> int:
+    try:
+        return int(buffer.__cuda_array_interface__["data"][0])
+    except Exception:  # a dtype the interface cannot describe (bfloat16): ask DLPack
+        return export(_XlaBuffer(buffer), "buffer", None).ptr
+
+
+class _StreamRef:
+    """XLA's stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public constructors.
+
+
+def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
+    """An optax.GradientTransformation whose update returns new params - params."""
+    engine = _Engine(rule, learning_rate)
+
+    def update(updates, state, params=None):
+        if not rule.reads_params:  # the step from zero params is the update itself
+            zeros = jax.tree.map(jnp.zeros_like, updates)
+            return engine.apply(zeros, updates, state)
+        if params is None:
+            raise ValueError(f"mtapply.optax.{rule.name} with these options reads the params: "
+                             f"call update(grads, state, params)")
+        new_params, state = engine.apply(params, updates, state)
+        return jax.tree.map(lambda new, old: new - old, new_params, params), state
+
+    return optax.GradientTransformation(engine.init, jax.jit(update))
+
+
+def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
+    engine = _Engine(rule, learning_rate)
+    return FusedOptimizer(engine.init, jax.jit(engine.apply),
+                          jax.jit(engine.apply, donate_argnums=(0, 2)))
+
+
+def _refuse(name: str, **options) -> None:
+    """NotImplementedError for optax options mtapply's kernels do not have."""
+    for option, (value, default) in options.items():
+        if value is not default and value != default:
+            raise NotImplementedError(f"mtapply.optax.{name}: {option}={value!r} is not supported "
+                                      f"(only {option}={default!r}); use optax.{name} for it")
+
+
+def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0, mask=None):
+    _refuse(name, eps_root=(eps_root, 0.0), mu_dtype=(mu_dtype, None), nesterov=(nesterov, False),
+            mask=(mask, None))
+    if callable(weight_decay):
+        raise TypeError(f"mtapply.optax.{name}: weight_decay must be a number, not a schedule")
+    return _Adam(b1, b2, eps, weight_decay)
+
+
+def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
+         nesterov=False) -> optax.GradientTransformation:
+    """optax.adam on mtapply's fused kernel (update: -lr * m_hat / (sqrt(v_hat) + eps)).
+
+    Args:
+        learning_rate: a number, a scalar array, or an optax schedule of the step count.
+        b1, b2, eps: as optax.adam. eps_root, mu_dtype and nesterov only take their defaults.
+
+    Returns:
+        An optax.GradientTransformation with state `AdamState(count, mu, nu)`.
+
+    Example:
+        >>> tx = optax.chain(optax.clip_by_global_norm(1.0), mtapply.optax.adam(1e-3))
+    """
+    return _transformation(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov),
+                           learning_rate)
+
+
+def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+          weight_decay=1e-4, mask=None, *, nesterov=False) -> optax.GradientTransformation:
+    """optax.adamw on mtapply's fused kernel: p -= lr * (u + weight_decay * p), u as in `adam`.
+
+    Args as optax.adamw; weight_decay is a number; mask (weight decay on some leaves only),
+    eps_root, mu_dtype and nesterov only take their defaults. Params are required by update.
+    """
+    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
+    return _transformation(rule, learning_rate)
+
+
+def sgd(learning_rate, momentum=None, nesterov=False,
+        accumulator_dtype=None) -> optax.GradientTransformation:
+    """optax.sgd on mtapply's fused kernel: t = g + momentum * t; p -= lr * t (Nesterov:
+    p -= lr * (g + momentum * t)). momentum None or 0 keeps no trace.
+
+    Returns:
+        An optax.GradientTransformation with state `SgdState(count, trace)`.
+    """
+    _refuse("sgd", accumulator_dtype=(accumulator_dtype, None))
+    return _transformation(_Sgd(momentum, nesterov), learning_rate)
+
+
+def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
+         eps=0.0, trust_ratio_mask=True, momentum=0.9,
+         nesterov=False) -> optax.GradientTransformation:
+    """mtapply's LARS (Paddle's lars_momentum, You et al. 2017) with optax.lars's arguments.
+
+    Per tensor: local_lr = lr * trust_coefficient * ||p|| / (||g|| + wd * ||p|| + eps) (lr when a
+    norm is 0); v = momentum * v + local_lr * (g + wd * p); p -= v. A leaf whose
+    trust_ratio_mask is False takes a plain momentum step with lr and no weight decay, so
+    weight_decay_mask must equal trust_ratio_mask when weight_decay > 0. Differs from optax.lars
+    when weight_decay > 0 (see the module docstring); nesterov is not supported.
+
+    Returns:
+        An optax.GradientTransformation with state `LarsState(count, momentum)`.
+    """
+    _refuse("lars", nesterov=(nesterov, False))
+    rule = _Lars(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
+                 weight_decay_mask)
+    return _transformation(rule, learning_rate)
+
+
+def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0, mask=None,
+         *, adam_w_mode=True, use_nvlamb=False, grad_averaging=True, bias_correction=True,
+         max_grad_norm=0.0) -> optax.GradientTransformation:
+    """LAMB with Apex FusedLAMB's semantics (`mtapply.LAMBSpec`) and optax.lamb's arguments.
+
+    u = m_hat / (sqrt(v_hat) + eps) + wd * p;  p -= lr * ||p|| / ||u|| * u, the trust ratio
+    applied when weight_decay != 0 or use_nvlamb (optax.lamb: always). max_grad_norm > 0 divides
+    the grads by global_norm / max_grad_norm when that exceeds 1 (norm computed in the step).
+    eps_root and mask only take their defaults.
+
+    Returns:
+        An optax.GradientTransformation with state `LambState(count, mu, nu)`.
+    """
+    return _transformation(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode,
+                                      use_nvlamb, grad_averaging, bias_correction, max_grad_norm),
+                           learning_rate)
+
+
+def _lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
+               grad_averaging, bias_correction, max_grad_norm) -> _Lamb:
+    _refuse("lamb", eps_root=(eps_root, 0.0), mask=(mask, None))
+    return _Lamb(b1, b2, eps, weight_decay, adam_w_mode, use_nvlamb, grad_averaging,
+                 bias_correction, max_grad_norm)
+
+
+def fused_adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
+               nesterov=False) -> FusedOptimizer:
+    """`adam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov), learning_rate)
+
+
+def fused_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+                weight_decay=1e-4, mask=None, *, nesterov=False) -> FusedOptimizer:
+    """`adamw` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
+    return _fused(rule, learning_rate)
+
+
+def fused_sgd(learning_rate, momentum=None, nesterov=False,
+              accumulator_dtype=None) -> FusedOptimizer:
+    """`sgd` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    _refuse("sgd", accumulator_dtype=(accumulator_dtype, None))
+    return _fused(_Sgd(momentum, nesterov), learning_rate)
+
+
+def fused_lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
+               eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False) -> FusedOptimizer:
+    """`lars` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    _refuse("lars", nesterov=(nesterov, False))
+    rule = _Lars(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
+                 weight_decay_mask)
+    return _fused(rule, learning_rate)
+
+
+def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0,
+               mask=None, *, adam_w_mode=True, use_nvlamb=False, grad_averaging=True,
+               bias_correction=True, max_grad_norm=0.0) -> FusedOptimizer:
+    """`lamb` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
+                             grad_averaging, bias_correction, max_grad_norm), learning_rate)
+
+
+__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adam", "adamw",
+           "fused_adam", "fused_adamw", "fused_lamb", "fused_lars", "fused_sgd", "lamb", "lars",
+           "sgd"]

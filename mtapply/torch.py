@@ -1,0 +1,439 @@
+"""Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB.
+
+Constructor arguments, `defaults`, `param_groups` and the state layout are those of
+`torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
+`max_exp_avg_sq`; `momentum_buffer`), so checkpoints move between torch.optim and mtapply in both
+directions. Each param group is bound once to an mtapply plan (one launch per dtype group, two
+for LARS/LAMB); a step then rebinds only what moved:
+
+- grads at unchanged addresses (`zero_grad(set_to_none=False)`): no per-param work beyond one
+  C-level identity scan of `p.grad`;
+- grads reallocated (the default `set_to_none=True`): their addresses are read and the plan's
+  pointer table rewritten, with vectorised checks (no per-param Python validation);
+- a different set of params with grads, or a changed compile-time option: a new plan.
+
+The step count lives on the device, one counter per plan, shared by the plan's params (their
+`state["step"]` is that counter), so `GradScaler`'s `found_inf` can leave it unchanged without a
+host synchronisation. `lr` may be a float or a 0-d/one-element float32 tensor on the params'
+device (capturable: a CUDA graph of the whole training step replays correctly). CPU params run
+on mtapply's NumPy backend.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+
+from . import adam as _adam
+from . import lamb as _lamb
+from . import lars as _lars
+from . import norms as _norms
+from . import sgd as _sgd
+
+__all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW"]
+
+_GRAD = operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
+class _Part:
+    """Params of a group that share a step count, bound to one plan and one device counter."""
+
+    def __init__(self, indices, params, plan, counter):
+        self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
+
+
+class _Bound:
+    """One param group bound to mtapply plans: its params with grads, in parts of equal step
+    count (params that missed steps, having had no grad, count fewer)."""
+
+    def __init__(self, key, params, grads, parts):
+        self.key, self.params, self.grads, self.parts = key, params, grads, parts
+
+    def follow_grads(self, grads: list) -> None:
+        """Points the plans at this step's grads, if any moved."""
+        if not any(map(operator.is_not, grads, self.grads)):
+            return
+        if not all(map(_IS_CONTIGUOUS, grads)):
+            raise ValueError("a param's .grad is not contiguous: mtapply needs dense grads laid out "
+                             "like their params (assign contiguous grads)")
+        addresses = np.fromiter(map(_DATA_PTR, grads), np.uint64, len(grads))
+        for part in self.parts:
+            if len(self.parts) == 1:
+                part.plan.rebind_addresses("grads", grads, addresses)
+            else:
+                part.plan.rebind_addresses("grads", [grads[i] for i in part.indices],
+                                           addresses[part.indices])
+        self.grads = grads
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """What the mtapply optimizers share: binding groups to plans, AMP, device step counters."""
+
+    _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
+    _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        self._bound: dict = {}
+
+    # -- torch.optim.Optimizer interface ------------------------------------------------------
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fused_step()
+        return loss
+
+    @torch.compiler.disable  # under torch.compile the launch stays out of the graph
+    @torch.no_grad()
+    def _fused_step(self) -> None:
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
+        self._before_groups(grad_scale, found_inf)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group, grad_scale, found_inf)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        from .scaling import zero_
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            by_device: dict = {}
+            for g in grads:
+                if g.grad_fn is not None:
+                    g.detach_()
+                g.requires_grad_(False)
+                by_device.setdefault(g.device, []).append(g)
+            for same in by_device.values():
+                zero_(same)  # one launch per dtype, addresses kept
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._bound.clear()  # states and step counts were replaced: bind again
+
+    def state_dict(self):
+        """torch.optim's layout; each param's step becomes its own CPU tensor (as torch.optim
+        keeps it), since params of one plan share one device counter here."""
+        saved = super().state_dict()
+        saved["state"] = {k: dict(v) for k, v in saved["state"].items()}  # not our live dicts
+        values: dict = {}
+        for entry in saved["state"].values():
+            step = entry.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) not in values:
+                    values[id(step)] = float(step)
+                entry["step"] = torch.tensor(values[id(step)], dtype=torch.float32)
+        return saved
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_bound"):
+            self._bound.clear()
+
+    # -- binding --------------------------------------------------------------------------------
+
+    def _before_groups(self, grad_scale, found_inf) -> None:
+        """Work that spans the groups (LAMB's global gradient norm)."""
+
+    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = list(map(_GRAD, params))
+        key = (tuple(map(id, params)), self._compile_options(group))
+        bound = self._bound.get(index)
+        if bound is None or bound.key != key:
+            bound = self._bind(key, group, params, grads)
+            self._bound[index] = bound
+        else:
+            bound.follow_grads(grads)
+        hyper = self._hyper(group, bound.params[0].device)
+        for part in bound.parts:
+            if part.counter is not None:
+                part.counter.add_(1)
+                if found_inf is not None:  # a skipped step does not count
+                    part.counter.sub_(found_inf.reshape(()).to(part.counter.device))
+                hyper["step"] = part.counter
+            part.plan.step(grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+    def _bind(self, key, group, params, grads) -> _Bound:
+        for p in params:
+            if p.is_sparse or p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if not p.is_contiguous():
+                raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
+        for p in params:
+            self._init_state(group, p, self.state[p])
+        classes: dict = {}
+        for i, p in enumerate(params):
+            count = float(self.state[p]["step"]) if self._counts_steps else 0.0
+            classes.setdefault(count, []).append(i)
+        parts = []
+        for count, indices in classes.items():
+            members = [params[i] for i in indices]
+            counter = self._counter(members, count) if self._counts_steps else None
+            plan = self._make_plan(group, members, [grads[i] for i in indices])
+            parts.append(_Part(np.asarray(indices), members, plan, counter))
+        return _Bound(key, params, grads, parts)
+
+    def _states(self, params, name: str) -> list:
+        return [self.state[p][name] for p in params]
+
+    def _counter(self, params, count: float):
+        """One device step counter for params of equal step count: their `state["step"]`."""
+        counter = torch.tensor(count, dtype=torch.float32, device=params[0].device)
+        for p in params:
+            self.state[p]["step"] = counter
+        return counter
+
+    @staticmethod
+    def _lr(group, device):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.device != device or lr.dtype != torch.float32:
+                raise ValueError(f"a tensor lr must be float32 on {device} (the params' device), "
+                                 f"got {lr.dtype} on {lr.device}")
+            return lr.reshape(1) if lr.dim() == 0 else lr
+        return float(lr)
+
+    # -- per optimizer --------------------------------------------------------------------------
+
+    def _compile_options(self, group) -> tuple:
+        raise NotImplementedError
+
+    def _init_state(self, group, p, state) -> None:
+        raise NotImplementedError
+
+    def _make_plan(self, group, params, grads):
+        raise NotImplementedError
+
+    def _hyper(self, group, device) -> dict:
+        raise NotImplementedError
+
+
+class Adam(_FusedOptimizer):
+    """`torch.optim.Adam` (and, with decoupled_weight_decay=True, AdamW) on mtapply's fused
+    kernel. Same arguments; `foreach`, `fused`, `capturable` and `differentiable` are accepted
+    for compatibility (the step is always fused, capturable and not differentiable)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False):
+        _check_adam_args(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError("differentiable=True is not supported by mtapply's fused step")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    def _compile_options(self, group) -> tuple:
+        return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),
+                bool(group["maximize"]))
+
+    def _init_state(self, group, p, state) -> None:
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _make_plan(self, group, params, grads):
+        amsgrad, decoupled, maximize = self._compile_options(group)
+        return _adam.adam_plan(params, grads, self._states(params, "exp_avg"),
+                               self._states(params, "exp_avg_sq"),
+                               max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if amsgrad else None,
+                               amsgrad=amsgrad, decoupled_weight_decay=decoupled,
+                               maximize=maximize)
+
+    def _hyper(self, group, device) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=self._lr(group, device), beta1=float(beta1),
+                    beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+class AdamW(Adam):
+    """`torch.optim.AdamW` on mtapply's fused kernel (decoupled weight decay, default 1e-2)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
+
+    def _compile_options(self, group) -> tuple:
+        return (bool(group["amsgrad"]), True, bool(group["maximize"]))
+
+
+class SGD(_FusedOptimizer):
+    """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum."""
+
+    _counts_steps = False
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None):
+        if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach,
+                        differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults)
+
+    def _compile_options(self, group) -> tuple:
+        return (group["momentum"] != 0, bool(group["nesterov"]), bool(group["maximize"]))
+
+    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+        # torch's first step copies the grad into a new buffer: params without one take a
+        # one-off step=1 launch, and join the group's plan from the next step on
+        if group["momentum"] != 0:
+            fresh = [p for p in group["params"]
+                     if p.grad is not None and self.state[p].get("momentum_buffer") is None]
+            if fresh:
+                self._first_step(group, fresh, grad_scale, found_inf)
+                stepped = set(map(id, fresh))
+                rest = [p for p in group["params"] if id(p) not in stepped]
+                return self._step_params(index, dict(group, params=rest), grad_scale, found_inf)
+        self._step_params(index, group, grad_scale, found_inf)
+
+    def _step_params(self, index, group, grad_scale, found_inf) -> None:
+        super()._step_group(index, group, grad_scale, found_inf)
+
+    def _first_step(self, group, params, grad_scale, found_inf) -> None:
+        buffers = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        hyper = dict(self._hyper(group, params[0].device), step=1)
+        _sgd.sgd_step(params, [p.grad for p in params], buffers, **hyper, nesterov=group["nesterov"],
+                      maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
+        for p, b in zip(params, buffers):
+            self.state[p]["momentum_buffer"] = b
+
+    def _make_plan(self, group, params, grads):
+        buffers = self._states(params, "momentum_buffer") if group["momentum"] else None
+        return _sgd.sgd_plan(params, grads, buffers, nesterov=group["nesterov"],
+                             maximize=group["maximize"])
+
+    def _init_state(self, group, p, state) -> None:
+        if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _hyper(self, group, device) -> dict:
+        return dict(lr=self._lr(group, device), momentum=group["momentum"],
+                    dampening=group["dampening"], weight_decay=group["weight_decay"],
+                    step=2 if group["momentum"] != 0 else None)
+
+
+class LARS(_FusedOptimizer):
+    """LARS (You et al. 2017; see `mtapply.lars_step`) as a torch optimizer. A param group
+    with `exclude=True` (biases, norm layers) takes plain momentum steps without adaptation or
+    weight decay. State per param: `momentum_buffer`."""
+
+    _counts_steps = False
+
+    def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
+                 eps=0.0, exclude=False):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, eps=eps, exclude=exclude)
+        super().__init__(params, defaults)
+
+    def _compile_options(self, group) -> tuple:
+        return (bool(group["exclude"]),)
+
+    def _init_state(self, group, p, state) -> None:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _make_plan(self, group, params, grads):
+        return _lars.lars_plan(params, grads, self._states(params, "momentum_buffer"),
+                               exclude=[bool(group["exclude"])] * len(params))
+
+    def _hyper(self, group, device) -> dict:
+        return dict(lr=self._lr(group, device), momentum=group["momentum"],
+                    weight_decay=group["weight_decay"],
+                    trust_coefficient=group["trust_coefficient"], eps=group["eps"])
+
+
+class LAMB(_FusedOptimizer):
+    """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
+    max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
+    the device in one launch per step. State per param: `step`, `exp_avg`, `exp_avg_sq`."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
+                 use_nvlamb=False):
+        _check_adam_args(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        max_grad_norm=max_grad_norm)
+        self.adam_w_mode, self.use_nvlamb = bool(adam_w_mode), bool(use_nvlamb)
+        self._global_norm = None
+        super().__init__(params, defaults)
+
+    def _before_groups(self, grad_scale, found_inf) -> None:
+        self._global_norm = None
+        if any(g["max_grad_norm"] > 0 for g in self.param_groups):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                if self._global_norm_out is None or self._global_norm_out.device != grads[0].device:
+                    self._global_norm_out = torch.zeros(1, device=grads[0].device)
+                _norms.l2_norms(grads, total_out=self._global_norm_out)
+                self._global_norm = self._global_norm_out
+                if grad_scale is not None:  # the norm of the unscaled grads
+                    self._global_norm_out.div_(grad_scale.reshape(1))
+
+    _global_norm_out = None
+
+    def _compile_options(self, group) -> tuple:
+        return (self.adam_w_mode, self.use_nvlamb)
+
+    def _init_state(self, group, p, state) -> None:
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _make_plan(self, group, params, grads):
+        return _lamb.lamb_plan(params, grads, self._states(params, "exp_avg"),
+                               self._states(params, "exp_avg_sq"),
+                               adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb)
+
+    def _hyper(self, group, device) -> dict:
+        beta1, beta2 = group["betas"]
+        clip = group["max_grad_norm"] > 0 and self._global_norm is not None
+        return dict(lr=self._lr(group, device), beta1=float(beta1),
+                    beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+                    grad_averaging=bool(group["grad_averaging"]),
+                    bias_correction=bool(group["bias_correction"]),
+                    max_grad_norm=float(group["max_grad_norm"]) if clip else 0.0,
+                    global_grad_norm=self._global_norm if clip else None)
+
+
+def _check_adam_args(lr, betas, eps, weight_decay) -> None:
+    """torch.optim.Adam's argument checks and messages."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
