@@ -306,13 +306,15 @@ class _Engine:
         if os.environ.get(_CALLBACK_ENV, "buffer") == "host" or buffer_callback is None:
             return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
                                           written, grads, scalars))
-        call = buffer_callback(functools.partial(self._buffer_callback, key), results,
-                               input_output_aliases={i: i for i in range(len(written))})
-        return list(call(written, grads, scalars))
+        # Flat positional inputs: buffer_callback checks alias indices against them.
+        call = buffer_callback(functools.partial(self._buffer_callback, key, len(scalars)),
+                               results, input_output_aliases={i: i for i in range(len(written))})
+        return list(call(*written, *grads, *scalars))
 
-    def _buffer_callback(self, key, ctx, outs, written, grads, scalars) -> None:
-        """Steps XLA's buffers in place. `outs` alias `written`, so they hold the old values."""
-        del written
+    def _buffer_callback(self, key, n_scalars, ctx, outs, *inputs) -> None:
+        """Steps XLA's buffers in place: `outs` alias the first inputs, so they hold the old
+        values; then come the grads and the scalars."""
+        grads, scalars = inputs[len(outs):-n_scalars], inputs[-n_scalars:]
         outs, grads = [_XlaBuffer(b) for b in outs], [_XlaBuffer(b) for b in grads]
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:

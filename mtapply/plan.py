@@ -11,7 +11,7 @@ like any other. Empty tensors get no block. There is no cap on tensors per launc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,22 +49,24 @@ class Group:
     numels: np.ndarray  # int64
     pointers: np.ndarray  # (n_tensors, n_slots) uint64 addresses
     chunk: int
+    _table: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n_blocks(self) -> int:
         return int(((self.numels + self.chunk - 1) // self.chunk).sum())
 
     def table(self) -> np.ndarray:
-        """The group's table as bytes (uint8), ready to copy to the device as is."""
-        blocks = chunk_map(self.numels, self.chunk)
-        records = np.empty((len(self.numels), self.pointers.shape[1] + 1), dtype=np.int64)
+        """The group's table as bytes (uint8), ready to copy to the device as is. The block map
+        depends only on the sizes, so rebinding pointers rewrites just the records."""
+        if self._table is None:
+            blocks = chunk_map(self.numels, self.chunk)
+            head = _round_up(blocks.nbytes, RECORD_ALIGN)
+            self._table = np.zeros(head + len(self.numels) * (self.pointers.shape[1] + 1) * 8, np.uint8)
+            self._table[:blocks.nbytes] = blocks.reshape(-1).view(np.uint8)
+        records = self._table[self.records_offset:].view(np.int64).reshape(len(self.numels), -1)
         records[:, 0] = self.numels
         records[:, 1:] = self.pointers.view(np.int64)
-        head = _round_up(blocks.nbytes, RECORD_ALIGN)
-        table = np.zeros(head + records.nbytes, dtype=np.uint8)
-        table[:blocks.nbytes] = blocks.reshape(-1).view(np.uint8)
-        table[head:] = records.reshape(-1).view(np.uint8)
-        return table
+        return self._table.copy()
 
     @property
     def records_offset(self) -> int:
