@@ -10,7 +10,7 @@ The digits data ship inside scikit-learn (no download). Usage:
     python examples/digits_torch.py [--device cpu|cuda] [--epochs 20] [--plot digits_torch.png]
 
 Runs on the GPU when one is present (one fused launch per step), else on the CPU (the NumPy
-backend, a few seconds).
+backend; under a minute).
 """
 from __future__ import annotations
 
