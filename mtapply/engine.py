@@ -54,6 +54,7 @@ class Plan:
                            for name, refs in self._refs.items()}
         self._sizes: dict = {}
         self._alive: dict = {}
+        self._written_extents = None  # sorted (starts, ends) of the written slots' tensors
         self.device = self._refs[first][0].device if self._n else None
         self._scalars: dict = {}
         self._cuda = None
@@ -103,6 +104,8 @@ class Plan:
         self._refs[slot] = fresh
         self._alive.pop(slot, None)
         self._addresses[slot] = addresses
+        if slot in self.spec.written:
+            self._written_extents = None
         if self._cuda is not None:
             self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses, launch_stream)
 
@@ -118,12 +121,36 @@ class Plan:
         addresses = np.asarray(addresses, np.uint64)
         if len(addresses) != self._n:
             raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has {self._n} tensors")
-        check_no_overlap(self._extents(slot, addresses), self.spec.written)
+        if slot in self.spec.written:
+            check_no_overlap(self._extents(slot, addresses), self.spec.written)
+        else:
+            self._check_against_written(slot, addresses)
         chosen = self._stream if stream is None else stream
         self._alive[slot] = tensors  # the plan keeps its tensors alive
         self._addresses[slot] = addresses
+        if slot in self.spec.written:
+            self._written_extents = None
         self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
                                         self._stream_for(self.device[1], chosen))
+
+    def _check_against_written(self, slot: str, addresses: np.ndarray) -> None:
+        """A read-only slot's new tensors against the written tensors (which never overlap one
+        another): one binary search per tensor in their sorted extents, kept between calls."""
+        if self._written_extents is None:
+            names = sorted(self.spec.written & set(self._refs))
+            extents = self._extents(slot, addresses)
+            starts = np.concatenate([extents[n][0] for n in names])
+            sizes = np.concatenate([extents[n][1] for n in names])
+            keep = np.flatnonzero(sizes)
+            order = keep[np.argsort(starts[keep], kind="stable")]
+            self._written_extents = (starts[order], starts[order] + sizes[order])
+        written_starts, written_ends = self._written_extents
+        sizes = self._extents(slot, addresses)[slot][1]
+        ends = addresses + sizes
+        before = np.searchsorted(written_starts, ends, side="left") - 1
+        hit = (sizes > 0) & (before >= 0) & (written_ends[np.maximum(before, 0)] > addresses)
+        if hit.any():
+            check_no_overlap(self._extents(slot, addresses), self.spec.written)  # names the pair
 
     def _extents(self, slot: str, addresses: np.ndarray) -> dict:
         """slot -> (start addresses, sizes in bytes), with `slot` at `addresses`."""

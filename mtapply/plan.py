@@ -63,7 +63,8 @@ class Group:
             head = _round_up(blocks.nbytes, RECORD_ALIGN)
             self._table = np.zeros(head + len(self.numels) * (self.pointers.shape[1] + 1) * 8, np.uint8)
             self._table[:blocks.nbytes] = blocks.reshape(-1).view(np.uint8)
-        records = self._table[self.records_offset:].view(np.int64).reshape(len(self.numels), -1)
+        records = self._table[self.records_offset:].view(np.int64).reshape(
+            len(self.numels), self.pointers.shape[1] + 1)
         records[:, 0] = self.numels
         records[:, 1:] = self.pointers.view(np.int64)
         return self._table.copy()

@@ -21,6 +21,7 @@ on mtapply's NumPy backend.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -49,8 +50,8 @@ class _Bound:
     """One param group bound to mtapply plans: its params with grads, in parts of equal step
     count (params that missed steps, having had no grad, count fewer)."""
 
-    def __init__(self, key, params, grads, parts):
-        self.key, self.params, self.grads, self.parts = key, params, grads, parts
+    def __init__(self, key, options, params, grads, parts):
+        self.key, self.options, self.params, self.grads, self.parts = key, options, params, grads, parts
 
     def follow_grads(self, grads: list) -> None:
         """Points the plans at this step's grads, if any moved."""
@@ -143,17 +144,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Work that spans the groups (LAMB's global gradient norm)."""
 
     def _step_group(self, index, group, grad_scale, found_inf) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
+        # The common case costs C-level scans only: the same params, every one with a grad.
+        params = group["params"]
         grads = list(map(_GRAD, params))
-        key = (tuple(map(id, params)), self._compile_options(group))
+        options = self._compile_options(group)
         bound = self._bound.get(index)
-        if bound is None or bound.key != key:
-            bound = self._bind(key, group, params, grads)
-            self._bound[index] = bound
-        else:
+        same = (bound is not None and bound.options == options and len(bound.params) == len(params)
+                and all(map(operator.is_, params, bound.params))
+                and not any(map(operator.is_, grads, repeat(None))))
+        if same:
             bound.follow_grads(grads)
+        else:
+            params = [p for p in params if p.grad is not None]
+            if not params:
+                return
+            grads = list(map(_GRAD, params))
+            key = tuple(map(id, params))
+            if bound is not None and bound.options == options and bound.key == key:
+                bound.follow_grads(grads)
+            else:
+                bound = self._bind(key, options, group, params, grads)
+                self._bound[index] = bound
         hyper = self._hyper(group, bound.params[0].device)
         for part in bound.parts:
             if part.counter is not None:
@@ -163,7 +174,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 hyper["step"] = part.counter
             part.plan.step(grad_scale=grad_scale, found_inf=found_inf, **hyper)
 
-    def _bind(self, key, group, params, grads) -> _Bound:
+    def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
             if p.is_sparse or p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -181,7 +192,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             counter = self._counter(members, count) if self._counts_steps else None
             plan = self._make_plan(group, members, [grads[i] for i in indices])
             parts.append(_Part(np.asarray(indices), members, plan, counter))
-        return _Bound(key, params, grads, parts)
+        return _Bound(key, options, list(params), grads, parts)
 
     def _states(self, params, name: str) -> list:
         return [self.state[p][name] for p in params]

@@ -224,3 +224,21 @@ def test_a_whole_training_step_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     _assert_same(a, b)
     assert float(ob.state[b[0].weight]["step"]) == 7.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_sharing_memory_with_a_written_tensor_is_refused(device):
+    model = _model(device)
+    opt = mt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, device, 2)
+    weight = model[0].weight
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    weight.grad = opt.state[weight]["momentum_buffer"].view_as(weight)  # aliases a written state
+    with pytest.raises(ValueError, match="share memory"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    weight.grad = torch.randn_like(weight)
+    opt.step()  # the optimizer keeps working after the error
+    assert not torch.equal(weight, before[0])
