@@ -32,8 +32,9 @@ group; two for LARS and LAMB) on XLA's own stream (`ctx.stream`), with lr and th
 read by the kernel from device memory: no host synchronisation. On the CPU the same callback
 runs mtapply's NumPy backend on XLA's host buffers. Plans are cached by buffer addresses, so a
 training loop whose buffers recur (the usual case with donation) does O(1) host work per step
-besides reading the addresses. Setting MTAPPLY_OPTAX_CALLBACK=host (read at trace time) uses
-`jax.pure_callback` and the NumPy backend instead: a slow fallback that copies through the host.
+besides reading the addresses; when only the grads move, the plan is rebound to them. With
+MTAPPLY_OPTAX_CALLBACK=host (read at trace time) the update is a `jax.pure_callback` into the
+NumPy backend instead: a slow fallback that copies through the host (no bfloat16).
 
 Semantics (the count in the state is the number of steps taken; the kernel's step is count + 1;
 a schedule is evaluated at count, as optax does):
@@ -78,7 +79,7 @@ except ImportError:  # jax < 0.6.1: only the host fallback works
     buffer_callback = None
 
 _CALLBACK_ENV = "MTAPPLY_OPTAX_CALLBACK"
-_PLAN_CACHE = 8  # plans kept per optimizer, keyed by buffer addresses
+_PLANS_PER_TREE = 4  # plans kept per tree signature, keyed by buffer addresses
 _DLPACK_CPU = 1
 
 
@@ -134,12 +135,13 @@ class FusedOptimizer(NamedTuple):
 
 class _Rule:
     """One mtapply op as the adapter drives it. `slots` are the state fields that hold one
-    buffer per param, in the op's slot order; `statics(params, treedef)` gives the per-tree
-    static choices the plan needs (hashable)."""
+    buffer per param; `plan_slots` names the plan's slots for params, those fields and grads;
+    `statics(params, treedef)` gives the per-tree static choices the plan needs (hashable)."""
 
     name = ""
     state_type: type = AdamState
     slots: tuple = ()
+    plan_slots: tuple = ()
     reads_params = True  # False: the update ignores the params' values
     global_norm = False  # the step takes the gradients' global L2 norm
 
@@ -155,6 +157,7 @@ class _Rule:
 
 class _Adam(_Rule):
     name, state_type, slots = "adam", AdamState, ("mu", "nu")
+    plan_slots = ("params", "exp_avgs", "exp_avg_sqs", "grads")
 
     def __init__(self, b1, b2, eps, weight_decay):
         self.hyper = dict(beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay)
@@ -175,6 +178,7 @@ class _Sgd(_Rule):
         self.momentum = 0.0 if momentum is None else momentum
         self.nesterov = bool(nesterov) and self.momentum != 0
         self.slots = ("trace",) if self.momentum != 0 else ()
+        self.plan_slots = ("params",) + (("momentum_buffers",) if self.slots else ()) + ("grads",)
         _check(SGDSpec(nesterov=self.nesterov).arguments, lr=0.0, step=1, momentum=self.momentum)
 
     def plan(self, params, grads, slots, statics, stream):
@@ -187,6 +191,7 @@ class _Sgd(_Rule):
 
 class _Lars(_Rule):
     name, state_type, slots = "lars", LarsState, ("momentum",)
+    plan_slots = ("params", "momentum_buffers", "grads")
 
     def __init__(self, weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
                  weight_decay_mask):
@@ -215,6 +220,7 @@ class _Lars(_Rule):
 
 class _Lamb(_Rule):
     name, state_type, slots = "lamb", LambState, ("mu", "nu")
+    plan_slots = ("params", "exp_avgs", "exp_avg_sqs", "grads")
 
     def __init__(self, b1, b2, eps, weight_decay, adam_w_mode, use_nvlamb, grad_averaging,
                  bias_correction, max_grad_norm):
@@ -283,7 +289,7 @@ class _Engine:
         count = state.count
         scalars = [self._learning_rate(count), (count + 1).astype(jnp.float32).reshape(1)]
         if self.rule.global_norm:
-            scalars.append(optax.global_norm(grads).astype(jnp.float32).reshape(1))
+            scalars.append(_global_norm(grads).astype(jnp.float32).reshape(1))
         written = leaves + [leaf for slot in slot_leaves for leaf in slot]
         if leaves:
             statics = self.rule.statics(params, treedef)
@@ -325,7 +331,7 @@ class _Engine:
 
         stream = ctx.stream
         # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
-        with cupy.cuda.Device(device_id), cupy.cuda.Stream.from_external(_StreamRef(stream)):
+        with cupy.cuda.Device(device_id), _cupy_stream(stream, device_id):
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
             self._step(key, outs, grads, values, stream)
 
@@ -338,21 +344,52 @@ class _Engine:
         return outs
 
     def _step(self, key, outs: list, grads: list, scalars: list, stream) -> None:
-        """One plan step over the buffers, with a plan cached by their addresses."""
-        addresses = (key, tuple(b.address() for b in outs + grads))
+        """One plan step over the buffers. Plans are cached by the buffers' addresses, which
+        recur in a training loop. On a miss where only one slot moved (typically fresh grads
+        while params and state stay in place) a plan of the tree is rebound to them."""
+        columns = _columns(outs + grads, len(grads))
         with self._lock:
-            plan = self._plans.pop(addresses, None)
+            plan = self._plans.pop((key, columns), None)
+            if plan is None:
+                plan = self._moved_plan(key, columns, outs + grads, stream)
             if plan is None:
                 plan = self._new_plan(key, outs, grads, stream)
-            self._plans[addresses] = plan
-            while len(self._plans) > _PLAN_CACHE:
-                self._plans.popitem(last=False)
+            self._plans[(key, columns)] = plan
+            mine = [k for k in self._plans if k[0] == key]
+            for old_key in mine[:-_PLANS_PER_TREE]:
+                del self._plans[old_key]
             plan.step(stream=stream, **self.rule.step_args(*scalars))
+
+    def _moved_plan(self, key, columns: tuple, buffers: list, stream):
+        """The most recent plan of `key` whose buffers differ from `columns` in one slot only,
+        rebound to `buffers`; None if there is none. (Rebinding several slots one by one could
+        meet stale addresses that XLA has since given to another slot.)"""
+        n = len(columns[0])
+        for old_key in reversed([k for k in self._plans if k[0] == key]):
+            moved = [i for i, (old, new) in enumerate(zip(old_key[1], columns)) if old != new]
+            if len(moved) == 1:
+                plan, i = self._plans.pop(old_key), moved[0]
+                # XLA's buffers have the traced shapes and dtypes, dense: only addresses change.
+                plan.rebind_addresses(self.rule.plan_slots[i], buffers[i * n: (i + 1) * n],
+                                      np.asarray(columns[i], np.uint64), stream=stream)
+                return plan
+        return None
 
     def _new_plan(self, key, outs: list, grads: list, stream):
         n = len(grads)
         slots = [outs[n * (k + 1): n * (k + 2)] for k in range(len(self.rule.slots))]
         return self.rule.plan(outs[:n], grads, slots, key[0], stream)
+
+
+def _columns(buffers: list, n: int) -> tuple:
+    """The buffers' addresses, one tuple per slot of n buffers."""
+    addresses = [b.address() for b in buffers]
+    return tuple(tuple(addresses[i: i + n]) for i in range(0, len(addresses), n))
+
+
+def _global_norm(tree):
+    norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5
+    return norm(tree) if norm is not None else optax.global_norm(tree)
 
 
 class _XlaBuffer:
@@ -394,6 +431,16 @@ class _StreamRef:
 
     def __cuda_stream__(self):
         return (0, self.handle)
+
+
+def _cupy_stream(handle: int, device_id: int):
+    """XLA's stream as a CuPy stream (CuPy 14's from_external; ExternalStream before it)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamRef(handle))
+    return cupy.cuda.ExternalStream(handle, device_id)
 
 
 # ---------------------------------------------------------------------------------------------
