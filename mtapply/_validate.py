@@ -46,13 +46,16 @@ def ingest(slots: dict, written: frozenset, launch_stream) -> dict[str, list[Ten
     if n == 0:
         return refs
     call_device = first_device(slots)
-    stream = launch_stream(call_device) if call_device[0] == "cuda" else None
-    read = _reader(stream)
+    read = _reader(launch_stream if call_device[0] == "cuda" else None)
     for i in range(n):
         for name in names:
             where = f"{name}[{i}]"
             ref = read(slots[name][i], where)
-            _check_tensor(ref, where, name in written, call_device, f"{names[0]}[0]")
+            if name == names[0]:  # params may be on several GPUs; each slot on its param's
+                expected, other = _param_device(ref, call_device), f"{names[0]}[0]"
+            else:
+                expected, other = refs[names[0]][i].device, f"{names[0]}[{i}]"
+            _check_tensor(ref, where, name in written, expected, other)
             if name != names[0]:
                 _check_against_param(ref, refs[names[0]][i], where, f"{names[0]}[{i}]")
             refs[name][i] = ref
@@ -60,9 +63,18 @@ def ingest(slots: dict, written: frozenset, launch_stream) -> dict[str, list[Ten
     return refs
 
 
-def ingest_slot(slot: str, tensors, current: list[TensorRef], writable: bool, stream) -> list[TensorRef]:
-    """TensorRefs of new tensors for one slot, each of the dtype, shape and layout it replaces."""
-    read = _reader(stream)
+def _param_device(ref: TensorRef, call_device: tuple) -> tuple:
+    """The device a param may be on: any GPU when the call's first param is on a GPU."""
+    return ref.device if call_device[0] == "cuda" and ref.device[0] == "cuda" else call_device
+
+
+def ingest_slot(slot: str, tensors, current: list[TensorRef], writable: bool,
+                launch_stream) -> list[TensorRef]:
+    """TensorRefs of new tensors for one slot, each of the dtype, shape and layout it replaces.
+
+    `launch_stream(device)` gives the stream handle mtapply will launch on (None on the CPU).
+    """
+    read = _reader(launch_stream)
     fresh = []
     for i, (obj, old) in enumerate(zip(tensors, current)):
         where = f"{slot}[{i}]"
@@ -78,18 +90,32 @@ def ingest_slot(slot: str, tensors, current: list[TensorRef], writable: bool, st
     return fresh
 
 
-def _reader(stream):
-    """read(obj, where) -> TensorRef: torch's own accessors for torch tensors, else DLPack."""
+def _reader(launch_stream):
+    """read(obj, where) -> TensorRef: torch's own accessors for torch tensors, else DLPack.
+
+    Either way the launch stream of the tensor's device (`launch_stream(device)`, or None for
+    none) is ordered after the producer's pending work on it.
+    """
     ordered: set = set()
+    streams: dict = {}
+
+    def stream_of(device: tuple):
+        if launch_stream is None or device[0] != "cuda":
+            return None
+        if device not in streams:
+            streams[device] = launch_stream(device)
+        return streams[device]
 
     def read(obj, where: str) -> TensorRef:
         if framework_of(obj) == "torch":
             ref = torch_ref(obj)
             if ref is not None:
-                if stream is not None and ref.device[0] == "cuda" and ref.device not in ordered:
+                stream = stream_of(ref.device)
+                if stream is not None and ref.device not in ordered:
                     order_after_current_stream(ref.device[1], stream)
                     ordered.add(ref.device)
                 return ref
+        stream = stream_of(device_of(obj, where))
         return export(obj, where, None if stream is None else dlpack_stream(stream))
 
     return read

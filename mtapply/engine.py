@@ -59,8 +59,34 @@ class Plan:
         self._scalars: dict = {}
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
-            self._cuda = _launcher(spec, self._refs, self.table_mode, self.device[1],
-                                   self._stream_for(self.device[1], stream), _share_tables)
+            self._cuda = self._launchers(stream, _share_tables)
+
+    def _launchers(self, stream, share: bool):
+        """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
+        each device's tables on that device)."""
+        params = self._refs[self.spec.slots[0]]
+        devices = list(dict.fromkeys(ref.device[1] for ref in params))
+        arrays = self.spec.tensor_arrays(self._n)
+        if len(devices) == 1:
+            return _launcher(self.spec, self._refs, arrays, self.table_mode, devices[0],
+                             self._stream_for(devices[0], stream), share)
+        if self.spec.single_device:
+            raise ValueError(f"{self.spec.name} sums over the whole list, which here spans GPUs "
+                             f"{', '.join(f'cuda:{d}' for d in devices)}: call it once per GPU")
+        if stream is not None:
+            raise ValueError("stream= names one stream, but the tensors are on GPUs "
+                             f"{', '.join(f'cuda:{d}' for d in devices)}: leave it None to launch "
+                             f"on each device's current stream")
+        of_device = np.fromiter((ref.device[1] for ref in params), np.int64, self._n)
+        parts = []
+        for device_id in devices:
+            indices = np.flatnonzero(of_device == device_id)
+            refs = {name: [column[i] for i in indices] for name, column in self._refs.items()}
+            subset = {name: np.asarray(values)[indices] for name, values in arrays.items()}
+            parts.append((device_id, indices, _launcher(self.spec, refs, subset, self.table_mode,
+                                                        device_id, self._stream_for(device_id, None),
+                                                        share)))
+        return _Devices(parts)
 
     def __len__(self) -> int:
         return self._n
@@ -87,7 +113,7 @@ class Plan:
             _cpu.run(self.spec, self._refs, args, grad_scale=scale)
         else:
             chosen = self._stream if stream is None else stream
-            self._cuda.run(args, self._stream_for(self.device[1], chosen), scale, skip)
+            self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip)
 
     def rebind(self, slot: str, tensors, *, stream=None) -> None:
         """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
@@ -97,7 +123,7 @@ class Plan:
         first = self.spec.slots[0]
         check_lists({first: self._refs[first], slot: tensors})
         chosen = self._stream if stream is None else stream
-        launch_stream = self._stream_for(self.device[1], chosen) if self._cuda else None
+        launch_stream = (lambda device: self._stream_for(device[1], chosen)) if self._cuda else None
         fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
         addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
         check_no_overlap(self._extents(slot, addresses), self.spec.written)
@@ -107,7 +133,8 @@ class Plan:
         if slot in self.spec.written:
             self._written_extents = None
         if self._cuda is not None:
-            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses, launch_stream)
+            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
+                                            lambda device_id: self._stream_for(device_id, chosen))
 
     def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None) -> None:
         """`rebind` for callers that guarantee what `rebind` checks tensor by tensor: each new
@@ -131,7 +158,7 @@ class Plan:
         if slot in self.spec.written:
             self._written_extents = None
         self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
-                                        self._stream_for(self.device[1], chosen))
+                                        lambda device_id: self._stream_for(device_id, chosen))
 
     def _check_against_written(self, slot: str, addresses: np.ndarray) -> None:
         """A read-only slot's new tensors against the written tensors (which never overlap one
@@ -179,6 +206,9 @@ class Plan:
         if cached is not None and cached.obj is value:
             return cached
         ref = _read_array(value, name)
+        if isinstance(self._cuda, _Devices):
+            raise ValueError(f"{name} as a device array is read by every launch, but the tensors "
+                             f"are on several GPUs: pass a number, or one plan per GPU")
         if ref.dtype != "float32" or ref.numel != 1 or ref.device != self.device:
             raise ValueError(f"{name} as a device array must be a one-element float32 array on "
                              f"cuda:{self.device[1]}, got {ref.dtype} {ref.shape} on {ref.device}")
@@ -219,11 +249,10 @@ def _device_label(device: tuple) -> str:
 class _Launcher:
     """The kernels, tables, workspaces and argument words of a plan's groups on one GPU."""
 
-    def __init__(self, spec, dtypes, numels, pointers, table_mode, device_id, stream):
+    def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     _source.CHUNK_ELEMENTS)
-        arrays = spec.tensor_arrays(len(numels))
         self.launches, self.tables, self._memory = [], [], []
         for group in self.groups:
             source = _source.variant_source(spec.kernel_file, spec.functors, group.dtypes, spec.flags)
@@ -282,7 +311,9 @@ class _Launcher:
                 for launch in self.launches[k]:
                     launch.set_table(base, base + group.records_offset)
 
-    def rebound(self, slot_index: int, addresses: np.ndarray, stream: int) -> "_Launcher":
+    def rebound(self, slot_index: int, addresses: np.ndarray, stream_of) -> "_Launcher":
+        """Points a slot at new addresses; `stream_of(device_id)` is the launch stream."""
+        stream = stream_of(self.device_id)
         self.pointers = self.pointers.copy()
         self.pointers[:, slot_index] = addresses
         for group in self.groups:
@@ -290,11 +321,12 @@ class _Launcher:
         self.upload(stream)
         return self
 
-    def run(self, args: dict, stream: int, grad_scale=1.0, found_inf=None) -> None:
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None) -> None:
         """Every pass over every group, pass by pass: a pass may need all groups' sums (a
-        global norm) from the one before."""
+        global norm) from the one before. `stream_of(device_id)` is the launch stream."""
         import cupy
 
+        stream = stream_of(self.device_id)
         switch = cupy.cuda.runtime.getDevice() != self.device_id
         device = cupy.cuda.Device(self.device_id) if switch else None
         if switch:
@@ -333,7 +365,24 @@ def _device_copy(values: np.ndarray, stream: int):
     return memory
 
 
-def _launcher(spec, refs, table_mode, device_id, stream, share: bool) -> _Launcher:
+class _Devices:
+    """The launchers of a plan whose tensors are on several GPUs, each with the positions of
+    its tensors in the plan's lists; one launch set per device, on that device's stream."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # (device_id, indices, _Launcher)
+
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None) -> None:
+        for _, _, launcher in self.parts:
+            launcher.run(args, stream_of, grad_scale, found_inf)
+
+    def rebound(self, slot_index: int, addresses: np.ndarray, stream_of) -> "_Devices":
+        self.parts = [(device_id, indices, launcher.rebound(slot_index, addresses[indices], stream_of))
+                      for device_id, indices, launcher in self.parts]
+        return self
+
+
+def _launcher(spec, refs, arrays, table_mode, device_id, stream, share: bool) -> _Launcher:
     """A new launcher, or with `share` one whose tables already hold exactly these tensors."""
     slots = spec.slots
     n = len(refs[slots[0]])
@@ -341,11 +390,11 @@ def _launcher(spec, refs, table_mode, device_id, stream, share: bool) -> _Launch
     numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
     if not share:
-        return _Launcher(spec, dtypes, numels, pointers, table_mode, device_id, stream)
+        return _Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
     key = (spec.key, table_mode, device_id, tuple(dtypes), numels.tobytes(), pointers.tobytes())
     launcher = _recent_launchers.pop(key, None)
     if launcher is None:
-        launcher = _Launcher(spec, dtypes, numels, pointers, table_mode, device_id, stream)
+        launcher = _Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
     _recent_launchers[key] = launcher
     while len(_recent_launchers) > _RECENT_LIMIT:
         _recent_launchers.popitem(last=False)

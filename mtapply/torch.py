@@ -40,10 +40,18 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 class _Part:
-    """Params of a group that share a step count, bound to one plan and one device counter."""
+    """Params of a group on one device that share a step count, bound to one plan and one
+    device counter."""
 
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
+        self.device = params[0].device
+
+    def on_device(self, flag):
+        """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
+        if flag is None or flag.device == self.device:
+            return flag
+        return flag.to(self.device)
 
 
 class _Bound:
@@ -52,11 +60,15 @@ class _Bound:
 
     def __init__(self, key, options, params, grads, parts):
         self.key, self.options, self.params, self.grads, self.parts = key, options, params, grads, parts
+        self.sharded = _is_dtensor(params[0])
 
     def follow_grads(self, grads: list) -> None:
         """Points the plans at this step's grads, if any moved."""
         if not any(map(operator.is_not, grads, self.grads)):
             return
+        self.grads = grads
+        if self.sharded:
+            grads = _locals(grads)
         if not all(map(_IS_CONTIGUOUS, grads)):
             raise ValueError("a param's .grad is not contiguous: mtapply needs dense grads laid out "
                              "like their params (assign contiguous grads)")
@@ -67,7 +79,6 @@ class _Bound:
             else:
                 part.plan.rebind_addresses("grads", [grads[i] for i in part.indices],
                                            addresses[part.indices])
-        self.grads = grads
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -75,6 +86,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
     _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
+    _shardable = True  # elementwise: FSDP2's local shards update like whole params
 
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
@@ -165,37 +177,43 @@ class _FusedOptimizer(torch.optim.Optimizer):
             else:
                 bound = self._bind(key, options, group, params, grads)
                 self._bound[index] = bound
-        hyper = self._hyper(group, bound.params[0].device)
         for part in bound.parts:
+            hyper = self._hyper(group, part.device)
+            scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
             if part.counter is not None:
                 part.counter.add_(1)
-                if found_inf is not None:  # a skipped step does not count
-                    part.counter.sub_(found_inf.reshape(()).to(part.counter.device))
+                if skip is not None:  # a skipped step does not count
+                    part.counter.sub_(skip.reshape(()))
                 hyper["step"] = part.counter
-            part.plan.step(grad_scale=grad_scale, found_inf=found_inf, **hyper)
+            part.plan.step(grad_scale=scale, found_inf=skip, **hyper)
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
             if p.is_sparse or p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if not p.is_contiguous():
+            if not _local(p).is_contiguous():
                 raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
+        if _is_dtensor(params[0]) and not self._shardable:
+            raise NotImplementedError(f"{type(self).__name__} takes norms of whole params: over "
+                                      f"sharded (DTensor) params they would need an all-reduce, "
+                                      f"which is not supported; use Adam, AdamW or SGD")
         for p in params:
             self._init_state(group, p, self.state[p])
-        classes: dict = {}
+        classes: dict = {}  # params of one device and one step count share a plan
         for i, p in enumerate(params):
             count = float(self.state[p]["step"]) if self._counts_steps else 0.0
-            classes.setdefault(count, []).append(i)
+            classes.setdefault((p.device, count), []).append(i)
         parts = []
-        for count, indices in classes.items():
+        for (_, count), indices in classes.items():
             members = [params[i] for i in indices]
             counter = self._counter(members, count) if self._counts_steps else None
-            plan = self._make_plan(group, members, [grads[i] for i in indices])
+            plan = self._make_plan(group, members, _locals([grads[i] for i in indices]))
             parts.append(_Part(np.asarray(indices), members, plan, counter))
         return _Bound(key, options, list(params), grads, parts)
 
     def _states(self, params, name: str) -> list:
-        return [self.state[p][name] for p in params]
+        """The state tensors `name` of params, as the plan takes them (local shards)."""
+        return _locals([self.state[p][name] for p in params])
 
     def _counter(self, params, count: float):
         """One device step counter for params of equal step count: their `state["step"]`."""
@@ -260,7 +278,7 @@ class Adam(_FusedOptimizer):
 
     def _make_plan(self, group, params, grads):
         amsgrad, decoupled, maximize = self._compile_options(group)
-        return _adam.adam_plan(params, grads, self._states(params, "exp_avg"),
+        return _adam.adam_plan(_locals(params), grads, self._states(params, "exp_avg"),
                                self._states(params, "exp_avg_sq"),
                                max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if amsgrad else None,
                                amsgrad=amsgrad, decoupled_weight_decay=decoupled,
@@ -328,15 +346,22 @@ class SGD(_FusedOptimizer):
 
     def _first_step(self, group, params, grad_scale, found_inf) -> None:
         buffers = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
-        hyper = dict(self._hyper(group, params[0].device), step=1)
-        _sgd.sgd_step(params, [p.grad for p in params], buffers, **hyper, nesterov=group["nesterov"],
-                      maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
+        by_device: dict = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        for device, indices in by_device.items():
+            part = _Part(indices, [params[i] for i in indices], None, None)
+            hyper = dict(self._hyper(group, device), step=1)
+            _sgd.sgd_step(_locals(part.params), _locals([params[i].grad for i in indices]),
+                          _locals([buffers[i] for i in indices]), **hyper,
+                          nesterov=group["nesterov"], maximize=group["maximize"],
+                          grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
         for p, b in zip(params, buffers):
             self.state[p]["momentum_buffer"] = b
 
     def _make_plan(self, group, params, grads):
         buffers = self._states(params, "momentum_buffer") if group["momentum"] else None
-        return _sgd.sgd_plan(params, grads, buffers, nesterov=group["nesterov"],
+        return _sgd.sgd_plan(_locals(params), grads, buffers, nesterov=group["nesterov"],
                              maximize=group["maximize"])
 
     def _init_state(self, group, p, state) -> None:
@@ -349,12 +374,26 @@ class SGD(_FusedOptimizer):
                     step=2 if group["momentum"] != 0 else None)
 
 
+def _is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+def _local(tensor):
+    """The writable local shard of an FSDP2 (DTensor) param, grad or state; else the tensor."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _locals(tensors: list) -> list:
+    return [_local(t) for t in tensors] if tensors and _is_dtensor(tensors[0]) else tensors
+
+
 class LARS(_FusedOptimizer):
     """LARS (You et al. 2017; see `mtapply.lars_step`) as a torch optimizer. A param group
     with `exclude=True` (biases, norm layers) takes plain momentum steps without adaptation or
     weight decay. State per param: `momentum_buffer`."""
 
     _counts_steps = False
+    _shardable = False
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                  eps=0.0, exclude=False):
@@ -370,7 +409,7 @@ class LARS(_FusedOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
-        return _lars.lars_plan(params, grads, self._states(params, "momentum_buffer"),
+        return _lars.lars_plan(_locals(params), grads, self._states(params, "momentum_buffer"),
                                exclude=[bool(group["exclude"])] * len(params))
 
     def _hyper(self, group, device) -> dict:
@@ -383,6 +422,8 @@ class LAMB(_FusedOptimizer):
     """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device in one launch per step. State per param: `step`, `exp_avg`, `exp_avg_sq`."""
+
+    _shardable = False
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
@@ -419,7 +460,7 @@ class LAMB(_FusedOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
-        return _lamb.lamb_plan(params, grads, self._states(params, "exp_avg"),
+        return _lamb.lamb_plan(_locals(params), grads, self._states(params, "exp_avg"),
                                self._states(params, "exp_avg_sq"),
                                adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb)
 

@@ -43,6 +43,7 @@ class OpSpec:
     device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
     n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
     master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
+    single_device: bool = False  # results span the whole list (a global norm): one GPU only
 
     def _use_master_weights(self, enabled: bool) -> None:
         """Adds the `master_params` slot: the kernel updates the fp32 master (read in place of
