@@ -1,12 +1,13 @@
 """Data-parallel training with mtapply's optimizer: DDP, or FSDP2 (sharded DTensor params).
 
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode ddp --out result.pt
-    torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --out result.pt
+    torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lamb
     python examples/distributed_torch.py --mode single --out reference.pt
 
 Every rank trains the same small MLP on its half of each global batch of fixed synthetic data;
 gradients are averaged (DDP) or reduce-scattered (FSDP2, where each rank then updates only its
-own shard of every param: `mtapply.torch.AdamW` steps the local shards). `--mode single` trains
+own shard of every param: mtapply's optimizers step the local shards, and LARS and LAMB sum
+their per-tensor norms over the shards with an all-reduce). `--mode single` trains
 the same model on whole batches on one GPU: the results must agree to rounding. The final full
 params are saved by rank 0.
 """
@@ -57,11 +58,19 @@ def full_params(model) -> list:
             for p in model.parameters()]
 
 
-def train(mode: str) -> list:
+OPTIMIZERS = {
+    "adamw": lambda params: mt.AdamW(params, lr=3e-3, weight_decay=0.05),
+    "lars": lambda params: mt.LARS(params, lr=0.5, momentum=0.9, weight_decay=1e-3,
+                                   trust_coefficient=0.02),
+    "lamb": lambda params: mt.LAMB(params, lr=3e-3, weight_decay=0.05, max_grad_norm=1.0),
+}
+
+
+def train(mode: str, optimizer: str) -> list:
     rank, world = (dist.get_rank(), dist.get_world_size()) if mode != "single" else (0, 1)
     device = torch.device("cuda", rank if mode != "single" else 0)
     model = wrap(make_model(device), mode)
-    opt = mt.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for x, y in batches(device):
         part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -76,15 +85,16 @@ def train(mode: str) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("ddp", "fsdp2", "single"), default="ddp")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
     parser.add_argument("--out", default="distributed_result.pt")
     args = parser.parse_args()
     if args.mode != "single":
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    params, losses = train(args.mode)
+    params, losses = train(args.mode, args.optimizer)
     if args.mode == "single" or dist.get_rank() == 0:
         torch.save({"params": params, "losses": losses}, args.out)
-        print(f"{args.mode}: {len(params)} params, final loss on rank 0 {losses[-1]:.6f} -> {args.out}")
+        print(f"{args.mode} {args.optimizer}: {len(params)} params, final loss on rank 0 {losses[-1]:.6f} -> {args.out}")
     if args.mode != "single":
         dist.destroy_process_group()
 

@@ -91,12 +91,17 @@ class Plan:
     def __len__(self) -> int:
         return self._n
 
-    def step(self, *, stream=None, grad_scale=None, found_inf=None, **hyper) -> None:
+    def step(self, *, stream=None, grad_scale=None, found_inf=None, after_pass=None,
+             **hyper) -> None:
         """Applies the op once to every tensor. Hyperparameters as the op's step function takes.
 
         AMP (torch.amp.GradScaler's conventions): grads are divided by `grad_scale`, and when
         `found_inf` is non-zero nothing is written. Each may be a number or a one-element float32
         device array read by the kernel (so the step never waits for the host).
+
+        `after_pass(k)`, for ops of several passes on one GPU, is called on the host once pass k
+        is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
+        all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
         args = self.spec.arguments(**{k: self._scalar(k, v) for k, v in hyper.items()})
         scale = 1.0 if grad_scale is None else self._scalar("grad_scale", grad_scale)
@@ -113,7 +118,20 @@ class Plan:
             _cpu.run(self.spec, self._refs, args, grad_scale=scale)
         else:
             chosen = self._stream if stream is None else stream
-            self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip)
+            if after_pass is not None and isinstance(self._cuda, _Devices):
+                raise ValueError("after_pass needs the plan's tensors on one GPU")
+            self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
+                           after_pass)
+
+    def sums(self):
+        """The per-tensor sums that a multi-pass op's first pass leaves for the next (LARS:
+        ||p||^2 and ||g||^2; LAMB: ||p||^2 and ||u||^2), as a CuPy array of (tensors, sums)
+        in the plan's own group order; None for ops without sums or plans not on one GPU."""
+        if not isinstance(self._cuda, _Launcher) or self._cuda.all_sums is None:
+            return None
+        import cupy
+
+        return cupy.ndarray((self._n, self.spec.n_sums), cupy.float32, self._cuda.all_sums)
 
     def rebind(self, slot: str, tensors, *, stream=None) -> None:
         """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
@@ -254,6 +272,7 @@ class _Launcher:
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     _source.CHUNK_ELEMENTS)
         self.launches, self.tables, self._memory = [], [], []
+        self.all_sums = None
         for group in self.groups:
             source = _source.variant_source(spec.kernel_file, spec.functors, group.dtypes, spec.flags)
             functions = _source.kernel_functions(source, device_id, len(spec.functors))
@@ -280,6 +299,7 @@ class _Launcher:
         mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
         finished = _device_copy(np.zeros(1, np.uint32), stream)
         self._memory += [all_sums, mapping, finished]
+        self.all_sums = all_sums
         plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
         for group, offset, passes in zip(self.groups, offsets, self.launches):
             partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
@@ -321,9 +341,10 @@ class _Launcher:
         self.upload(stream)
         return self
 
-    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None) -> None:
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None) -> None:
         """Every pass over every group, pass by pass: a pass may need all groups' sums (a
-        global norm) from the one before. `stream_of(device_id)` is the launch stream."""
+        global norm) from the one before. `stream_of(device_id)` is the launch stream;
+        `after_pass(k)` runs on the host between passes k and k + 1."""
         import cupy
 
         stream = stream_of(self.device_id)
@@ -335,11 +356,14 @@ class _Launcher:
             busy = [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
             for k in busy:
                 self.tables[k].before_launch(stream)
-            for p in range(len(self.launches[0]) if busy else 0):
+            n_passes = len(self.launches[0]) if busy else 0
+            for p in range(n_passes):
                 for k in busy:
                     launch = self.launches[k][p]
                     launch.set_args(args, grad_scale, found_inf)
                     launch.launch(stream)
+                if after_pass is not None and p + 1 < n_passes:
+                    after_pass(p)
             for k in busy:
                 self.tables[k].launched_on(stream)
         finally:
@@ -372,7 +396,7 @@ class _Devices:
     def __init__(self, parts: list):
         self.parts = parts  # (device_id, indices, _Launcher)
 
-    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None) -> None:
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None) -> None:
         for _, _, launcher in self.parts:
             launcher.run(args, stream_of, grad_scale, found_inf)
 

@@ -46,6 +46,7 @@ class _Part:
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
         self.device = params[0].device
+        self.after_pass = _all_reduce_sums(plan, params[0]) if _is_dtensor(params[0]) else None
 
     def on_device(self, flag):
         """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
@@ -86,7 +87,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
     _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
-    _shardable = True  # elementwise: FSDP2's local shards update like whole params
 
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
@@ -185,7 +185,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if skip is not None:  # a skipped step does not count
                     part.counter.sub_(skip.reshape(()))
                 hyper["step"] = part.counter
-            part.plan.step(grad_scale=scale, found_inf=skip, **hyper)
+            part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
@@ -193,10 +193,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if not _local(p).is_contiguous():
                 raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
-        if _is_dtensor(params[0]) and not self._shardable:
-            raise NotImplementedError(f"{type(self).__name__} takes norms of whole params: over "
-                                      f"sharded (DTensor) params they would need an all-reduce, "
-                                      f"which is not supported; use Adam, AdamW or SGD")
         for p in params:
             self._init_state(group, p, self.state[p])
         classes: dict = {}  # params of one device and one step count share a plan
@@ -387,13 +383,26 @@ def _locals(tensors: list) -> list:
     return [_local(t) for t in tensors] if tensors and _is_dtensor(tensors[0]) else tensors
 
 
+def _all_reduce_sums(plan, param):
+    """For LARS and LAMB over FSDP2 shards: between the norms pass and the update, the
+    per-tensor sums of squares of the local shards are summed over the shard group, so every
+    rank takes the norms of the whole tensors. None for single-pass ops."""
+    sums = plan.sums() if plan is not None else None
+    if sums is None:
+        return None
+    import torch.distributed as dist
+
+    view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy
+    group = param.device_mesh.get_group()
+    return lambda _pass: dist.all_reduce(view, group=group)
+
+
 class LARS(_FusedOptimizer):
     """LARS (You et al. 2017; see `mtapply.lars_step`) as a torch optimizer. A param group
     with `exclude=True` (biases, norm layers) takes plain momentum steps without adaptation or
     weight decay. State per param: `momentum_buffer`."""
 
     _counts_steps = False
-    _shardable = False
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                  eps=0.0, exclude=False):
@@ -423,7 +432,6 @@ class LAMB(_FusedOptimizer):
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device in one launch per step. State per param: `step`, `exp_avg`, `exp_avg_sq`."""
 
-    _shardable = False
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
@@ -443,7 +451,13 @@ class LAMB(_FusedOptimizer):
             if grads:
                 if self._global_norm_out is None or self._global_norm_out.device != grads[0].device:
                     self._global_norm_out = torch.zeros(1, device=grads[0].device)
-                _norms.l2_norms(grads, total_out=self._global_norm_out)
+                _norms.l2_norms(_locals(grads), total_out=self._global_norm_out)
+                if _is_dtensor(grads[0]):  # the norm over every rank's shards
+                    import torch.distributed as dist
+
+                    self._global_norm_out.square_()
+                    dist.all_reduce(self._global_norm_out, group=grads[0].device_mesh.get_group())
+                    self._global_norm_out.sqrt_()
                 self._global_norm = self._global_norm_out
                 if grad_scale is not None:  # the norm of the unscaled grads
                     self._global_norm_out.div_(grad_scale.reshape(1))
