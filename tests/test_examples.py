@@ -48,6 +48,19 @@ def _needs_mtapply_torch():
     pytest.importorskip("mtapply.torch")
 
 
+def _needs_mtapply_optax():
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    pytest.importorskip("mtapply.optax")
+
+
+def _jax_sees_a_gpu() -> bool:
+    """Asked in a subprocess: jax in this process would take GPU memory from the tests."""
+    probe = "import jax, sys; sys.exit(0 if jax.devices('gpu') else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                          timeout=300).returncode == 0
+
+
 def test_digits_cupy_example_on_cpu(tmp_path):
     output = run_example("digits_cupy.py", tmp_path, "--device", "cpu", "--epochs", "2")
     assert "device=cpu (numpy) epochs=2" in output
@@ -57,6 +70,12 @@ def test_digits_torch_example_on_cpu(tmp_path):
     _needs_mtapply_torch()
     output = run_example("digits_torch.py", tmp_path, "--device", "cpu", "--epochs", "2")
     assert "device=cpu epochs=2" in output
+
+
+def test_digits_jax_example_on_cpu(tmp_path):
+    _needs_mtapply_optax()
+    output = run_example("digits_jax.py", tmp_path, "--device", "cpu", "--epochs", "2")
+    assert "device=cpu (cpu:0) epochs=2" in output
 
 
 @pytest.mark.gpu
@@ -74,3 +93,13 @@ def test_digits_torch_example_on_gpu(tmp_path):
         pytest.skip("this torch build sees no CUDA device")
     output = run_example("digits_torch.py", tmp_path, "--device", "cuda")
     assert "device=cuda epochs=20" in output
+
+
+@pytest.mark.gpu
+def test_digits_jax_example_on_gpu(tmp_path):
+    _needs_mtapply_optax()
+    pytest.importorskip("cupy")  # mtapply.optax's GPU callback launches through CuPy
+    if not _jax_sees_a_gpu():
+        pytest.skip("this jax build sees no GPU")
+    output = run_example("digits_jax.py", tmp_path, "--device", "gpu")
+    assert "device=gpu" in output and "epochs=5" in output
