@@ -190,6 +190,8 @@ class Plan:
             order = keep[np.argsort(starts[keep], kind="stable")]
             self._written_extents = (starts[order], starts[order] + sizes[order])
         written_starts, written_ends = self._written_extents
+        if not len(written_starts):
+            return  # every written tensor is empty
         sizes = self._extents(slot, addresses)[slot][1]
         ends = addresses + sizes
         before = np.searchsorted(written_starts, ends, side="left") - 1
