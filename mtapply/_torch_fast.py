@@ -19,6 +19,8 @@ _dtype_names: dict = {}
 def torch_ref(tensor) -> TensorRef | None:
     """A TensorRef of a torch tensor, or None when DLPack should read it instead."""
     torch = sys.modules["torch"]
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        return None  # subclasses (DTensor, ...) may not own the memory they describe
     if not _dtype_names:
         _dtype_names.update({torch.float32: "float32", torch.float16: "float16",
                              torch.bfloat16: "bfloat16", torch.float64: "float64"})

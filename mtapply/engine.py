@@ -7,6 +7,7 @@ tensors (e.g. freshly allocated grads) and re-uploads only the tables.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -20,6 +21,7 @@ from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
 _RECENT_LIMIT = 8
+_SCALARS_KEPT = 8
 _recent_launchers: OrderedDict = OrderedDict()
 
 
@@ -55,8 +57,9 @@ class Plan:
         self._sizes: dict = {}
         self._alive: dict = {}
         self._written_extents = None  # sorted (starts, ends) of the written slots' tensors
+        self._released: set = set()  # slots whose TensorRefs no longer hold their tensors
         self.device = self._refs[first][0].device if self._n else None
-        self._scalars: dict = {}
+        self._scalars: OrderedDict = OrderedDict()
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream, _share_tables)
@@ -146,6 +149,7 @@ class Plan:
         addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
         check_no_overlap(self._extents(slot, addresses), self.spec.written)
         self._refs[slot] = fresh
+        self._released.discard(slot)
         self._alive.pop(slot, None)
         self._addresses[slot] = addresses
         if slot in self.spec.written:
@@ -154,11 +158,14 @@ class Plan:
             self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
                                             lambda device_id: self._stream_for(device_id, chosen))
 
-    def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None) -> None:
+    def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None,
+                         keep_alive: bool = True) -> None:
         """`rebind` for callers that guarantee what `rebind` checks tensor by tensor: each new
         tensor has the dtype, shape, device and dense layout of the one it replaces (e.g. the
         grads autograd gives a framework's params). `addresses` holds their data pointers.
-        Only overlaps are checked (vectorised): O(n) at tens of nanoseconds per tensor.
+        Only overlaps are checked (vectorised): O(n) at tens of nanoseconds per tensor. With
+        keep_alive=False the plan does not hold the tensors: the caller keeps them alive while
+        they are bound (as an optimizer's params hold their grads).
         """
         if self._cuda is None:
             self.rebind(slot, tensors, stream=stream)
@@ -171,16 +178,29 @@ class Plan:
         else:
             self._check_against_written(slot, addresses)
         chosen = self._stream if stream is None else stream
-        self._alive[slot] = tensors  # the plan keeps its tensors alive
+        if keep_alive:
+            self._alive[slot] = tensors  # the plan keeps its tensors alive
+        else:
+            self._alive.pop(slot, None)
         self._addresses[slot] = addresses
         if slot in self.spec.written:
             self._written_extents = None
         self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
                                         lambda device_id: self._stream_for(device_id, chosen))
 
+    def release(self, slot: str) -> None:
+        """Drops the plan's references to the tensors bound to `slot` (their addresses stay):
+        the caller then keeps them alive while the plan may launch on them."""
+        self._alive.pop(slot, None)
+        if slot not in self._released:
+            self._refs[slot] = [dataclasses.replace(ref, obj=None) for ref in self._refs[slot]]
+            self._released.add(slot)
+
     def _check_against_written(self, slot: str, addresses: np.ndarray) -> None:
         """A read-only slot's new tensors against the written tensors (which never overlap one
         another): one binary search per tensor in their sorted extents, kept between calls."""
+        if not self.spec.written & set(self._refs):
+            return
         if self._written_extents is None:
             names = sorted(self.spec.written & set(self._refs))
             extents = self._extents(slot, addresses)
@@ -224,6 +244,7 @@ class Plan:
             return float(np.asarray(value, dtype=np.float64).reshape(-1)[0])
         cached = self._scalars.get(id(value))
         if cached is not None and cached.obj is value:
+            self._scalars.move_to_end(id(value))
             return cached
         ref = _read_array(value, name)
         if isinstance(self._cuda, _Devices):
@@ -233,13 +254,21 @@ class Plan:
             raise ValueError(f"{name} as a device array must be a one-element float32 array on "
                              f"cuda:{self.device[1]}, got {ref.dtype} {ref.shape} on {ref.device}")
         scalar = DeviceScalar(ptr=ref.ptr, obj=value)
-        self._scalars[id(value)] = scalar
+        self._remember(value, scalar)
         return scalar
+
+    def _remember(self, value, converted) -> None:
+        """Keeps the last few converted arrays (a training loop passes the same ones again),
+        and no more: per-step arrays such as GradScaler's would otherwise pile up."""
+        self._scalars[id(value)] = converted
+        while len(self._scalars) > _SCALARS_KEPT:
+            self._scalars.popitem(last=False)
 
 
     def _output(self, name: str, value) -> OutputArray:
         cached = self._scalars.get(id(value))
         if cached is not None and cached.obj is value:
+            self._scalars.move_to_end(id(value))
             return cached
         ref = _read_array(value, name)
         numel = self.spec.output_numel(name, self._n)
@@ -251,7 +280,7 @@ class Plan:
                              f"element(s) on {where}, got {ref.dtype} {ref.shape} on "
                              f"{_device_label(ref.device)}")
         output = OutputArray(ptr=ref.ptr, obj=value, ref=ref)
-        self._scalars[id(value)] = output
+        self._remember(value, output)
         return output
 
 
@@ -358,7 +387,9 @@ class _Launcher:
             busy = [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
             for k in busy:
                 self.tables[k].before_launch(stream)
-            n_passes = len(self.launches[0]) if busy else 0
+            # every pass and hook runs even with nothing to launch here: ranks that all-reduce
+            # between passes must all reach the hook
+            n_passes = len(self.launches[0]) if self.launches else 0
             for p in range(n_passes):
                 for k in busy:
                     launch = self.launches[k][p]

@@ -21,6 +21,7 @@ on mtapply's NumPy backend.
 from __future__ import annotations
 
 import operator
+import weakref
 from itertools import repeat
 
 import numpy as np
@@ -37,6 +38,11 @@ __all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW"]
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DEREF = weakref.ref.__call__
+
+
+def _addresses(tensors: list) -> np.ndarray:
+    return np.fromiter(map(_DATA_PTR, tensors), np.uint64, len(tensors))
 
 
 class _Part:
@@ -46,7 +52,12 @@ class _Part:
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
         self.device = params[0].device
-        self.after_pass = _all_reduce_sums(plan, params[0]) if _is_dtensor(params[0]) else None
+        self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
+        self.after_pass = None
+        if plan is not None and _is_dtensor(params[0]):
+            self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
+        if plan is not None:
+            plan.release("grads")  # the plan must not keep this step's grads alive
 
     def on_device(self, flag):
         """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
@@ -60,26 +71,30 @@ class _Bound:
     count (params that missed steps, having had no grad, count fewer)."""
 
     def __init__(self, key, options, params, grads, parts):
-        self.key, self.options, self.params, self.grads, self.parts = key, options, params, grads, parts
-        self.sharded = _is_dtensor(params[0])
+        self.key, self.options, self.params, self.parts = key, options, params, parts
+        self.sharded = any(map(_is_dtensor, params))
+        self.param_addresses = _addresses(_locals(params))
+        self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
+
+    def params_moved(self) -> bool:
+        """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
+        return not np.array_equal(_addresses(_locals(self.params)), self.param_addresses)
 
     def follow_grads(self, grads: list) -> None:
         """Points the plans at this step's grads, if any moved."""
-        if not any(map(operator.is_not, grads, self.grads)):
+        if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
             return
-        self.grads = grads
-        if self.sharded:
-            grads = _locals(grads)
-        if not all(map(_IS_CONTIGUOUS, grads)):
+        local = _locals(grads)
+        if not all(map(_IS_CONTIGUOUS, local)):
             raise ValueError("a param's .grad is not contiguous: mtapply needs dense grads laid out "
                              "like their params (assign contiguous grads)")
-        addresses = np.fromiter(map(_DATA_PTR, grads), np.uint64, len(grads))
+        addresses = _addresses(local)
         for part in self.parts:
-            if len(self.parts) == 1:
-                part.plan.rebind_addresses("grads", grads, addresses)
-            else:
-                part.plan.rebind_addresses("grads", [grads[i] for i in part.indices],
-                                           addresses[part.indices])
+            whole = len(self.parts) == 1
+            part.plan.rebind_addresses("grads", local if whole else [local[i] for i in part.indices],
+                                       addresses if whole else addresses[part.indices],
+                                       keep_alive=False)
+        self.grad_refs = list(map(weakref.ref, grads))
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -91,6 +106,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
         self._bound: dict = {}
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
+        super().__setstate__(state)
+        self._bound = {}
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 
@@ -123,7 +142,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if g.grad_fn is not None:
                     g.detach_()
                 g.requires_grad_(False)
-                by_device.setdefault(g.device, []).append(g)
+                by_device.setdefault(g.device, []).append(_local(g))
             for same in by_device.values():
                 zero_(same)  # one launch per dtype, addresses kept
 
@@ -164,28 +183,41 @@ class _FusedOptimizer(torch.optim.Optimizer):
         same = (bound is not None and bound.options == options and len(bound.params) == len(params)
                 and all(map(operator.is_, params, bound.params))
                 and not any(map(operator.is_, grads, repeat(None))))
-        if same:
-            bound.follow_grads(grads)
-        else:
+        if not same:
             params = [p for p in params if p.grad is not None]
             if not params:
                 return
             grads = list(map(_GRAD, params))
-            key = tuple(map(id, params))
-            if bound is not None and bound.options == options and bound.key == key:
-                bound.follow_grads(grads)
-            else:
-                bound = self._bind(key, options, group, params, grads)
-                self._bound[index] = bound
+            if bound is None or bound.options != options or bound.key != tuple(map(id, params)):
+                bound = None
+        if bound is not None and bound.params_moved():
+            bound = None  # storage replaced under the params: bind them again
+        if bound is None:
+            bound = self._bind(tuple(map(id, params)), options, group, params, grads)
+            self._bound[index] = bound
+        else:
+            bound.follow_grads(grads)
         for part in bound.parts:
-            hyper = self._hyper(group, part.device)
-            scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
-            if part.counter is not None:
-                part.counter.add_(1)
-                if skip is not None:  # a skipped step does not count
-                    part.counter.sub_(skip.reshape(()))
-                hyper["step"] = part.counter
+            self._step_part(part, group, grad_scale, found_inf)
+
+    def _step_part(self, part, group, grad_scale, found_inf) -> None:
+        hyper = self._hyper(group, part.device)
+        scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
+        if part.sums is not None:
+            part.sums.zero_()  # empty shards add nothing: their rows are never written
+        if part.counter is not None:
+            part.counter.add_(1)
+            hyper["step"] = part.counter
+        try:
             part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
+        except Exception:
+            if part.counter is not None:
+                part.counter.sub_(1)
+            raise
+        finally:
+            part.plan.release("grads")
+        if part.counter is not None and skip is not None:
+            part.counter.sub_(skip.reshape(()).clamp(max=1.0))  # a skipped step does not count
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
@@ -196,8 +228,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for p in params:
             self._init_state(group, p, self.state[p])
         classes: dict = {}  # params of one device and one step count share a plan
+        counts: dict = {}  # one host read per step tensor (params of a plan share one)
         for i, p in enumerate(params):
-            count = float(self.state[p]["step"]) if self._counts_steps else 0.0
+            count = 0.0
+            if self._counts_steps:
+                step = self.state[p]["step"]
+                count = counts.setdefault(id(step), float(step))
             classes.setdefault((p.device, count), []).append(i)
         parts = []
         for (_, count), indices in classes.items():
@@ -380,21 +416,32 @@ def _local(tensor):
 
 
 def _locals(tensors: list) -> list:
-    return [_local(t) for t in tensors] if tensors and _is_dtensor(tensors[0]) else tensors
+    return list(map(_local, tensors)) if any(map(_is_dtensor, tensors)) else tensors
+
+
+def _shard_groups(param) -> list:
+    """The process groups over which a DTensor param is sharded (its Shard mesh dimensions)."""
+    mesh = param.device_mesh
+    return [mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard()]
 
 
 def _all_reduce_sums(plan, param):
-    """For LARS and LAMB over FSDP2 shards: between the norms pass and the update, the
-    per-tensor sums of squares of the local shards are summed over the shard group, so every
-    rank takes the norms of the whole tensors. None for single-pass ops."""
-    sums = plan.sums() if plan is not None else None
+    """For LARS and LAMB over FSDP2 shards: (the plan's per-tensor sums as a torch view, a hook
+    that sums them over the shard groups between the norms pass and the update), so every rank
+    takes the norms of the whole tensors; (None, None) for single-pass ops."""
+    sums = plan.sums()
     if sums is None:
-        return None
+        return None, None
     import torch.distributed as dist
 
     view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy
-    group = param.device_mesh.get_group()
-    return lambda _pass: dist.all_reduce(view, group=group)
+    groups = _shard_groups(param)
+
+    def all_reduce(_pass: int) -> None:
+        for group in groups:
+            dist.all_reduce(view, group=group)
+
+    return view, all_reduce
 
 
 class LARS(_FusedOptimizer):
@@ -406,6 +453,11 @@ class LARS(_FusedOptimizer):
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                  eps=0.0, exclude=False):
+        for name, value in (("learning rate", lr), ("momentum", momentum),
+                            ("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
+                            ("epsilon", eps)):
+            if not isinstance(value, torch.Tensor) and not value >= 0.0:
+                raise ValueError(f"Invalid {name} value: {value}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, exclude=exclude)
         super().__init__(params, defaults)
@@ -430,42 +482,35 @@ class LARS(_FusedOptimizer):
 class LAMB(_FusedOptimizer):
     """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
-    the device in one launch per step. State per param: `step`, `exp_avg`, `exp_avg_sq`."""
-
+    the device (one launch per device and dtype, with a plan bound once, like the step's).
+    State per param: `step`, `exp_avg`, `exp_avg_sq`."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
                  use_nvlamb=False):
         _check_adam_args(lr, betas, eps, weight_decay)
+        if max_grad_norm < 0:
+            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        max_grad_norm=max_grad_norm)
-        self.adam_w_mode, self.use_nvlamb = bool(adam_w_mode), bool(use_nvlamb)
-        self._global_norm = None
+                        max_grad_norm=max_grad_norm, adam_w_mode=bool(adam_w_mode),
+                        use_nvlamb=bool(use_nvlamb))
         super().__init__(params, defaults)
+        self._grad_norm = _GlobalNorm()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._grad_norm = _GlobalNorm()
 
     def _before_groups(self, grad_scale, found_inf) -> None:
-        self._global_norm = None
+        self._grad_norm.clear()
         if any(g["max_grad_norm"] > 0 for g in self.param_groups):
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                if self._global_norm_out is None or self._global_norm_out.device != grads[0].device:
-                    self._global_norm_out = torch.zeros(1, device=grads[0].device)
-                _norms.l2_norms(_locals(grads), total_out=self._global_norm_out)
-                if _is_dtensor(grads[0]):  # the norm over every rank's shards
-                    import torch.distributed as dist
-
-                    self._global_norm_out.square_()
-                    dist.all_reduce(self._global_norm_out, group=grads[0].device_mesh.get_group())
-                    self._global_norm_out.sqrt_()
-                self._global_norm = self._global_norm_out
-                if grad_scale is not None:  # the norm of the unscaled grads
-                    self._global_norm_out.div_(grad_scale.reshape(1))
-
-    _global_norm_out = None
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                self._grad_norm.compute(params, grad_scale)
 
     def _compile_options(self, group) -> tuple:
-        return (self.adam_w_mode, self.use_nvlamb)
+        return (bool(group.get("adam_w_mode", True)), bool(group.get("use_nvlamb", False)))
 
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
@@ -474,19 +519,84 @@ class LAMB(_FusedOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
+        adam_w_mode, use_nvlamb = self._compile_options(group)
         return _lamb.lamb_plan(_locals(params), grads, self._states(params, "exp_avg"),
-                               self._states(params, "exp_avg_sq"),
-                               adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb)
+                               self._states(params, "exp_avg_sq"), adam_w_mode=adam_w_mode,
+                               use_nvlamb=use_nvlamb)
 
     def _hyper(self, group, device) -> dict:
         beta1, beta2 = group["betas"]
-        clip = group["max_grad_norm"] > 0 and self._global_norm is not None
+        norm = self._grad_norm.on(device) if group["max_grad_norm"] > 0 else None
         return dict(lr=self._lr(group, device), beta1=float(beta1),
                     beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
                     grad_averaging=bool(group["grad_averaging"]),
                     bias_correction=bool(group["bias_correction"]),
-                    max_grad_norm=float(group["max_grad_norm"]) if clip else 0.0,
-                    global_grad_norm=self._global_norm if clip else None)
+                    max_grad_norm=float(group["max_grad_norm"]) if norm is not None else 0.0,
+                    global_grad_norm=norm)
+
+
+class _GlobalNorm:
+    """The global L2 norm of every grad of an optimizer, on the device: per device, a norm plan
+    bound once and re-pointed when grads move; devices' norms combined on the first; over FSDP2
+    shards, all-reduced. Divided by the loss scale when GradScaler passes one."""
+
+    def __init__(self):
+        self._plans: dict = {}  # device -> (param ids, weak grad refs, Plan, total)
+        self._norm = None
+        self._copies: dict = {}
+
+    def clear(self) -> None:
+        self._norm, self._copies = None, {}
+
+    def compute(self, params: list, grad_scale) -> None:
+        """The norm of the grads of `params` (each has one)."""
+        by_device: dict = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        totals = [self._device_total(device, members) for device, members in by_device.items()]
+        grads = [params[0].grad]
+        norm = totals[0]
+        if len(totals) > 1:
+            norm = torch.stack([t.to(norm.device) for t in totals]).square().sum(0).sqrt()
+        if _is_dtensor(grads[0]):  # the norm over every rank's shards
+            import torch.distributed as dist
+
+            norm = norm.square()
+            for group in _shard_groups(grads[0]):
+                dist.all_reduce(norm, group=group)
+            norm = norm.sqrt()
+        if grad_scale is not None:  # the norm of the unscaled grads
+            norm = norm / grad_scale.reshape(1).to(norm.device)
+        self._norm = norm
+
+    def on(self, device):
+        """The norm as a one-element float32 tensor on `device` (None before `compute`)."""
+        if self._norm is None or self._norm.device == device:
+            return self._norm
+        if device not in self._copies:
+            self._copies[device] = self._norm.to(device)
+        return self._copies[device]
+
+    def _device_total(self, device, params: list):
+        from .engine import Plan
+        from .ops.norms import L2NormSpec
+
+        grads = list(map(_GRAD, params))
+        local = _locals(grads)
+        key = tuple(map(id, params))
+        entry = self._plans.get(device)
+        if entry is None or entry[0] != key:
+            total = torch.zeros(1, device=device)
+            plan = Plan(L2NormSpec(), {"tensors": local})
+            plan.release("tensors")
+            entry = self._plans[device] = [key, list(map(weakref.ref, grads)), plan, total]
+        elif any(map(operator.is_not, grads, map(_DEREF, entry[1]))):
+            entry[2].rebind_addresses("tensors", local, _addresses(local), keep_alive=False)
+            entry[1] = list(map(weakref.ref, grads))
+        plan, total = entry[2], entry[3]
+        plan.step(total_out=total)
+        plan.release("tensors")
+        return total
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

@@ -242,3 +242,89 @@ def test_a_grad_sharing_memory_with_a_written_tensor_is_refused(device):
     weight.grad = torch.randn_like(weight)
     opt.step()  # the optimizer keeps working after the error
     assert not torch.equal(weight, before[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replaced_param_storage_is_followed(device):
+    # `p.data = ...` (model.half(), EMA swaps, vector_to_parameters) frees the old storage
+    a, b = _model(device), _model(device)
+    oa, ob = torch.optim.Adam(a.parameters(), lr=1e-2, foreach=False), mt.Adam(b.parameters(), lr=1e-2)
+    _train(a, oa, device, 2)
+    _train(b, ob, device, 2)
+    for model in (a, b):
+        for p in model.parameters():
+            p.data = p.data.clone() * 0.5
+    _train(a, oa, device, 3, seed=2)
+    _train(b, ob, device, 3, seed=2)
+    _assert_same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_optimizer_keeps_no_grad_alive(device):
+    import gc
+    import weakref
+
+    model = _model(device)
+    opt = mt.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        _train(model, opt, device, 1)
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad()  # set_to_none: torch drops the grads, and so must mtapply
+        gc.collect()
+        assert all(ref() is None for ref in grads)
+
+
+def test_a_first_step_overflow_is_skipped_without_error():
+    model = _model("cpu")
+    opt = mt.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert float(opt.state[model[0].weight]["step"]) == 0.0
+
+
+def test_a_deep_copied_optimizer_keeps_working():
+    model = _model("cpu")
+    for opt in (mt.AdamW(model.parameters(), lr=1e-2), mt.LAMB(model.parameters(), lr=1e-2)):
+        _train(model, opt, "cpu", 2)
+        twin_model = copy.deepcopy(model)
+        twin = type(opt)(twin_model.parameters(), lr=1e-2)
+        twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+        clone = copy.deepcopy(opt)  # copies of the params, states and groups
+        copies = [p for g in clone.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in copies]
+        for p in copies:
+            p.grad = torch.randn_like(p)
+        clone.step()
+        assert not any(torch.equal(p, q) for p, q in zip(copies, before) if p.numel() > 1)
+        _train(model, opt, "cpu", 2, seed=3)
+        _train(twin_model, twin, "cpu", 2, seed=3)
+        _assert_same(model, twin_model)
+
+
+def test_lamb_clips_by_the_global_norm_of_moving_grads():
+    import mtapply
+
+    torch.manual_seed(0)
+    params = [torch.randn(s) for s in ((5, 3), (7,), (300,))]
+    mine = [p.clone().requires_grad_() for p in params]
+    opt = mt.LAMB(mine, lr=1e-2, max_grad_norm=0.5)
+    ref, m, v = [p.clone() for p in params], [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    for t in range(1, 5):
+        grads = [torch.randn_like(p) * t for p in params]  # fresh tensors every step
+        for p, g in zip(mine, grads):
+            p.grad = g.clone()
+        opt.step()
+        total = float(np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads)))
+        mtapply.lamb_step(ref, grads, m, v, lr=1e-2, step=t, max_grad_norm=0.5, global_grad_norm=total)
+    for p, q in zip(mine, ref):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
+
+
+def test_lars_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="Invalid momentum"):
+        mt.LARS(_model("cpu").parameters(), momentum=-0.1)
