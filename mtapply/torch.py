@@ -12,9 +12,14 @@ for LARS/LAMB); a step then rebinds only what moved:
   pointer table rewritten, with vectorised checks (no per-param Python validation);
 - a different set of params with grads, or a changed compile-time option: a new plan.
 
+Params whose storage was replaced (`p.data = ...`) are bound again; a grad tensor whose own
+storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
+
 The step count lives on the device, one counter per plan, shared by the plan's params (their
 `state["step"]` is that counter), so `GradScaler`'s `found_inf` can leave it unchanged without a
-host synchronisation. `lr` may be a float or a 0-d/one-element float32 tensor on the params'
+host synchronisation. SGD's first momentum step creates the buffers on the host's side: if that
+very step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD
+leaves them uninitialised there). `lr` may be a float or a 0-d/one-element float32 tensor on the params'
 device (capturable: a CUDA graph of the whole training step replays correctly). CPU params run
 on mtapply's NumPy backend.
 """
