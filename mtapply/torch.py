@@ -83,13 +83,14 @@ class _Bound:
 
     def params_moved(self) -> bool:
         """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
-        return not np.array_equal(_addresses(_locals(self.params)), self.param_addresses)
+        params = _locals(self.params) if self.sharded else self.params
+        return not np.array_equal(_addresses(params), self.param_addresses)
 
     def follow_grads(self, grads: list) -> None:
         """Points the plans at this step's grads, if any moved."""
         if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
             return
-        local = _locals(grads)
+        local = _locals(grads) if self.sharded else grads
         if not all(map(_IS_CONTIGUOUS, local)):
             raise ValueError("a param's .grad is not contiguous: mtapply needs dense grads laid out "
                              "like their params (assign contiguous grads)")
