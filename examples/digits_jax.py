@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import mtapply.optax  # noqa: E402
+from _curves import relative_gaps, save_plot  # noqa: E402
 
 # Relative tolerance on each epoch's mean training loss, as in digits_torch.py: rounding-level
 # differences between two fp32 AdamW implementations stay far below it over a short run, while a
@@ -200,42 +201,6 @@ def max_param_gap(a, b) -> float:
     return max(float(jnp.abs(p - q).max()) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def relative_gaps(ref: list, new: list) -> list:
-    return [abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(ref, new)]
-
-
-def save_plot(path: str, curves, device: str) -> None:
-    """The loss curves and the mtapply curves' relative gaps from optax's, as a PNG; skipped
-    without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # file output only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed; no plot (pip install matplotlib)")
-        return
-    ref = curves[0]
-    epochs = range(1, len(ref) + 1)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(6, 6))
-    for curve, name, style in zip(curves, NAMES, ("o-", "x--", "+:")):
-        top.plot(epochs, curve, style, label=name)
-    top.set(ylabel="mean training loss", yscale="log", title=f"digits, 64-128-10 MLP, {device}")
-    top.legend()
-    for curve, name, style in zip(curves[1:], NAMES[1:], ("s-", "d--")):
-        bottom.plot(epochs, relative_gaps(ref, curve), style, label=name)
-    bottom.axhline(RTOL, color="red", linestyle=":", label=f"tolerance {RTOL:g}")
-    # symlog: identical losses (a gap of exactly 0) sit at 0, rounding-level gaps on a log scale
-    bottom.set_yscale("symlog", linthresh=1e-8)
-    bottom.set(xlabel="epoch", ylabel="relative loss gap from optax")
-    bottom.set_ylim(bottom=0)
-    bottom.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot: {path}")
-
-
 def report(args, device, curves, params, data) -> bool:
     """Prints the curves, the gaps and the accuracies; True when both mtapply curves agree with
     optax's."""
@@ -265,7 +230,8 @@ def main(argv=None) -> int:
     curves, params = train(args, data, device)
     agree = report(args, device, curves, params, data)
     if args.plot:
-        save_plot(args.plot, curves, args.device)
+        save_plot(args.plot, list(curves), list(NAMES), f"digits, 64-128-10 MLP, {args.device}",
+                  RTOL)
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1
 

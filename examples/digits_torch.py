@@ -21,6 +21,7 @@ import sys
 import torch
 
 import mtapply.torch
+from _curves import relative_gaps, save_plot
 
 # Relative tolerance on each epoch's mean training loss. Two fp32 AdamW implementations round
 # differently (operation order, fused multiply-adds), by about 1e-7 relative per step, and
@@ -115,39 +116,6 @@ def max_param_gap(a, b) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def relative_gaps(ref: list, new: list) -> list:
-    return [abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(ref, new)]
-
-
-def save_plot(path: str, ref: list, new: list, device: str) -> None:
-    """Both loss curves and their relative gap, as a PNG; skipped without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # file output only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed; no plot (pip install matplotlib)")
-        return
-    epochs = range(1, len(ref) + 1)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(6, 6))
-    top.plot(epochs, ref, "o-", label="torch.optim.AdamW")
-    top.plot(epochs, new, "x--", label="mtapply.torch.AdamW")
-    top.set(ylabel="mean training loss", yscale="log", title=f"digits, 64-128-10 MLP, {device}")
-    top.legend()
-    bottom.plot(epochs, relative_gaps(ref, new), "s-")
-    bottom.axhline(RTOL, color="red", linestyle=":", label=f"tolerance {RTOL:g}")
-    # symlog: identical losses (a gap of exactly 0) sit at 0, rounding-level gaps on a log scale
-    bottom.set_yscale("symlog", linthresh=1e-8)
-    bottom.set(xlabel="epoch", ylabel="relative loss gap")
-    bottom.set_ylim(bottom=0)
-    bottom.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot: {path}")
-
-
 def report(args, curves, reference, candidate, data) -> bool:
     """Prints the curves, the gaps and the accuracies; True when the curves agree."""
     ref, new = curves
@@ -171,7 +139,8 @@ def main(argv=None) -> int:
     curves, reference, candidate = train(args, data)
     agree = report(args, curves, reference, candidate, data)
     if args.plot:
-        save_plot(args.plot, *curves, args.device)
+        save_plot(args.plot, list(curves), ["torch.optim.AdamW", "mtapply.torch.AdamW"],
+                  f"digits, 64-128-10 MLP, {args.device}", RTOL)
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1
 
