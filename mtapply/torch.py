@@ -12,6 +12,13 @@ for LARS/LAMB); a step then rebinds only what moved:
   pointer table rewritten, with vectorised checks (no per-param Python validation);
 - a different set of params with grads, or a changed compile-time option: a new plan.
 
+With `flat_grads=True` the optimizer owns the grads: each param that requires grad gets a view
+into one flat buffer per (device, dtype) as its `.grad`, backward accumulates into it, and
+`zero_grad()` zeroes the buffers in place whatever `set_to_none` says (so every such param
+steps every step, as after torch's `zero_grad(set_to_none=False)`). A step then costs O(1) host
+work whatever the number of params (see `mtapply._flat_grads` for what it checks). Not for
+FSDP2's DTensor params.
+
 Params whose storage was replaced (`p.data = ...`) are bound again; a grad tensor whose own
 storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
 
@@ -37,6 +44,7 @@ from . import lamb as _lamb
 from . import lars as _lars
 from . import norms as _norms
 from . import sgd as _sgd
+from ._flat_grads import FlatGrads
 
 __all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW"]
 
@@ -80,6 +88,7 @@ class _Bound:
         self.sharded = any(map(_is_dtensor, params))
         self.param_addresses = _addresses(_locals(params))
         self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
+        self.complete = False  # with flat_grads: holds every param of its group that needs a grad
 
     def params_moved(self) -> bool:
         """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
@@ -109,13 +118,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
     _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
 
-    def __init__(self, params, defaults):
+    def __init__(self, params, defaults, flat_grads=False):
+        self._flat_grads = bool(flat_grads)
+        self._flat = None
         super().__init__(params, defaults)
         self._bound: dict = {}
+        if self._flat_grads:
+            self._make_flat()
+
+    def __getstate__(self):
+        return dict(super().__getstate__(), _flat_grads=self._flat_grads)
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
         super().__setstate__(state)
-        self._bound = {}
+        self._flat_grads = state.get("_flat_grads", False)
+        self._bound, self._flat = {}, None  # the flat buffers are made again at the next step
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 
@@ -132,11 +149,45 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _fused_step(self) -> None:
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
         found_inf = getattr(self, "found_inf", None)
-        self._before_groups(grad_scale, found_inf)
+        flat = self._flat_grads_in_place()
+        self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
         for index, group in enumerate(self.param_groups):
-            self._step_group(index, group, grad_scale, found_inf)
+            bound = self._bound.get(index) if flat else None
+            if bound is not None and bound.complete and bound.options == self._compile_options(group):
+                for part in bound.parts:  # O(1) in the number of params
+                    self._step_part(part, group, grad_scale, found_inf)
+            else:
+                self._step_group(index, group, grad_scale, found_inf)
+                if self._flat is not None and index in self._bound:
+                    self._bound[index].complete = self._bound[index].key == tuple(
+                        id(p) for p in group["params"] if p.requires_grad)
+        if self._flat is not None:
+            self._flat.mark()
+
+    def _flat_grads_in_place(self) -> bool:
+        """With flat_grads: whether every grad is still its view into the flat buffers (an
+        O(1) check); grads found elsewhere are put back (O(n)) and False is returned."""
+        if not self._flat_grads:
+            return False
+        if self._flat is None or not self._flat.fits(self.param_groups):
+            self._make_flat()
+            return False
+        if self._flat.intact(self.param_groups):
+            return True
+        self._flat.restore()
+        return False
+
+    def _make_flat(self) -> None:
+        """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
+        self._flat = FlatGrads([g["params"] for g in self.param_groups])
+        self._bound.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._flat_grads:  # the views stay, zeroed: one fill per buffer (set_to_none aside)
+            if self._flat is None or not self._flat.fits(self.param_groups):
+                self._make_flat()
+            self._flat.zero_()
+            return
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
@@ -174,11 +225,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_bound"):
             self._bound.clear()
+            self._flat = None  # made again, over every group, at the next step
 
     # -- binding --------------------------------------------------------------------------------
 
-    def _before_groups(self, grad_scale, found_inf) -> None:
-        """Work that spans the groups (LAMB's global gradient norm)."""
+    def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
+        """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
+        flat_grads and every grad in its view, the buffers that hold all the grads."""
 
     def _step_group(self, index, group, grad_scale, found_inf) -> None:
         # The common case costs C-level scans only: the same params, every one with a grad.
@@ -292,7 +345,8 @@ class Adam(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False):
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 flat_grads=False):
         _check_adam_args(lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError("differentiable=True is not supported by mtapply's fused step")
@@ -300,7 +354,7 @@ class Adam(_FusedOptimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),
@@ -316,7 +370,7 @@ class Adam(_FusedOptimizer):
 
     def _make_plan(self, group, params, grads):
         amsgrad, decoupled, maximize = self._compile_options(group)
-        return _adam.adam_plan(_locals(params), grads, self._states(params, "exp_avg"),
+        return _adam.adam_plan(_aliases(params), grads, self._states(params, "exp_avg"),
                                self._states(params, "exp_avg_sq"),
                                max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if amsgrad else None,
                                amsgrad=amsgrad, decoupled_weight_decay=decoupled,
@@ -333,11 +387,11 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None):
+                 differentiable=False, fused=None, flat_grads=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, flat_grads=flat_grads)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), True, bool(group["maximize"]))
@@ -349,7 +403,8 @@ class SGD(_FusedOptimizer):
     _counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None):
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
+                 flat_grads=False):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -361,7 +416,7 @@ class SGD(_FusedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
         return (group["momentum"] != 0, bool(group["nesterov"]), bool(group["maximize"]))
@@ -399,7 +454,7 @@ class SGD(_FusedOptimizer):
 
     def _make_plan(self, group, params, grads):
         buffers = self._states(params, "momentum_buffer") if group["momentum"] else None
-        return _sgd.sgd_plan(_locals(params), grads, buffers, nesterov=group["nesterov"],
+        return _sgd.sgd_plan(_aliases(params), grads, buffers, nesterov=group["nesterov"],
                              maximize=group["maximize"])
 
     def _init_state(self, group, p, state) -> None:
@@ -423,6 +478,12 @@ def _local(tensor):
 
 def _locals(tensors: list) -> list:
     return list(map(_local, tensors)) if any(map(_is_dtensor, tensors)) else tensors
+
+
+def _aliases(params: list) -> list:
+    """New tensors on the params' (local) storage, for plans to hold: that storage then outlives
+    a `p.data = ...` until the plan is bound again, so a launch never writes freed memory."""
+    return [_local(p).detach() for p in params]
 
 
 def _shard_groups(param) -> list:
@@ -458,7 +519,7 @@ class LARS(_FusedOptimizer):
     _counts_steps = False
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-                 eps=0.0, exclude=False):
+                 eps=0.0, exclude=False, *, flat_grads=False):
         for name, value in (("learning rate", lr), ("momentum", momentum),
                             ("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
                             ("epsilon", eps)):
@@ -466,7 +527,7 @@ class LARS(_FusedOptimizer):
                 raise ValueError(f"Invalid {name} value: {value}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, exclude=exclude)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["exclude"]),)
@@ -476,7 +537,7 @@ class LARS(_FusedOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
-        return _lars.lars_plan(_locals(params), grads, self._states(params, "momentum_buffer"),
+        return _lars.lars_plan(_aliases(params), grads, self._states(params, "momentum_buffer"),
                                exclude=[bool(group["exclude"])] * len(params))
 
     def _hyper(self, group, device) -> dict:
@@ -493,7 +554,7 @@ class LAMB(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
-                 use_nvlamb=False):
+                 use_nvlamb=False, *, flat_grads=False):
         _check_adam_args(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
@@ -501,19 +562,23 @@ class LAMB(_FusedOptimizer):
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm, adam_w_mode=bool(adam_w_mode),
                         use_nvlamb=bool(use_nvlamb))
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, flat_grads)
         self._grad_norm = _GlobalNorm()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._grad_norm = _GlobalNorm()
 
-    def _before_groups(self, grad_scale, found_inf) -> None:
+    def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         self._grad_norm.clear()
-        if any(g["max_grad_norm"] > 0 for g in self.param_groups):
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                self._grad_norm.compute(params, grad_scale)
+        if not any(g["max_grad_norm"] > 0 for g in self.param_groups):
+            return
+        if flat_buffers is not None:  # their padding is zero
+            self._grad_norm.compute(flat_buffers, flat_buffers, grad_scale)
+            return
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            self._grad_norm.compute(params, list(map(_GRAD, params)), grad_scale)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group.get("adam_w_mode", True)), bool(group.get("use_nvlamb", False)))
@@ -526,7 +591,7 @@ class LAMB(_FusedOptimizer):
 
     def _make_plan(self, group, params, grads):
         adam_w_mode, use_nvlamb = self._compile_options(group)
-        return _lamb.lamb_plan(_locals(params), grads, self._states(params, "exp_avg"),
+        return _lamb.lamb_plan(_aliases(params), grads, self._states(params, "exp_avg"),
                                self._states(params, "exp_avg_sq"), adam_w_mode=adam_w_mode,
                                use_nvlamb=use_nvlamb)
 
@@ -547,20 +612,22 @@ class _GlobalNorm:
     shards, all-reduced. Divided by the loss scale when GradScaler passes one."""
 
     def __init__(self):
-        self._plans: dict = {}  # device -> (param ids, weak grad refs, Plan, total)
+        self._plans: dict = {}  # device -> (owner ids, weak grad refs, Plan, total)
         self._norm = None
         self._copies: dict = {}
 
     def clear(self) -> None:
         self._norm, self._copies = None, {}
 
-    def compute(self, params: list, grad_scale) -> None:
-        """The norm of the grads of `params` (each has one)."""
+    def compute(self, owners: list, grads: list, grad_scale) -> None:
+        """The norm of `grads`: the grads of params `owners`, or flat buffers (their own owners)
+        holding them. A plan is bound per set of owners, which fixes the grads' shapes."""
         by_device: dict = {}
-        for p in params:
-            by_device.setdefault(p.device, []).append(p)
-        totals = [self._device_total(device, members) for device, members in by_device.items()]
-        grads = [params[0].grad]
+        for owner, g in zip(owners, grads):
+            members = by_device.setdefault(g.device, ([], []))
+            members[0].append(owner)
+            members[1].append(g)
+        totals = [self._device_total(device, *members) for device, members in by_device.items()]
         norm = totals[0]
         if len(totals) > 1:
             norm = torch.stack([t.to(norm.device) for t in totals]).square().sum(0).sqrt()
@@ -583,13 +650,12 @@ class _GlobalNorm:
             self._copies[device] = self._norm.to(device)
         return self._copies[device]
 
-    def _device_total(self, device, params: list):
+    def _device_total(self, device, owners: list, grads: list):
         from .engine import Plan
         from .ops.norms import L2NormSpec
 
-        grads = list(map(_GRAD, params))
         local = _locals(grads)
-        key = tuple(map(id, params))
+        key = tuple(map(id, owners))
         entry = self._plans.get(device)
         if entry is None or entry[0] != key:
             total = torch.zeros(1, device=device)

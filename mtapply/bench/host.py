@@ -1,9 +1,11 @@
 """Host cost of `mtapply.torch` optimizer steps: `python -m mtapply.bench.host`.
 
-Times `optimizer.step()` wall clock at 10,000 params (small1-D tensors, so the GPU is never the
+Times `optimizer.step()` wall clock at 10,000 params (small 1-D tensors, so the GPU is never the
 bottleneck), beside torch.optim.AdamW(fused=True): with grads kept in place
 (`zero_grad(set_to_none=False)`), and with grads reallocated before every step, as autograd
 does after the default `zero_grad()`. The reallocation itself is not timed, only `step()`.
+With `flat_grads=True` (grads written in place into their views, as backward does) the step
+is timed at 1,000, 10,000 and 100,000 params, and called from a `torch.compile`d function.
 """
 from __future__ import annotations
 
@@ -35,6 +37,23 @@ def _time_steps(torch, opt, params, steps: int, reallocate: bool) -> float:
     return float(np.median(times[3:])) * 1e6
 
 
+def _time_flat_steps(torch, opt, params, steps: int, step=None) -> float:
+    """Like `_time_steps` for flat_grads: each step's grads are written into the views in place
+    (what backward does), outside the timing."""
+    step = step or opt.step
+    grads = [p.grad for p in params]
+    times = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch._foreach_add_(grads, 1e-3)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return float(np.median(times[3:])) * 1e6
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=10_000)
@@ -52,10 +71,21 @@ def main(argv=None) -> None:
             params = _params(torch, args.params, args.size)
             opt = make(params)
             us = _time_steps(torch, opt, params, args.steps, reallocate)
-            rows.append((name, "reallocated" if reallocate else "in place", us))
-    print(f"optimizer.step() wall time, {args.params} params of {args.size} elements (median us)")
-    for name, grads, us in rows:
-        print(f"  {name:26s} grads {grads:11s} {us:10.1f} us  ({us / args.params * 1e3:.1f} ns/param)")
+            rows.append((f"{name} [{args.params} params]", "reallocated" if reallocate else "in place", us))
+    for n in (1_000, args.params, 100_000):
+        params = _params(torch, n, args.size)
+        opt = mt.AdamW(params, lr=1e-3, flat_grads=True)
+        rows.append((f"mtapply.torch.AdamW(flat_grads=True) [{n} params]", "in place",
+                     _time_flat_steps(torch, opt, params, args.steps), n))
+    params = _params(torch, args.params, args.size)
+    opt = mt.AdamW(params, lr=1e-3, flat_grads=True)
+    compiled = torch.compile(lambda: opt.step())
+    rows.append(("same, step() in torch.compile", "in place",
+                 _time_flat_steps(torch, opt, params, args.steps, compiled), args.params))
+    print(f"optimizer.step() wall time, params of {args.size} elements (median us)")
+    for name, grads, us, *n in rows:
+        n = n[0] if n else args.params
+        print(f"  {name:52s} grads {grads:11s} {us:10.1f} us  ({us / n * 1e3:.1f} ns/param)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Grads that live in flat buffers for `mtapply.torch` optimizers made with `flat_grads=True`.
+
+Every param that requires grad gets, as its `.grad`, a view into one buffer per (device, dtype)
+and keeps it: backward accumulates into the views in place, zeroing is one fill per buffer,
+and a step need not look at the params one by one, since their grads cannot have moved
+unless something replaced them. What can be checked in O(1) is checked every step:
+
+- each buffer's version counter, which any in-place write through a view advances: a buffer
+  untouched since the last step or zeroing means the grads went elsewhere (`model.zero_grad()`
+  sets them to None and backward then allocates new ones). Those grads are copied back into
+  the views and the views put back, so that step is still right.
+- a few params in rotation: a `.grad` assigned, a param's storage replaced or a param group
+  edited since is reported with an error, since earlier steps may already have missed it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+CHECKED_PER_STEP = 64  # params verified per step in rotation; every param within n / 64 steps
+_ALIGN_BYTES = 256  # each view starts on a 256-byte boundary, for the kernel's vector loads
+
+
+class _Entry:
+    __slots__ = ("group", "position", "param", "view", "address")
+
+    def __init__(self, group, position, param, view):
+        self.group, self.position, self.param, self.view = group, position, param, view
+        self.address = param.data_ptr()
+
+
+class FlatGrads:
+    """The flat grad buffers of an optimizer's param groups (lists of params)."""
+
+    def __init__(self, groups: list):
+        for params in groups:
+            for i, p in enumerate(params):
+                if type(p).__name__ == "DTensor" or not p.is_contiguous():
+                    raise ValueError(f"flat_grads=True needs plain contiguous params; param {i} is "
+                                     f"{'a DTensor' if type(p).__name__ == 'DTensor' else 'strided'}"
+                                     " (FSDP2 manages its grads itself: use flat_grads=False)")
+        self.lengths = [len(params) for params in groups]
+        self.buffers = self._allocate(groups)
+        self._versions = None
+        self._next = 0
+        self._warned = False
+        self.mark()
+
+    def _allocate(self, groups: list) -> list:
+        """One zeroed buffer per (device, dtype); the grads that exist are copied in."""
+        layout: dict = {}  # (device, dtype) -> [(group, position, param, offset)], total
+        for g, params in enumerate(groups):
+            for i, p in enumerate(params):
+                if not p.requires_grad:
+                    continue
+                members, total = layout.get((p.device, p.dtype), ([], 0))
+                align = max(_ALIGN_BYTES // p.element_size(), 1)
+                members.append((g, i, p, total))
+                layout[(p.device, p.dtype)] = (members, total + -(-p.numel() // align) * align)
+        self.entries = [_Entry(g, i, p, None) for g, params in enumerate(groups)
+                        for i, p in enumerate(params) if not p.requires_grad]
+        buffers = []
+        for (device, dtype), (members, total) in layout.items():
+            buffer = torch.zeros(total, dtype=dtype, device=device)
+            for g, i, p, offset in members:
+                view = buffer[offset:offset + p.numel()].view(p.shape)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self.entries.append(_Entry(g, i, p, view))
+            buffers.append(buffer)
+        return buffers
+
+    def mark(self) -> None:
+        """Remembers the buffers' versions: the next step expects writes after this."""
+        self._versions = [b._version for b in self.buffers]
+
+    def zero_(self) -> None:
+        with torch.no_grad():
+            for b in self.buffers:
+                b.zero_()
+        self.mark()
+
+    def fits(self, groups: list) -> bool:
+        return [len(g["params"]) for g in groups] == self.lengths
+
+    def intact(self, groups: list) -> bool:
+        """O(1): whether every grad is still its view. False when a buffer was not written
+        since the last mark (then `restore()`); raises when the rotation finds a change."""
+        if not self.fits(groups) or any(b._version == v for b, v in zip(self.buffers, self._versions)):
+            return False
+        self._check_some(groups)
+        return True
+
+    def _check_some(self, groups: list) -> None:
+        n = len(self.entries)
+        for k in range(self._next, self._next + min(CHECKED_PER_STEP, n)):
+            entry = self.entries[k % n]
+            problem = self._problem(entry, groups)
+            if problem:
+                raise RuntimeError(
+                    f"flat_grads=True: param {entry.position} of param group {entry.group} "
+                    f"{problem} since the flat grad buffers were made. The optimizer owns the "
+                    "grads: zero them with optimizer.zero_grad() (not model.zero_grad()), do not "
+                    "assign .grad or .data, and do not edit param groups; or make the "
+                    "optimizer with flat_grads=False")
+        self._next = (self._next + CHECKED_PER_STEP) % max(n, 1)
+
+    @staticmethod
+    def _problem(entry: _Entry, groups: list) -> str:
+        if groups[entry.group]["params"][entry.position] is not entry.param:
+            return "was replaced in its group"
+        if entry.param.grad is not entry.view and entry.view is not None:
+            return "has a .grad that is not its view into the flat buffer (assigned, or set to None)"
+        if entry.view is None and entry.param.grad is not None:
+            return "gained a grad (requires_grad turned on)"
+        if entry.param.data_ptr() != entry.address:
+            return "had its storage replaced (p.data = ... or a dtype/device change)"
+        return ""
+
+    def restore(self) -> None:
+        """O(n): grads found outside their views are copied back in and the views put back;
+        a grad found None is zero (the param had none this step)."""
+        moved = False
+        with torch.no_grad():
+            for entry in self.entries:
+                grad = entry.param.grad
+                if entry.view is None or grad is entry.view:
+                    continue
+                moved = True
+                if grad is None:
+                    entry.view.zero_()
+                else:
+                    entry.view.copy_(grad)
+                entry.param.grad = entry.view
+        if moved and not self._warned:
+            self._warned = True
+            warnings.warn("flat_grads=True: grads were found outside the flat buffers (set to None "
+                          "by model.zero_grad()?) and copied back, at O(n) host cost per step: "
+                          "use optimizer.zero_grad() to keep them in place", stacklevel=4)

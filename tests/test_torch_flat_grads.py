@@ -1,0 +1,234 @@
+"""mtapply.torch with flat_grads=True: grads as views into flat buffers, O(1) host steps."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mt = pytest.importorskip("mtapply.torch")
+flat_grads = pytest.importorskip("mtapply._flat_grads")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+OPTIMIZERS = [
+    (mt.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    (mt.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (mt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    (mt.LARS, None, dict(lr=0.1, weight_decay=1e-3)),
+    (mt.LAMB, None, dict(lr=1e-2, max_grad_norm=0.5)),
+]
+IDS = [cls.__name__ for cls, _, _ in OPTIMIZERS]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _model(device, seed=1):
+    """Two dtypes, two groups, and one frozen param (it has no grad and must not move)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4),
+                                torch.nn.LayerNorm(4)).to(device)
+    model[3].bias.requires_grad_(False)
+    return model
+
+
+def _groups(model, lr):
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    return [{"params": weights}, {"params": rest, "lr": lr / 2}]
+
+
+def _batches(device, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 8, generator=g).to(device), torch.randint(0, 4, (16,), generator=g).to(device))
+            for _ in range(steps)]
+
+
+def _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad(set_to_none=False)):
+    zero(model, opt)
+    torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    opt.step()
+
+
+def _assert_same(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _reference(cls, torch_cls, kw, device, batches):
+    """The same training with grads zeroed in place, by torch.optim where it has the optimizer."""
+    model = _model(device)
+    opt = (torch_cls(_groups(model, kw["lr"]), foreach=False, **kw) if torch_cls
+           else cls(_groups(model, kw["lr"]), **kw))
+    for batch in batches:
+        _step(model, opt, batch)
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls,torch_cls,kw", OPTIMIZERS, ids=IDS)
+def test_trains_like_in_place_grads_and_steps_without_per_param_work(cls, torch_cls, kw, device,
+                                                                      monkeypatch):
+    batches = _batches(device, 12)
+    reference = _reference(cls, torch_cls, kw, device, batches)
+    model = _model(device)
+    frozen = model[3].bias.detach().clone()
+    opt = cls(_groups(model, kw["lr"]), flat_grads=True, **kw)
+    for batch in batches[:3]:
+        _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad())  # set_to_none aside
+    # from here on every step must take the O(1) path: the per-param paths would raise
+    def per_param(*args, **kwargs):
+        raise AssertionError("a per-param path ran")
+    monkeypatch.setattr(mt._FusedOptimizer, "_step_group", per_param)
+    monkeypatch.setattr(flat_grads.FlatGrads, "restore", per_param)
+    monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)
+    for batch in batches[3:]:
+        start = opt._flat._next
+        _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad())
+        assert opt._flat._next == (start + 2) % len(opt._flat.entries)
+    _assert_same(reference, model)
+    assert torch.equal(model[3].bias, frozen) and model[3].bias.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grads_are_views_of_one_buffer_per_dtype_and_zero_grad_keeps_them(device):
+    model = _model(device).to(torch.float64)
+    model[0].to(torch.float32)
+    opt = mt.AdamW(model.parameters(), lr=1e-2, flat_grads=True)
+    buffers = opt._flat.buffers
+    assert sorted(map(str, (b.dtype for b in buffers))) == ["torch.float32", "torch.float64"]
+    grads = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            base = next(b for b in buffers if b.dtype == p.dtype)
+            start = p.grad.data_ptr() - base.data_ptr()
+            assert 0 <= start and start + p.grad.nbytes <= base.nbytes and start % 256 == 0
+            grads[p] = p.grad
+    sum((p.double() ** 2).sum() for p in model.parameters()).backward()  # grads 2p, in the views
+    assert all(torch.equal(g, 2 * p.detach()) for p, g in grads.items())
+    opt.step()
+    opt.zero_grad()  # set_to_none=True is the default: under flat_grads the views stay, zeroed
+    assert all(p.grad is g and not g.any() for p, g in grads.items())
+    assert model[3].bias.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grads_set_to_none_by_the_model_are_noticed_the_same_step(device):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    batches = _batches(device, 5)
+    model = _model(device)
+    opt = mt.AdamW(_groups(model, kw["lr"]), flat_grads=True, **kw)
+    with pytest.warns(UserWarning, match="optimizer.zero_grad"):
+        for batch in batches:  # model.zero_grad() sets every grad to None: backward makes new ones
+            _step(model, opt, batch, zero=lambda model, opt: model.zero_grad())
+    _assert_same(_reference(mt.AdamW, torch.optim.AdamW, kw, device, batches), model)
+    assert all(any(p.grad.data_ptr() == b.data_ptr() or
+                   b.data_ptr() < p.grad.data_ptr() < b.data_ptr() + b.nbytes for b in opt._flat.buffers)
+               for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("change", ["assigned grad", "grad set to None", "replaced storage",
+                                    "edited group", "unfrozen param"])
+def test_a_change_behind_the_optimizer_is_reported_before_any_write(change, monkeypatch):
+    monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)
+    model = _model("cpu")
+    opt = mt.Adam(_groups(model, 1e-2), lr=1e-2, flat_grads=True)
+    batches = _batches("cpu", 12)
+    for batch in batches[:2]:
+        _step(model, opt, batch)
+    p = model[2].weight
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(batches[2][0]), batches[2][1]).backward()
+    if change == "assigned grad":
+        p.grad = p.grad.clone()
+    elif change == "grad set to None":
+        p.grad = None
+    elif change == "replaced storage":
+        p.data = p.data.clone()
+    elif change == "edited group":
+        opt.param_groups[0]["params"][1] = torch.nn.Parameter(p.detach().clone())
+    else:
+        model[3].bias.requires_grad_(True)
+        model[3].bias.grad = torch.ones_like(model[3].bias)
+    with pytest.raises(RuntimeError, match=r"param \d+ of param group \d+ .*optimizer.zero_grad\(\)"):
+        for batch in batches[3:]:  # the rotation reaches every param within 5 steps
+            before = [q.detach().clone() for q in model.parameters()]
+            states = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state.items()}
+            opt.step()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    assert all(torch.equal(q, b) for q, b in zip(model.parameters(), before))
+    assert all(torch.equal(opt.state[k][n], t) for k, s in states.items() for n, t in s.items())
+
+
+def test_new_groups_deep_copies_and_checkpoints_keep_flat_grads():
+    kw = dict(lr=1e-2)
+    model = _model("cpu")
+    groups = _groups(model, kw["lr"])
+    opt = mt.Adam(groups[:1], flat_grads=True, **kw)
+    opt.add_param_group(groups[1])
+    batches = _batches("cpu", 8)
+    for batch in batches[:4]:
+        _step(model, opt, batch)
+    assert all(p.grad is e.view for e in opt._flat.entries for p in [e.param] if e.view is not None)
+    assert len(opt._flat.entries) == sum(1 for _ in model.parameters())
+    twin_model = copy.deepcopy(model)
+    twin = mt.Adam(_groups(twin_model, kw["lr"]), flat_grads=True, **kw)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # as torch.save and torch.load
+    copied = copy.deepcopy(opt)
+    assert copied._flat_grads
+    for batch in batches[4:]:
+        _step(model, opt, batch)
+        _step(twin_model, twin, batch)
+    _assert_same(model, twin_model)
+    reference = _reference(mt.Adam, torch.optim.Adam, kw, "cpu", batches)
+    _assert_same(reference, model)
+
+
+@pytest.mark.gpu
+def test_grad_scaler_and_a_cuda_graph_of_the_whole_step_with_flat_grads():
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    batches = _batches("cuda", 6)
+    model = _model("cuda")
+    lr = torch.tensor(kw["lr"], device="cuda")
+    opt = mt.AdamW(model.parameters(), lr=lr, weight_decay=0.1, flat_grads=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    x, y = batches[0]
+
+    def train_step():
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    train_step()
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)  # skipped: nothing moves
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert float(opt.state[model[0].weight]["step"]) == 1.0
+
+    graphed = mt.AdamW(model.parameters(), lr=lr, weight_decay=0.1, flat_grads=True)
+    reference = copy.deepcopy(model)
+    plain = torch.optim.AdamW(reference.parameters(), lr=kw["lr"], weight_decay=0.1, foreach=False)
+
+    def plain_step(m, o):
+        o.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            plain_step(model, graphed)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plain_step(model, graphed)
+    for _ in range(3):
+        plain_step(reference, plain)
+    for _ in range(4):
+        graph.replay()
+        plain_step(reference, plain)
+    torch.cuda.synchronize()
+    _assert_same(reference, model)
