@@ -34,12 +34,12 @@ class FlatGrads:
     """The flat grad buffers of an optimizer's param groups (lists of params)."""
 
     def __init__(self, groups: list):
-        for params in groups:
+        """`groups`: lists of plain contiguous params (the caller refuses DTensors)."""
+        for g, params in enumerate(groups):
             for i, p in enumerate(params):
-                if type(p).__name__ == "DTensor" or not p.is_contiguous():
-                    raise ValueError(f"flat_grads=True needs plain contiguous params; param {i} is "
-                                     f"{'a DTensor' if type(p).__name__ == 'DTensor' else 'strided'}"
-                                     " (FSDP2 manages its grads itself: use flat_grads=False)")
+                if not p.is_contiguous():
+                    raise ValueError(f"flat_grads=True needs contiguous params; param {i} of param "
+                                     f"group {g} is strided: make it contiguous or use flat_grads=False")
         self.lengths = [len(params) for params in groups]
         self.buffers = self._allocate(groups)
         self._versions = None

@@ -167,25 +167,35 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _flat_grads_in_place(self) -> bool:
         """With flat_grads: whether every grad is still its view into the flat buffers (an
         O(1) check); grads found elsewhere are put back (O(n)) and False is returned."""
-        if not self._flat_grads:
-            return False
-        if self._flat is None or not self._flat.fits(self.param_groups):
-            self._make_flat()
+        if not self._flat_grads or self._refresh_flat():
             return False
         if self._flat.intact(self.param_groups):
             return True
         self._flat.restore()
         return False
 
+    def _refresh_flat(self) -> bool:
+        """Makes the flat buffers again if there are none or the param groups changed since
+        (then True: the grads were just moved into new views)."""
+        if self._flat is not None and self._flat.fits(self.param_groups):
+            return False
+        self._make_flat()
+        return True
+
     def _make_flat(self) -> None:
         """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if _is_dtensor(p):
+                    raise ValueError(f"flat_grads=True does not take DTensor params (param {i} of "
+                                     f"param group {g}): FSDP2 manages its grads itself, so use "
+                                     "flat_grads=False")
         self._flat = FlatGrads([g["params"] for g in self.param_groups])
         self._bound.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._flat_grads:  # the views stay, zeroed: one fill per buffer (set_to_none aside)
-            if self._flat is None or not self._flat.fits(self.param_groups):
-                self._make_flat()
+            self._refresh_flat()
             self._flat.zero_()
             return
         if set_to_none:

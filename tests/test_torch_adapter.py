@@ -3,6 +3,7 @@ import copy
 
 import numpy as np
 import pytest
+from _torch_graphs import capture
 
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mtapply.torch")
@@ -205,15 +206,7 @@ def test_a_whole_training_step_replays_in_a_cuda_graph():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm up: grads, states, kernels and tables exist before capture
-            train_step(b, ob)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        train_step(b, ob)
+    graph = capture(lambda: train_step(b, ob))
     for _ in range(3):
         train_step(a, oa)
     for k in range(4):

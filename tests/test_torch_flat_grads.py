@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+from _torch_graphs import capture
 
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mtapply.torch")
@@ -181,6 +182,25 @@ def test_new_groups_deep_copies_and_checkpoints_keep_flat_grads():
     _assert_same(reference, model)
 
 
+def test_strided_and_dtensor_params_are_refused_with_their_index():
+    strided = torch.nn.Parameter(torch.randn(4, 6).t())
+    with pytest.raises(ValueError, match="param 1 of param group 0 is strided"):
+        mt.AdamW([torch.nn.Parameter(torch.randn(3)), strided], flat_grads=True)
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh))
+        with pytest.raises(ValueError, match="DTensor params \\(param 0 of param group 1\\)"):
+            mt.SGD([{"params": [torch.nn.Parameter(torch.randn(3))]}, {"params": [sharded]}],
+                   lr=0.1, flat_grads=True)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 def test_grad_scaler_and_a_cuda_graph_of_the_whole_step_with_flat_grads():
     kw = dict(lr=1e-2, weight_decay=0.1)
@@ -216,15 +236,7 @@ def test_grad_scaler_and_a_cuda_graph_of_the_whole_step_with_flat_grads():
         torch.nn.functional.cross_entropy(m(x), y).backward()
         o.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            plain_step(model, graphed)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plain_step(model, graphed)
+    graph = capture(lambda: plain_step(model, graphed))
     for _ in range(3):
         plain_step(reference, plain)
     for _ in range(4):
