@@ -30,8 +30,8 @@ struct Adam {
 
   // Per-launch scalars are derived in double, as torch does on the host.
   __device__ Adam(const Args& a, int /*tensor*/, const float* /*sums*/) {
-    const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
-    const double step = a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step;
+    const double lr = scalar_arg(a.lr_ptr, a.lr);
+    const double step = scalar_arg(a.step_ptr, a.step);
     beta1_weight = acc_t(1.0 - a.beta1);
     beta2 = acc_t(a.beta2);
     one_minus_beta2 = acc_t(1.0 - a.beta2);

@@ -32,9 +32,8 @@ struct LambScalars {
   acc_t beta1, beta2, one_minus_beta2, m_weight, eps, weight_decay, bc1, bc2, inv_clip;
 
   __device__ explicit LambScalars(const LambArgs& a) {
-    const double step = a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step;
-    const double norm = a.global_grad_norm_ptr ? static_cast<double>(*a.global_grad_norm_ptr)
-                                               : a.global_grad_norm;
+    const double step = scalar_arg(a.step_ptr, a.step);
+    const double norm = scalar_arg(a.global_grad_norm_ptr, a.global_grad_norm);
     const double clip = (a.max_grad_norm > 0.0 && norm > a.max_grad_norm) ? norm / a.max_grad_norm : 1.0;
     beta1 = acc_t(a.beta1);
     beta2 = acc_t(a.beta2);
@@ -85,7 +84,7 @@ struct Lamb {
   acc_t rate;
 
   __device__ Lamb(const Args& a, int tensor, const float* sums) : k(a) {
-    const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
+    const double lr = scalar_arg(a.lr_ptr, a.lr);
     double ratio = 1.0;
     if (MTA_NVLAMB || a.weight_decay != 0.0) {
       const double p_norm = sqrt(static_cast<double>(sums[2 * tensor]));

@@ -42,7 +42,7 @@ struct Lars {
   acc_t local_lr, momentum, weight_decay;
 
   __device__ Lars(const Args& a, int tensor, const float* sums) {
-    const double lr = a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr;
+    const double lr = scalar_arg(a.lr_ptr, a.lr);
     const bool adapt = a.adapt_array[tensor] != 0.0f;
     double rate = lr;
     if (adapt) {

@@ -16,7 +16,7 @@ struct ScaleArgs {
 };
 
 __device__ __forceinline__ acc_t scale_factor(const ScaleArgs& a) {
-  return acc_t(a.factor_ptr ? static_cast<double>(*a.factor_ptr) : a.factor);
+  return acc_t(scalar_arg(a.factor_ptr, a.factor));
 }
 
 // x * factor, into the tensor itself or into slot 1.

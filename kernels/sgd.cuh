@@ -29,8 +29,8 @@ struct Sgd {
   bool first_step;
 
   __device__ Sgd(const Args& a, int /*tensor*/, const float* /*sums*/) {
-    lr = acc_t(a.lr_ptr ? static_cast<double>(*a.lr_ptr) : a.lr);
-    first_step = (a.step_ptr ? static_cast<double>(*a.step_ptr) : a.step) < 1.5;
+    lr = acc_t(scalar_arg(a.lr_ptr, a.lr));
+    first_step = scalar_arg(a.step_ptr, a.step) < 1.5;
     momentum = acc_t(a.momentum);
     one_minus_dampening = acc_t(1.0 - a.dampening);
     weight_decay = acc_t(a.weight_decay);

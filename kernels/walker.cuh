@@ -32,6 +32,12 @@ template <class Op> struct ReadMask<Op, decltype(void(Op::READ))> { static const
 template <class Op, class = void> struct IsGlobal { static constexpr bool value = false; };
 template <class Op> struct IsGlobal<Op, decltype(void(Op::GLOBAL))> { static constexpr bool value = Op::GLOBAL; };
 
+// A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
+// tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
+__device__ __forceinline__ double scalar_arg(const float* ptr, double value) {
+  return ptr ? static_cast<double>(*ptr) : value;
+}
+
 // Arguments of every launch. The group's table, in device memory:
 //   blocks[b]  = (tensor index, chunk index) of CUDA block b; a tensor's blocks are consecutive
 //   records[t] = {numel, address of slot 0, ..., address of slot MTA_SLOTS - 1}
@@ -212,7 +218,7 @@ template <class Op>
 __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
   constexpr int N = Op::N_SLOTS;
   if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
-  const acc_t grad_scale = launch.grad_scale_ptr ? acc_t(*launch.grad_scale_ptr) : acc_t(launch.grad_scale);
+  const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
   const int2 job = launch.blocks[blockIdx.x];
   const long long* rec = launch.records + static_cast<long long>(job.x) * (MTA_SLOTS + 1);
   const long long numel = rec[0];
