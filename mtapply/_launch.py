@@ -14,6 +14,7 @@ import sys
 
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
+_HEADER = "<2QdQQ6Q2q"  # table, AMP scaling and workspace words, before the op's fields
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:
@@ -37,6 +38,27 @@ def stream_pointer(stream, framework: str, device_id: int) -> int:
                     f"raw cudaStream_t int; got {type(stream).__name__}")
 
 
+def order_after_producer(framework: str, device_id: int, stream: int) -> None:
+    """Makes `stream` wait for the work queued so far on the framework's current stream of
+    the device (what a DLPack export with `stream=` does)."""
+    if framework == "torch":
+        from ._torch_fast import order_after_current_stream
+
+        order_after_current_stream(device_id, stream)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        current = cupy.cuda.get_current_stream()
+        if current.ptr != stream:
+            cupy.cuda.runtime.streamWaitEvent(stream, current.record().ptr, 0)
+
+
+def field_word(arg_fields: tuple, field: str) -> int:
+    """Index of the 64-bit word of an op's argument field in the packed launch struct."""
+    return struct.calcsize(_HEADER) // 8 + arg_fields.index(field)
+
+
 def dlpack_stream(handle: int) -> int:
     """The DLPack `stream=` number for a handle: the legacy default stream is 1, not 0."""
     return 1 if handle == 0 else handle
@@ -58,7 +80,7 @@ class KernelLaunch:
         self.n_blocks = n_blocks
         self._layout = [(name, name + "_ptr" in arg_fields) for name in arg_fields
                         if not name.endswith("_ptr")]
-        self._packer = struct.Struct("<2QdQQ6Q2q" + "".join("Q" if f.endswith(_ADDRESSES) else "d"
+        self._packer = struct.Struct(_HEADER + "".join("Q" if f.endswith(_ADDRESSES) else "d"
                                                              for f in arg_fields))
         self._words = ctypes.create_string_buffer(self._packer.size)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._words))
@@ -106,6 +128,10 @@ class KernelLaunch:
                 values.append(_NAN)
                 values.append(value.ptr)
         self._packer.pack_into(self._words, 0, *values)
+
+    def words(self) -> bytes:
+        """The packed argument struct, as the kernel receives it."""
+        return self._words.raw
 
     def launch(self, stream: int) -> None:
         _launch_kernel(self.function, self.n_blocks, 1, 1, self.threads, 1, 1, 0, stream,

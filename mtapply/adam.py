@@ -1,6 +1,7 @@
 """The public Adam/AdamW entry points."""
 from __future__ import annotations
 
+from . import _calls
 from .engine import Plan
 from .ops.adam import AdamSpec
 
@@ -65,6 +66,6 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
     tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
                "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
                "master_params": master_params}
-    plan = Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True)
-    plan.step(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              grad_scale=grad_scale, found_inf=found_inf, stream=stream)
+    _calls.step(spec, tensors, table_mode=table_mode, stream=stream, lr=lr, step=step,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                grad_scale=grad_scale, found_inf=found_inf)

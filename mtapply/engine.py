@@ -20,9 +20,7 @@ from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
-_RECENT_LIMIT = 8
 _SCALARS_KEPT = 8
-_recent_launchers: OrderedDict = OrderedDict()
 
 
 class Plan:
@@ -35,8 +33,7 @@ class Plan:
         stream: default launch stream; None means the tensors' framework's current stream.
     """
 
-    def __init__(self, spec, tensors: dict, *, table_mode: str | None = None, stream=None,
-                 _share_tables: bool = False):
+    def __init__(self, spec, tensors: dict, *, table_mode: str | None = None, stream=None):
         missing = [name for name in spec.slots if tensors.get(name) is None]
         if missing:
             raise TypeError(f"{missing[0]} is required by {spec.name} with these options: pass a "
@@ -62,9 +59,9 @@ class Plan:
         self._scalars: OrderedDict = OrderedDict()
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
-            self._cuda = self._launchers(stream, _share_tables)
+            self._cuda = self._launchers(stream)
 
-    def _launchers(self, stream, share: bool):
+    def _launchers(self, stream):
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
         each device's tables on that device)."""
         params = self._refs[self.spec.slots[0]]
@@ -72,7 +69,7 @@ class Plan:
         arrays = self.spec.tensor_arrays(self._n)
         if len(devices) == 1:
             return _launcher(self.spec, self._refs, arrays, self.table_mode, devices[0],
-                             self._stream_for(devices[0], stream), share)
+                             self._stream_for(devices[0], stream))
         if self.spec.single_device:
             raise ValueError(f"{self.spec.name} sums over the whole list, which here spans GPUs "
                              f"{', '.join(f'cuda:{d}' for d in devices)}: call it once per GPU")
@@ -87,12 +84,20 @@ class Plan:
             refs = {name: [column[i] for i in indices] for name, column in self._refs.items()}
             subset = {name: np.asarray(values)[indices] for name, values in arrays.items()}
             parts.append((device_id, indices, _launcher(self.spec, refs, subset, self.table_mode,
-                                                        device_id, self._stream_for(device_id, None),
-                                                        share)))
+                                                        device_id, self._stream_for(device_id, None))))
         return _Devices(parts)
 
     def __len__(self) -> int:
         return self._n
+
+    @property
+    def empty(self) -> bool:
+        """True when no tensor has an element: a step launches nothing."""
+        return not self._n or not any(ref.numel for ref in self._refs[self.spec.slots[0]])
+
+    def forget_stream(self) -> None:
+        """Steps without `stream=` launch on the framework's current stream from now on."""
+        self._stream = None
 
     def step(self, *, stream=None, grad_scale=None, found_inf=None, after_pass=None,
              **hyper) -> None:
@@ -147,7 +152,7 @@ class Plan:
         launch_stream = (lambda device: self._stream_for(device[1], chosen)) if self._cuda else None
         fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
         addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
-        check_no_overlap(self._extents(slot, addresses), self.spec.written)
+        check_no_overlap(self._extents({slot: addresses}), self.spec.written)
         self._refs[slot] = fresh
         self._released.discard(slot)
         self._alive.pop(slot, None)
@@ -155,7 +160,7 @@ class Plan:
         if slot in self.spec.written:
             self._written_extents = None
         if self._cuda is not None:
-            self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
+            self._cuda = self._cuda.rebound({self.spec.slots.index(slot): addresses},
                                             lambda device_id: self._stream_for(device_id, chosen))
 
     def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None,
@@ -170,23 +175,34 @@ class Plan:
         if self._cuda is None:
             self.rebind(slot, tensors, stream=stream)
             return
-        addresses = np.asarray(addresses, np.uint64)
-        if len(addresses) != self._n:
-            raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has {self._n} tensors")
-        if slot in self.spec.written:
-            check_no_overlap(self._extents(slot, addresses), self.spec.written)
-        else:
-            self._check_against_written(slot, addresses)
-        chosen = self._stream if stream is None else stream
+        self.rebind_columns({slot: addresses}, stream=stream)
         if keep_alive:
             self._alive[slot] = tensors  # the plan keeps its tensors alive
         else:
             self._alive.pop(slot, None)
-        self._addresses[slot] = addresses
-        if slot in self.spec.written:
+
+    def rebind_columns(self, moved: dict, *, stream=None) -> None:
+        """`rebind_addresses` of several slots at once (slot -> addresses), for tensors that the
+        caller holds alive: every overlap is checked before anything changes, then the tables
+        are uploaded once."""
+        moved = {slot: np.asarray(addresses, np.uint64) for slot, addresses in moved.items()}
+        for slot, addresses in moved.items():
+            if len(addresses) != self._n:
+                raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has "
+                                 f"{self._n} tensors")
+        if self.spec.written & set(moved):
+            check_no_overlap(self._extents(moved), self.spec.written)
+        else:
+            for slot, addresses in moved.items():
+                self._check_against_written(slot, addresses)
+        chosen = self._stream if stream is None else stream
+        for slot in moved:
+            self._alive.pop(slot, None)
+        self._addresses.update(moved)
+        if self.spec.written & set(moved):
             self._written_extents = None
-        self._cuda = self._cuda.rebound(self.spec.slots.index(slot), addresses,
-                                        lambda device_id: self._stream_for(device_id, chosen))
+        columns = {self.spec.slots.index(slot): addresses for slot, addresses in moved.items()}
+        self._cuda = self._cuda.rebound(columns, lambda device_id: self._stream_for(device_id, chosen))
 
     def release(self, slot: str) -> None:
         """Drops the plan's references to the tensors bound to `slot` (their addresses stay):
@@ -203,7 +219,7 @@ class Plan:
             return
         if self._written_extents is None:
             names = sorted(self.spec.written & set(self._refs))
-            extents = self._extents(slot, addresses)
+            extents = self._extents({slot: addresses})
             starts = np.concatenate([extents[n][0] for n in names])
             sizes = np.concatenate([extents[n][1] for n in names])
             keep = np.flatnonzero(sizes)
@@ -212,19 +228,19 @@ class Plan:
         written_starts, written_ends = self._written_extents
         if not len(written_starts):
             return  # every written tensor is empty
-        sizes = self._extents(slot, addresses)[slot][1]
+        sizes = self._extents({slot: addresses})[slot][1]
         ends = addresses + sizes
         before = np.searchsorted(written_starts, ends, side="left") - 1
         hit = (sizes > 0) & (before >= 0) & (written_ends[np.maximum(before, 0)] > addresses)
         if hit.any():
-            check_no_overlap(self._extents(slot, addresses), self.spec.written)  # names the pair
+            check_no_overlap(self._extents({slot: addresses}), self.spec.written)  # names the pair
 
-    def _extents(self, slot: str, addresses: np.ndarray) -> dict:
-        """slot -> (start addresses, sizes in bytes), with `slot` at `addresses`."""
+    def _extents(self, moved: dict) -> dict:
+        """slot -> (start addresses, sizes in bytes), with the slots of `moved` at its addresses."""
         if not self._sizes:
             self._sizes = {name: np.fromiter((r.nbytes for r in refs), np.uint64, len(refs))
                            for name, refs in self._refs.items()}
-        return {name: (addresses if name == slot else self._addresses[name], self._sizes[name])
+        return {name: (moved.get(name, self._addresses[name]), self._sizes[name])
                 for name in self._refs}
 
     def _stream_for(self, device_id: int, stream) -> int:
@@ -362,11 +378,13 @@ class _Launcher:
                 for launch in self.launches[k]:
                     launch.set_table(base, base + group.records_offset)
 
-    def rebound(self, slot_index: int, addresses: np.ndarray, stream_of) -> "_Launcher":
-        """Points a slot at new addresses; `stream_of(device_id)` is the launch stream."""
+    def rebound(self, columns: dict, stream_of) -> "_Launcher":
+        """Points slots at new addresses (slot index -> addresses); `stream_of(device_id)` is
+        the launch stream."""
         stream = stream_of(self.device_id)
         self.pointers = self.pointers.copy()
-        self.pointers[:, slot_index] = addresses
+        for slot_index, addresses in columns.items():
+            self.pointers[:, slot_index] = addresses
         for group in self.groups:
             group.pointers = self.pointers[group.indices]
         self.upload(stream)
@@ -433,26 +451,18 @@ class _Devices:
         for _, _, launcher in self.parts:
             launcher.run(args, stream_of, grad_scale, found_inf)
 
-    def rebound(self, slot_index: int, addresses: np.ndarray, stream_of) -> "_Devices":
-        self.parts = [(device_id, indices, launcher.rebound(slot_index, addresses[indices], stream_of))
+    def rebound(self, columns: dict, stream_of) -> "_Devices":
+        self.parts = [(device_id, indices,
+                       launcher.rebound({k: a[indices] for k, a in columns.items()}, stream_of))
                       for device_id, indices, launcher in self.parts]
         return self
 
 
-def _launcher(spec, refs, arrays, table_mode, device_id, stream, share: bool) -> _Launcher:
-    """A new launcher, or with `share` one whose tables already hold exactly these tensors."""
+def _launcher(spec, refs, arrays, table_mode, device_id, stream) -> _Launcher:
+    """The launcher of ingested tensors on one GPU."""
     slots = spec.slots
     n = len(refs[slots[0]])
     dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
     numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
-    if not share:
-        return _Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
-    key = (spec.key, table_mode, device_id, tuple(dtypes), numels.tobytes(), pointers.tobytes())
-    launcher = _recent_launchers.pop(key, None)
-    if launcher is None:
-        launcher = _Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
-    _recent_launchers[key] = launcher
-    while len(_recent_launchers) > _RECENT_LIMIT:
-        _recent_launchers.popitem(last=False)
-    return launcher
+    return _Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)

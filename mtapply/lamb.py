@@ -1,6 +1,7 @@
 """The public LAMB entry points."""
 from __future__ import annotations
 
+from . import _calls
 from .engine import Plan
 from .ops.lamb import LAMBSpec
 
@@ -49,5 +50,5 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
     spec.arguments(**hyper)
     tensors = {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "grads": grads,
                "master_params": master_params}
-    Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True).step(
-        stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,
+                found_inf=found_inf, **hyper)

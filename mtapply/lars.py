@@ -1,6 +1,7 @@
 """The public LARS entry points."""
 from __future__ import annotations
 
+from . import _calls
 from .engine import Plan
 from .ops.lars import LARSSpec
 
@@ -46,5 +47,5 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum=0.9, weight_decay
     spec.arguments(**hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}
-    Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=exclude is None).step(
-        stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,
+                found_inf=found_inf, **hyper)

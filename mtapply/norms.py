@@ -1,10 +1,9 @@
 """The public norm entry points: per-tensor and global L2 norms, global-norm clipping."""
 from __future__ import annotations
 
-from . import _outputs
+from . import _calls, _outputs
 from ._dlpack import device_of, framework_of
 from ._validate import check_lists
-from .engine import Plan
 from .ops.norms import ClipGradNormSpec, L2NormSpec
 
 
@@ -53,10 +52,9 @@ def _run(spec, tensors, hyper: dict, norms_out, total_out, stream, table_mode, w
         total_out = _outputs.new_float32(framework, device, 1)
     if norms_out is None and want_norms:
         norms_out = _outputs.new_float32(framework, device, n)
-    plan = Plan(spec, {"tensors": tensors}, table_mode=table_mode, stream=stream,
-                _share_tables=True)
-    plan.step(stream=stream, total_out=total_out, norms_out=norms_out, **hyper)
-    if all(ref.numel == 0 for ref in plan._refs["tensors"]):  # nothing was launched
+    plan = _calls.step(spec, {"tensors": tensors}, table_mode=table_mode, stream=stream,
+                       total_out=total_out, norms_out=norms_out, **hyper)
+    if plan.empty:  # nothing was launched
         for output in (total_out, norms_out):
             if output is not None:
                 _outputs.fill_zero(output)

@@ -65,13 +65,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import _xla
 from ._dlpack import export
-from .adam import adam_plan
-from .lamb import lamb_plan
-from .lars import lars_plan
+from .engine import Plan
 from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .ops._spec import DeviceScalar, check_number
-from .sgd import sgd_plan
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -135,8 +133,9 @@ class FusedOptimizer(NamedTuple):
 
 class _Rule:
     """One mtapply op as the adapter drives it. `slots` are the state fields that hold one
-    buffer per param; `plan_slots` names the plan's slots for params, those fields and grads;
-    `statics(params, treedef)` gives the per-tree static choices the plan needs (hashable)."""
+    buffer per param; `plan_slots` names the op's slots for params, those fields and grads;
+    `statics(params, treedef)` gives the per-tree static choices the op needs (hashable), and
+    `spec(statics)` the op itself."""
 
     name = ""
     state_type: type = AdamState
@@ -148,7 +147,7 @@ class _Rule:
     def statics(self, params, treedef) -> tuple:
         return ()
 
-    def plan(self, params, grads, slots, statics, stream):
+    def spec(self, statics):
         raise NotImplementedError
 
     def step_args(self, lr, step, norm=None) -> dict:
@@ -164,8 +163,8 @@ class _Adam(_Rule):
         _check(AdamSpec().arguments, lr=0.0, step=1, **self.hyper)
         self.reads_params = weight_decay != 0
 
-    def plan(self, params, grads, slots, statics, stream):
-        return adam_plan(params, grads, *slots, decoupled_weight_decay=True, stream=stream)
+    def spec(self, statics):
+        return AdamSpec(decoupled_weight_decay=True)
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, **self.hyper)
@@ -181,9 +180,8 @@ class _Sgd(_Rule):
         self.plan_slots = ("params",) + (("momentum_buffers",) if self.slots else ()) + ("grads",)
         _check(SGDSpec(nesterov=self.nesterov).arguments, lr=0.0, step=1, momentum=self.momentum)
 
-    def plan(self, params, grads, slots, statics, stream):
-        buffers = slots[0] if slots else None
-        return sgd_plan(params, grads, buffers, nesterov=self.nesterov, stream=stream)
+    def spec(self, statics):
+        return SGDSpec(momentum_buffers=bool(self.slots), nesterov=self.nesterov)
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, momentum=self.momentum)
@@ -210,9 +208,8 @@ class _Lars(_Rule):
                              "weight decay: pass the same weight_decay_mask and trust_ratio_mask")
         return tuple(not a for a in adapt)
 
-    def plan(self, params, grads, slots, statics, stream):
-        exclude = list(statics) if any(statics) else None
-        return lars_plan(params, grads, slots[0], exclude=exclude, stream=stream)
+    def spec(self, statics):
+        return LARSSpec(exclude=list(statics) if any(statics) else None)
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, **self.hyper)
@@ -232,8 +229,8 @@ class _Lamb(_Rule):
                **self.hyper)
         self.global_norm = max_grad_norm > 0
 
-    def plan(self, params, grads, slots, statics, stream):
-        return lamb_plan(params, grads, *slots, stream=stream, **self.flags)
+    def spec(self, statics):
+        return LAMBSpec(**self.flags)
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, global_grad_norm=norm, **self.hyper)
@@ -273,7 +270,8 @@ class _Engine:
         if not callable(learning_rate) and not hasattr(learning_rate, "dtype"):
             check_number("learning_rate", learning_rate, low=0.0)
         self.rule, self.learning_rate = rule, learning_rate
-        self._plans: OrderedDict = OrderedDict()
+        self._plans: OrderedDict = OrderedDict()  # the callbacks' plans, by buffer addresses
+        self._ffi_plans: dict = {}  # the FFI handler's plan ids, by tree signature
         self._lock = threading.Lock()  # XLA may run callbacks from several threads
 
     def init(self, params):
@@ -305,17 +303,62 @@ class _Engine:
         return jnp.asarray(lr, jnp.float32).reshape(1)
 
     def _launch(self, written: list, grads: list, scalars: list, statics: tuple) -> list:
-        """The written leaves after the step, computed by one callback."""
+        """The written leaves after the step: one FFI custom call on GPUs, else one callback."""
         signature = tuple((x.shape, str(x.dtype)) for x in written + grads)
         key = (statics, signature)
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
-        if os.environ.get(_CALLBACK_ENV, "buffer") == "host" or buffer_callback is None:
+        mechanism = os.environ.get(_CALLBACK_ENV, "ffi")
+        if mechanism == "host" or buffer_callback is None:
             return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
                                           written, grads, scalars))
+        callback = functools.partial(self._callback_call, key, results, len(scalars))
+        if mechanism != "ffi":
+            return callback(*written, *grads, *scalars)
+        on_gpu = functools.partial(self._ffi_call, key, results, len(grads), len(scalars),
+                                   callback)
+        return list(jax.lax.platform_dependent(*written, *grads, *scalars, default=callback,
+                                               cuda=on_gpu))
+
+    def _callback_call(self, key, results, n_scalars, *operands) -> list:
+        """The step as one buffer callback (the CPU, or GPUs without the FFI handler)."""
         # Flat positional inputs: buffer_callback checks alias indices against them.
-        call = buffer_callback(functools.partial(self._buffer_callback, key, len(scalars)),
-                               results, input_output_aliases={i: i for i in range(len(written))})
-        return list(call(*written, *grads, *scalars))
+        call = buffer_callback(functools.partial(self._buffer_callback, key, n_scalars),
+                               results, input_output_aliases={i: i for i in range(len(results))})
+        return list(call(*operands))
+
+    def _ffi_call(self, key, results, n_grads, n_scalars, fallback, *operands) -> list:
+        """The step as one `mtapply_step` custom call: compiled code reads the buffers'
+        addresses and launches the kernels, no Python at run time (see mtapply._xla)."""
+        if not _xla.available():
+            return fallback(*operands)
+        with self._lock:
+            plan_id = self._ffi_plans.get(key)
+            if plan_id is None:
+                plan_id = self._ffi_plans[key] = self._prepare(key, results, operands, n_grads,
+                                                               n_scalars)
+        call = jax.ffi.ffi_call(_xla.TARGET, results,
+                                input_output_aliases={i: i for i in range(len(results))})
+        return list(call(*operands, plan=np.int64(plan_id)))
+
+    def _prepare(self, key, results, operands, n_grads, n_scalars) -> int:
+        """Registers the rule's op over this tree with the FFI handler. The call's buffers are
+        its results (params, then each state slot), then its arguments (the same, then the
+        grads, then the scalars)."""
+        spec, n, n_results = self.rule.spec(key[0]), n_grads, len(results)
+        *written_slots, grads_slot = self.rule.plan_slots
+        first = {name: c * n for c, name in enumerate(written_slots)}  # among the results
+        first[grads_slot] = 2 * n_results  # among the arguments, after the written leaves
+        leaves = {name: operands[i: i + n] for name, i in first.items() if name != grads_slot}
+        leaves[grads_slot] = operands[n_results: n_results + n]
+        dtypes = [tuple(str(leaves[slot][i].dtype) for slot in spec.slots) for i in range(n)]
+        numels = [int(np.prod(x.shape, dtype=np.int64)) for x in operands[:n]]
+        placeholders = [_xla.placeholder(k) for k in range(n_scalars)]
+        hyper = self.rule.step_args(*placeholders)
+        scalar_operands = {name: 2 * n_results + n + value.obj for name, value in hyper.items()
+                           if isinstance(value, DeviceScalar)}
+        devices = sorted({d.local_hardware_id if d.local_hardware_id is not None else d.id
+                          for d in jax.local_devices(backend="gpu")})
+        return _xla.prepare(spec, first, dtypes, numels, hyper, scalar_operands, devices)
 
     def _buffer_callback(self, key, n_scalars, ctx, outs, *inputs) -> None:
         """Steps XLA's buffers in place: `outs` alias the first inputs, so they hold the old
@@ -377,8 +420,9 @@ class _Engine:
 
     def _new_plan(self, key, outs: list, grads: list, stream):
         n = len(grads)
-        slots = [outs[n * (k + 1): n * (k + 2)] for k in range(len(self.rule.slots))]
-        return self.rule.plan(outs[:n], grads, slots, key[0], stream)
+        buffers = outs + grads
+        columns = {name: buffers[c * n: (c + 1) * n] for c, name in enumerate(self.rule.plan_slots)}
+        return Plan(self.rule.spec(key[0]), columns, stream=stream)
 
 
 def _columns(buffers: list, n: int) -> tuple:

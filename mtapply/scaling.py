@@ -1,7 +1,7 @@
 """The public elementwise list utilities: scale, unscale (AMP), zero."""
 from __future__ import annotations
 
-from .engine import Plan
+from . import _calls
 from .ops.scaling import ScaleSpec, UnscaleSpec, ZeroSpec
 
 
@@ -15,8 +15,7 @@ def scale_(tensors, factor, *, outputs=None, stream=None, table_mode=None) -> No
     spec = ScaleSpec(into_outputs=outputs is not None)
     slots = {"tensors": tensors, "outputs": outputs} if outputs is not None else {"tensors": tensors}
     spec.arguments(factor=factor)
-    Plan(spec, slots, table_mode=table_mode, stream=stream, _share_tables=True).step(
-        stream=stream, factor=factor)
+    _calls.step(spec, slots, table_mode=table_mode, stream=stream, factor=factor)
 
 
 def unscale_(grads, inv_scale, found_inf, *, stream=None, table_mode=None) -> None:
@@ -26,11 +25,10 @@ def unscale_(grads, inv_scale, found_inf, *, stream=None, table_mode=None) -> No
     `found_inf` is only ever set, never cleared: zero it first, as GradScaler does. Pass the
     result on as `found_inf=` to a step, which then writes nothing.
     """
-    Plan(UnscaleSpec(), {"tensors": grads}, table_mode=table_mode, stream=stream,
-         _share_tables=True).step(stream=stream, factor=inv_scale, found_inf_out=found_inf)
+    _calls.step(UnscaleSpec(), {"tensors": grads}, table_mode=table_mode, stream=stream,
+                factor=inv_scale, found_inf_out=found_inf)
 
 
 def zero_(tensors, *, stream=None, table_mode=None) -> None:
     """Sets every element of a list to zero, in one launch per (device, dtype) group."""
-    Plan(ZeroSpec(), {"tensors": tensors}, table_mode=table_mode, stream=stream,
-         _share_tables=True).step(stream=stream)
+    _calls.step(ZeroSpec(), {"tensors": tensors}, table_mode=table_mode, stream=stream)

@@ -1,6 +1,7 @@
 """The public SGD entry points."""
 from __future__ import annotations
 
+from . import _calls
 from .engine import Plan
 from .ops.sgd import SGDSpec
 
@@ -54,5 +55,5 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.
     spec.arguments(**hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}
-    Plan(spec, tensors, table_mode=table_mode, stream=stream, _share_tables=True).step(
-        stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,
+                found_inf=found_inf, **hyper)

@@ -31,7 +31,7 @@ def test_incremental_check_matches_the_full_check(sizes, shifts):
                           for _ in sizes], dtype=np.uint64)
     full_error = None
     try:
-        check_no_overlap(plan._extents("grads", addresses), plan.spec.written)
+        check_no_overlap(plan._extents({"grads": addresses}), plan.spec.written)
     except ValueError as error:
         full_error = error
     if full_error is None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class DeviceScalar:
@@ -88,6 +90,12 @@ class OpSpec:
     @property
     def key(self) -> tuple:
         return (self.name, self.flags)
+
+    def call_key(self, n_tensors: int) -> tuple:
+        """What tells two plans of this op over n tensors apart besides their tensors: the
+        compile key and the per-tensor arrays (e.g. LARS's exclude flags)."""
+        arrays = self.tensor_arrays(n_tensors)
+        return (self.key, tuple((name, np.asarray(a).tobytes()) for name, a in arrays.items()))
 
 
 def check_number(name: str, value, *, low=None, high=None, high_open=False, low_open=False) -> float:

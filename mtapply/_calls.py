@@ -1,0 +1,130 @@
+"""The one-call API's memory: the plans of recent calls, stepped again when their tensors return.
+
+`mtapply.adam_step(...)` and the other one-call functions are usually called every step on the
+same lists. Each call describes its lists in a few C-level passes (`_describe`: address, size,
+dtype, device, shape and layout of every tensor). When the description equals that of a recent
+call, everything a full ingest checks was checked for exactly these tensors, and the plan bound
+then is stepped again: O(1) Python work besides the description. When only addresses moved
+(fresh grads, say) and nothing else, the plan is rebound to them after the aliasing checks,
+which are the only checks the new addresses need. Anything else (a first call, another shape,
+a bad tensor, lists of CPU tensors or of other DLPack producers) is ingested in full, which
+also gives the precise error.
+
+Plans kept here hold no tensor: the caller's lists keep their memory alive while they are used.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ._describe import describe, device_of
+from ._dlpack import framework_of
+from ._launch import order_after_producer, stream_pointer
+from ._validate import check_lists
+from .engine import Plan
+
+_PLANS_PER_KEY = 4  # e.g. a model's lists and an EMA's, stepped in turn
+_KEYS = 32
+_recent: OrderedDict = OrderedDict()  # (op, table mode, framework, n) -> [_Recent, ...]
+_lock = threading.Lock()
+
+
+class _Recent:
+    """A plan and the description of the tensors it is bound to."""
+
+    __slots__ = ("plan", "description")
+
+    def __init__(self, plan: Plan, description: np.ndarray):
+        self.plan, self.description = plan, description
+
+
+def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> Plan:
+    """Steps `spec` once over `tensors` (slot -> list of tensors) with `arguments` (those of
+    `Plan.step`), reusing a recent call's plan where the tensors allow; returns the plan."""
+    slots = {name: tensors.get(name) for name in spec.slots}
+    if any(tensors is None for tensors in slots.values()):
+        return _fresh(spec, tensors, table_mode, stream, arguments)  # explains what is missing
+    n = check_lists(slots)
+    framework = framework_of(slots[spec.slots[0]][0]) if n else None
+    description = _description(slots, framework) if n else None
+    if description is None:
+        return _fresh(spec, tensors, table_mode, stream, arguments)
+    key = (spec.call_key(n), table_mode, framework, n)
+    with _lock:
+        plan = _reuse(key, description, stream)
+        if plan is not None:
+            if stream is not None:
+                _order_after_producer(framework, description, stream)
+            plan.step(stream=stream, **arguments)
+            return plan
+    plan = _fresh(spec, tensors, table_mode, stream, arguments)
+    for name in spec.slots:
+        plan.release(name)  # the cached plan must not keep the caller's tensors alive
+    plan.forget_stream()  # later calls launch on their own stream
+    with _lock:
+        _remember(key, _Recent(plan, description))
+    return plan
+
+
+def _fresh(spec, tensors, table_mode, stream, arguments) -> Plan:
+    plan = Plan(spec, tensors, table_mode=table_mode, stream=stream)
+    plan.step(stream=stream, **arguments)
+    return plan
+
+
+def _description(slots: dict, framework: str) -> np.ndarray | None:
+    """(slots, rows, tensors) array of the descriptions of every slot, or None."""
+    parts = []
+    for tensors in slots.values():
+        part = describe(tensors, framework)
+        if part is None:
+            return None
+        parts.append(part)
+    return np.stack(parts)
+
+
+def _reuse(key, description: np.ndarray, stream) -> Plan | None:
+    """The plan of a recent call on tensors like these, rebound to their addresses; None if
+    there is none. Raises (changing nothing) when the new addresses alias."""
+    candidates = _recent.get(key)
+    if not candidates:
+        return None
+    _recent.move_to_end(key)
+    for recent in reversed(candidates):
+        if not np.array_equal(recent.description[:, 1:], description[:, 1:]):
+            continue
+        moved = {name: description[s, 0].view(np.uint64)
+                 for s, name in enumerate(recent.plan.spec.slots)
+                 if not np.array_equal(recent.description[s, 0], description[s, 0])}
+        if moved:
+            recent.plan.rebind_columns(moved, stream=stream)
+            recent.description = description
+        candidates.remove(recent)
+        candidates.append(recent)
+        return recent.plan
+    return None
+
+
+def _remember(key, recent: _Recent) -> None:
+    candidates = _recent.setdefault(key, [])
+    candidates.append(recent)
+    del candidates[:-_PLANS_PER_KEY]
+    _recent.move_to_end(key)
+    while len(_recent) > _KEYS:
+        _recent.popitem(last=False)
+
+
+def _order_after_producer(framework: str, description: np.ndarray, stream) -> None:
+    """A caller's stream waits for the producer's current stream on each device, as a
+    DLPack export with `stream=` would have made it."""
+    for device_id in np.unique(device_of(description[0])):
+        device_id = int(device_id)
+        order_after_producer(framework, device_id, stream_pointer(stream, framework, device_id))
+
+
+def forget() -> None:
+    """Drops every remembered plan (their device memory goes back to the pool)."""
+    with _lock:
+        _recent.clear()

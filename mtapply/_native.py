@@ -1,0 +1,139 @@
+"""Host-side C++ libraries, compiled on this machine on first use and cached.
+
+- `torch_describe` reads torch tensors' addresses and layouts at C speed (the one-call API).
+- `xla_ffi` is the XLA FFI handler that launches mtapply's kernels inside `jax.jit`.
+
+Each is compiled with the system's C++ compiler (`$CXX`, else g++) against the installed
+torch's or jaxlib's headers, into `$MTAPPLY_CACHE_DIR/native`, under a name that covers the
+source, the flags and the framework's version, and loaded with ctypes. A library that cannot be
+built is reported once (a warning naming the compiler's message) and its caller keeps to its
+Python path, which has the same semantics. `MTAPPLY_NATIVE=0` keeps to Python throughout;
+`python -m mtapply.native` builds everything ahead of time.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+
+from ._source import cache_dir
+
+_lock = threading.Lock()
+_loaded: dict = {}  # name -> ctypes library, or None once it failed
+_building: dict = {}  # name -> thread building it in the background
+
+
+def enabled() -> bool:
+    return os.environ.get("MTAPPLY_NATIVE", "1") != "0"
+
+
+def source_dir() -> Path:
+    """Folder of the C++ sources: inside the installed package, else the source checkout's."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "native", here.parent / "native"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"mtapply's native sources not found beside {here}")
+
+
+def library(name: str, *, wait: bool = True):
+    """The ctypes library `name`, built first if needed; None if it cannot be built (or is
+    still being built in the background when `wait` is False)."""
+    if name in _loaded:
+        return _loaded[name]
+    if not enabled():
+        return None
+    if wait:
+        with _lock:
+            if name not in _loaded:
+                _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+    with _lock:
+        if name not in _building and name not in _loaded:
+            _building[name] = threading.Thread(target=library, args=(name,), daemon=True,
+                                               name=f"mtapply-build-{name}")
+            _building[name].start()
+    return _loaded.get(name)
+
+
+def _build_and_load(name: str):
+    try:
+        path = _built(name)
+        return ctypes.PyDLL(str(path)) if _RECIPES[name].python else ctypes.CDLL(str(path))
+    except Exception as error:  # no compiler, no headers: the Python path serves instead
+        warnings.warn(f"mtapply could not build its native library {name!r}, so it keeps to "
+                      f"its slower Python path: {error}", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def _built(name: str) -> Path:
+    """The cached shared library, compiled now if it is not there yet."""
+    recipe = _RECIPES[name]
+    source = source_dir() / f"{name}.cpp"
+    flags = recipe.flags()
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    identity = repr((source.read_bytes(), flags, recipe.version(), compiler, sys.version))
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"{name}-{digest}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    command = [*shlex.split(compiler), "-O2", "-std=c++17", "-fPIC", "-shared", "-w",
+               str(source), "-o", str(partial), *flags]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{done.stderr[-2000:]}")
+    partial.replace(path)
+    return path
+
+
+class _Recipe:
+    """How to compile one library: `flags()` (include and link flags), `version()` (what a
+    build depends on besides its source), `python` (called with the GIL held)."""
+
+    def __init__(self, flags, version, python: bool):
+        self.flags, self.version, self.python = flags, version, python
+
+
+def _torch_flags() -> list:
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_python", f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _jax_flags() -> list:
+    import jax
+
+    return [f"-I{jax.ffi.include_dir()}", "-ldl", "-pthread"]
+
+
+def _jax_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+_RECIPES = {"torch_describe": _Recipe(_torch_flags, _torch_version, python=True),
+            "xla_ffi": _Recipe(_jax_flags, _jax_version, python=False)}

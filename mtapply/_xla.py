@@ -1,0 +1,141 @@
+"""mtapply's kernels as an XLA FFI custom call: the jitted step of `mtapply.optax` on GPUs.
+
+At trace time `prepare` binds an op to the structure of a pytree (each leaf's dtype and size,
+and which buffer of the call holds each slot of each leaf): on every local GPU it compiles the
+kernels, uploads the block map and allocates the records and workspaces (engine._Launcher),
+packs each launch's argument words, and registers all of it with the handler of
+`native/xla_ffi.cpp` under an id. The traced program then holds one `mtapply_step` custom call
+naming that id. At run time XLA calls the compiled handler with the buffers and its stream; no
+Python runs. The handler re-uploads only the records whose buffers moved since its last call
+on that device, on XLA's stream.
+
+`available()` says whether the path can be used (a GPU, CuPy, and the handler built); callers
+keep to `jax.experimental.buffer_callback` elsewhere, with the same semantics.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from . import _native, _source
+from ._launch import field_word
+from .engine import _Launcher
+from .ops._spec import DeviceScalar
+
+TARGET = "mtapply_step"
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib", "registered", "problem"
+_plans: dict = {}  # id -> the launchers that own each plan's device memory
+
+
+def available() -> bool:
+    """True when the FFI path can run here: the handler is built and registered with XLA,
+    and CuPy sees the GPUs."""
+    with _lock:
+        if "registered" not in _state:
+            _state["registered"] = _register()
+    return _state["registered"]
+
+
+def _register() -> bool:
+    try:
+        import cupy
+        import jax
+
+        if not jax.devices("gpu") or cupy.cuda.runtime.getDeviceCount() == 0:
+            return False
+    except Exception:  # no GPU backend, no CuPy, no driver
+        return False
+    lib = _native.library("xla_ffi")
+    if lib is None:
+        return False
+    _configure(lib)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.mta_ffi_step), platform="CUDA")
+    _state["lib"] = lib
+    return True
+
+
+def _configure(lib) -> None:
+    i32, i64, u32, u64, ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
+                               ctypes.c_void_p)
+    lib.mta_plan_create.restype = i64
+    lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32]
+    lib.mta_plan_add_group.restype = i32
+    lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, i32, ptr, u64, i32, i32, ptr, ptr]
+    lib.mta_plan_refresh.restype = i32
+    lib.mta_plan_refresh.argtypes = [i64, i32, ptr, ptr]
+    lib.mta_plan_records.restype = i32
+    lib.mta_plan_records.argtypes = [i64, i32, i32, ptr]
+    lib.mta_plan_destroy.restype = None
+    lib.mta_plan_destroy.argtypes = [i64]
+
+
+def prepare(spec, columns: dict, dtypes: list, numels: list, hyper: dict,
+            scalar_operands: dict, devices: list) -> int:
+    """Registers `spec` over a tree of len(numels) leaves and returns the plan's id.
+
+    columns: spec slot -> operand index of that slot's first leaf (leaf i is at index + i);
+        operands are the call's results, then its arguments.
+    dtypes: per leaf, the dtype of each spec slot.
+    hyper: the op's step arguments, with a placeholder DeviceScalar for each scalar operand.
+    scalar_operands: step argument name -> operand index of its one-element float32 buffer.
+    devices: the CUDA ordinals that may run the call.
+    """
+    lib = _state["lib"]
+    words = {name: field_word(spec.arg_fields, f"{name}_ptr")
+             for name in scalar_operands if f"{name}_ptr" in spec.arg_fields}
+    names = list(words)
+    plan_id = lib.mta_plan_create(len(names), _i32([words[n] for n in names]).ctypes.data,
+                                  _i32([scalar_operands[n] for n in names]).ctypes.data,
+                                  _source.BLOCK_THREADS)
+    args = spec.arguments(**hyper)
+    numels = np.asarray(numels, np.int64)
+    pointers = np.zeros((len(numels), len(spec.slots)), np.uint64)
+    operands = np.stack([columns[slot] + np.arange(len(numels)) for slot in spec.slots], axis=1)
+    launchers = []
+    for device_id in devices:
+        launcher = _device_launcher(spec, dtypes, numels, pointers, device_id)
+        launchers.append(launcher)
+        for group, table, passes in zip(launcher.groups, launcher.tables, launcher.launches):
+            _add_group(lib, plan_id, device_id, group, table, passes, args,
+                       operands[group.indices])
+    _plans[plan_id] = launchers
+    return plan_id
+
+
+def _device_launcher(spec, dtypes, numels, pointers, device_id) -> _Launcher:
+    """The kernels, tables and workspaces of the plan on one GPU, ready before XLA runs."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        launcher = _Launcher(spec, spec.tensor_arrays(len(numels)), dtypes, numels, pointers,
+                             "memcpy", device_id, 0)
+        cupy.cuda.runtime.deviceSynchronize()  # XLA's stream does not wait for these uploads
+    return launcher
+
+
+def _add_group(lib, plan_id, device_id, group, table, passes, args, operands) -> None:
+    for launch in passes:
+        launch.set_args(args)
+    words = np.frombuffer(passes[0].words(), np.uint64).copy()
+    functions = np.array([launch.function for launch in passes], np.uint64)
+    status = lib.mta_plan_add_group(
+        plan_id, device_id, len(passes), functions.ctypes.data, passes[0].n_blocks, len(words),
+        words.ctypes.data, table.ptr + group.records_offset, len(group.numels),
+        operands.shape[1], np.ascontiguousarray(group.numels, np.int64).ctypes.data,
+        np.ascontiguousarray(operands, np.int32).ctypes.data)
+    if status != 0:
+        raise RuntimeError(f"mtapply: registering plan {plan_id} failed")
+
+
+def placeholder(index: int) -> DeviceScalar:
+    """The stand-in of scalar operand `index` while the argument words are packed (the handler
+    writes the buffer's address over it at each call)."""
+    return DeviceScalar(ptr=0, obj=index)
+
+
+def _i32(values) -> np.ndarray:
+    return np.ascontiguousarray(values, np.int32) if len(values) else np.zeros(1, np.int32)
