@@ -28,16 +28,18 @@ from .engine import Plan
 _PLANS_PER_KEY = 4  # e.g. a model's lists and an EMA's, stepped in turn
 _KEYS = 32
 _recent: OrderedDict = OrderedDict()  # (op, table mode, framework, n) -> [_Recent, ...]
+_frozen: list = []  # plans captured in CUDA graphs, never freed: a graph may replay any time
 _lock = threading.Lock()
 
 
 class _Recent:
-    """A plan and the description of the tensors it is bound to."""
+    """A plan and the description of the tensors it is bound to. A plan that a CUDA graph
+    captured is frozen: its tables stay as the graph saw them, and it is kept for good."""
 
-    __slots__ = ("plan", "description")
+    __slots__ = ("plan", "description", "frozen")
 
     def __init__(self, plan: Plan, description: np.ndarray):
-        self.plan, self.description = plan, description
+        self.plan, self.description, self.frozen = plan, description, False
 
 
 def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> Plan:
@@ -53,12 +55,15 @@ def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> P
         return _fresh(spec, tensors, table_mode, stream, arguments)
     key = (spec.call_key(n), table_mode, framework, n)
     with _lock:
-        plan = _reuse(key, description, stream)
-        if plan is not None:
+        recent = _reuse(key, description, stream)
+        if recent is not None:
             if stream is not None:
                 _order_after_producer(framework, description, stream)
-            plan.step(stream=stream, **arguments)
-            return plan
+            recent.plan.step(stream=stream, **arguments)
+            if not recent.frozen and _capturing(framework, description, stream):
+                recent.frozen = True
+                _frozen.append(recent)
+            return recent.plan
     plan = _fresh(spec, tensors, table_mode, stream, arguments)
     for name in spec.slots:
         plan.release(name)  # the cached plan must not keep the caller's tensors alive
@@ -85,8 +90,8 @@ def _description(slots: dict, framework: str) -> np.ndarray | None:
     return np.stack(parts)
 
 
-def _reuse(key, description: np.ndarray, stream) -> Plan | None:
-    """The plan of a recent call on tensors like these, rebound to their addresses; None if
+def _reuse(key, description: np.ndarray, stream) -> _Recent | None:
+    """The recent call on tensors like these, its plan rebound to their addresses; None if
     there is none. Raises (changing nothing) when the new addresses alias."""
     candidates = _recent.get(key)
     if not candidates:
@@ -98,12 +103,14 @@ def _reuse(key, description: np.ndarray, stream) -> Plan | None:
         moved = {name: description[s, 0].view(np.uint64)
                  for s, name in enumerate(recent.plan.spec.slots)
                  if not np.array_equal(recent.description[s, 0], description[s, 0])}
+        if moved and recent.frozen:
+            continue  # a CUDA graph reads its tables
         if moved:
             recent.plan.rebind_columns(moved, stream=stream)
             recent.description = description
         candidates.remove(recent)
         candidates.append(recent)
-        return recent.plan
+        return recent
     return None
 
 
@@ -114,6 +121,15 @@ def _remember(key, recent: _Recent) -> None:
     _recent.move_to_end(key)
     while len(_recent) > _KEYS:
         _recent.popitem(last=False)
+
+
+def _capturing(framework: str, description: np.ndarray, stream) -> bool:
+    """Whether the launch stream (of the first tensor's device) is capturing a CUDA graph."""
+    import cupy
+
+    device_id = int(device_of(description[0])[0])
+    handle = stream_pointer(stream, framework, device_id)
+    return handle != 0 and cupy.cuda.runtime.streamIsCapturing(handle) != 0
 
 
 def _order_after_producer(framework: str, description: np.ndarray, stream) -> None:
@@ -127,4 +143,4 @@ def _order_after_producer(framework: str, description: np.ndarray, stream) -> No
 def forget() -> None:
     """Drops every remembered plan (their device memory goes back to the pool)."""
     with _lock:
-        _recent.clear()
+        _recent.clear()  # the frozen plans stay: graphs may still replay them

@@ -84,7 +84,8 @@ def _torch_by_accessors(tensors, torch) -> np.ndarray | None:
 
 
 def _cupy(arrays) -> np.ndarray | None:
-    """The description from CuPy's attributes (CuPy arrays never change dtype or memory)."""
+    """The description from CuPy's attributes. A C-contiguous array's strides follow from its
+    shape, so only other arrays' strides are read."""
     import cupy
 
     n = len(arrays)
@@ -98,11 +99,25 @@ def _cupy(arrays) -> np.ndarray | None:
     out[0] = np.fromiter(map(_DATA_PTR, arrays), np.uint64, n).view(np.int64)
     out[1] = np.fromiter(map(_SIZE, arrays), np.int64, n)
     devices = np.fromiter(map(_DEVICE_ID, arrays), np.int64, n)
-    contiguous = np.fromiter(map(_C_CONTIGUOUS, arrays), np.int64, n)
+    contiguous = np.fromiter(map(_cupy_contiguous(), arrays), np.int64, n)
     out[2] = codes | ((devices + 1) << 8) | contiguous * _CONTIGUOUS
     out[3] = np.fromiter(map(hash, map(_SHAPE, arrays)), np.int64, n)
-    out[4] = np.fromiter(map(hash, map(_STRIDES, arrays)), np.int64, n)
+    out[4] = 0
+    for i in np.flatnonzero(contiguous == 0):
+        out[4, i] = hash(arrays[i].strides)
     return out
+
+
+def _cupy_contiguous():
+    """CuPy's cached C-contiguity flag (`flags.c_contiguous` builds an object per call)."""
+    global _C_CONTIGUOUS
+    if _C_CONTIGUOUS is None:
+        import cupy
+
+        probe = cupy.ndarray
+        _C_CONTIGUOUS = (operator.attrgetter("_c_contiguous") if hasattr(probe, "_c_contiguous")
+                         else operator.attrgetter("flags.c_contiguous"))
+    return _C_CONTIGUOUS
 
 
 def _on_gpu(description: np.ndarray) -> np.ndarray | None:
@@ -112,11 +127,10 @@ def _on_gpu(description: np.ndarray) -> np.ndarray | None:
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
-_STRIDES = operator.attrgetter("strides")
 _SIZE = operator.attrgetter("size")
 _DATA_PTR = operator.attrgetter("data.ptr")
 _DEVICE_ID = operator.attrgetter("data.device_id")
-_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_C_CONTIGUOUS = None  # set at first use, see _cupy_contiguous
 _NUMPY_CODES = {np.dtype(name): code for name, code in DTYPE_CODES.items() if name != "bfloat16"}
 _TORCH_CODES: dict = {}
 

@@ -64,7 +64,8 @@ def _configure(lib) -> None:
     lib.mta_plan_create.restype = i64
     lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32]
     lib.mta_plan_add_group.restype = i32
-    lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, i32, ptr, u64, i32, i32, ptr, ptr]
+    lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, i32, ptr, u64, i32, i32, ptr, ptr,
+                                       ptr]
     lib.mta_plan_refresh.restype = i32
     lib.mta_plan_refresh.argtypes = [i64, i32, ptr, ptr]
     lib.mta_plan_records.restype = i32
@@ -73,12 +74,12 @@ def _configure(lib) -> None:
     lib.mta_plan_destroy.argtypes = [i64]
 
 
-def prepare(spec, columns: dict, dtypes: list, numels: list, hyper: dict,
-            scalar_operands: dict, devices: list) -> int:
+def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numels: list,
+            hyper: dict, scalar_operands: dict, devices: list) -> int:
     """Registers `spec` over a tree of len(numels) leaves and returns the plan's id.
 
-    columns: spec slot -> operand index of that slot's first leaf (leaf i is at index + i);
-        operands are the call's results, then its arguments.
+    operands, offsets: (leaves, spec slots) arrays: the call's buffer holding each slot of each
+        leaf (the call's results, then its arguments) and the leaf's byte offset in it.
     dtypes: per leaf, the dtype of each spec slot.
     hyper: the op's step arguments, with a placeholder DeviceScalar for each scalar operand.
     scalar_operands: step argument name -> operand index of its one-element float32 buffer.
@@ -88,20 +89,19 @@ def prepare(spec, columns: dict, dtypes: list, numels: list, hyper: dict,
     words = {name: field_word(spec.arg_fields, f"{name}_ptr")
              for name in scalar_operands if f"{name}_ptr" in spec.arg_fields}
     names = list(words)
-    plan_id = lib.mta_plan_create(len(names), _i32([words[n] for n in names]).ctypes.data,
-                                  _i32([scalar_operands[n] for n in names]).ctypes.data,
+    scalar_words, operand_of = _i32([words[n] for n in names]), _i32([scalar_operands[n] for n in names])
+    plan_id = lib.mta_plan_create(len(names), scalar_words.ctypes.data, operand_of.ctypes.data,
                                   _source.BLOCK_THREADS)
     args = spec.arguments(**hyper)
     numels = np.asarray(numels, np.int64)
     pointers = np.zeros((len(numels), len(spec.slots)), np.uint64)
-    operands = np.stack([columns[slot] + np.arange(len(numels)) for slot in spec.slots], axis=1)
     launchers = []
     for device_id in devices:
         launcher = _device_launcher(spec, dtypes, numels, pointers, device_id)
         launchers.append(launcher)
         for group, table, passes in zip(launcher.groups, launcher.tables, launcher.launches):
             _add_group(lib, plan_id, device_id, group, table, passes, args,
-                       operands[group.indices])
+                       operands[group.indices], offsets[group.indices])
     _plans[plan_id] = launchers
     return plan_id
 
@@ -117,16 +117,19 @@ def _device_launcher(spec, dtypes, numels, pointers, device_id) -> _Launcher:
     return launcher
 
 
-def _add_group(lib, plan_id, device_id, group, table, passes, args, operands) -> None:
+def _add_group(lib, plan_id, device_id, group, table, passes, args, operands, offsets) -> None:
     for launch in passes:
         launch.set_args(args)
+    # each array a local: its memory must outlive the call that reads it
     words = np.frombuffer(passes[0].words(), np.uint64).copy()
     functions = np.array([launch.function for launch in passes], np.uint64)
+    numels = np.ascontiguousarray(group.numels, np.int64)
+    operands = np.ascontiguousarray(operands, np.int32)
+    offsets = np.ascontiguousarray(offsets, np.int64)
     status = lib.mta_plan_add_group(
         plan_id, device_id, len(passes), functions.ctypes.data, passes[0].n_blocks, len(words),
-        words.ctypes.data, table.ptr + group.records_offset, len(group.numels),
-        operands.shape[1], np.ascontiguousarray(group.numels, np.int64).ctypes.data,
-        np.ascontiguousarray(operands, np.int32).ctypes.data)
+        words.ctypes.data, table.ptr + group.records_offset, len(numels), operands.shape[1],
+        numels.ctypes.data, operands.ctypes.data, offsets.ctypes.data)
     if status != 0:
         raise RuntimeError(f"mtapply: registering plan {plan_id} failed")
 

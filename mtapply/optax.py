@@ -120,11 +120,15 @@ class FusedOptimizer(NamedTuple):
 
     `step` is pure; inside a `jax.jit` that donates params and state it updates them in place.
     `donated_step` is `step` jitted with params and state donated (they are invalid afterwards).
+    The state keeps each moment of every param in one flat buffer per dtype (so a step passes
+    a few arrays, not one per param); `tree_state(state, params)` gives it as pytrees like
+    params, as the transformation form keeps it (for inspection and checkpoints).
     """
 
     init: Callable
     step: Callable
     donated_step: Callable
+    tree_state: Callable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,37 +268,60 @@ def _mask_leaves(mask, params, treedef, name: str) -> tuple:
 
 
 class _Engine:
-    """Runs a rule over whole pytrees. Holds the learning rate and the plans of its callbacks."""
+    """Runs a rule over whole pytrees. Holds the learning rate and the plans of its callbacks.
 
-    def __init__(self, rule: _Rule, learning_rate):
+    With `flat` (the fused forms) each state slot is one buffer per dtype holding every leaf's
+    state (`_FlatLayout`), so a jitted step passes two arrays per slot instead of one per leaf:
+    JAX's dispatch, a few microseconds per array, then stays below the kernel's time."""
+
+    def __init__(self, rule: _Rule, learning_rate, flat: bool = False):
         if not callable(learning_rate) and not hasattr(learning_rate, "dtype"):
             check_number("learning_rate", learning_rate, low=0.0)
-        self.rule, self.learning_rate = rule, learning_rate
+        self.rule, self.learning_rate, self.flat = rule, learning_rate, flat
         self._plans: OrderedDict = OrderedDict()  # the callbacks' plans, by buffer addresses
         self._ffi_plans: dict = {}  # the FFI handler's plan ids, by tree signature
         self._lock = threading.Lock()  # XLA may run callbacks from several threads
 
     def init(self, params):
         """The rule's state: count 0 and zero buffers like params (optax's initial state)."""
-        zeros = [jax.tree.map(jnp.zeros_like, params) for _ in self.rule.slots]
+        if self.flat:
+            layout = _FlatLayout(jax.tree.leaves(params))
+            zeros = [layout.zeros() for _ in self.rule.slots]
+        else:
+            zeros = [jax.tree.map(jnp.zeros_like, params) for _ in self.rule.slots]
         return self.rule.state_type(jnp.zeros([], jnp.int32), *zeros)
+
+    def tree_state(self, state, params):
+        """A flat state with each slot as a pytree like params (copies)."""
+        leaves, treedef = jax.tree.flatten(params)
+        layout = _FlatLayout(leaves)
+        slots = [treedef.unflatten(layout.split(layout.buffers_of(getattr(state, s), s)))
+                 for s in self.rule.slots]
+        return self.rule.state_type(state.count, *slots)
 
     def apply(self, params, grads, state):
         """(new params, new state) after one step; traceable, and traced by the callers."""
         leaves, treedef = jax.tree.flatten(params)
         grad_leaves = treedef.flatten_up_to(grads)
-        slot_leaves = [treedef.flatten_up_to(getattr(state, s)) for s in self.rule.slots]
+        layout = _FlatLayout(leaves) if self.flat else None
+        if layout is None:
+            slot_values = [treedef.flatten_up_to(getattr(state, s)) for s in self.rule.slots]
+        else:
+            slot_values = [layout.buffers_of(getattr(state, s), s) for s in self.rule.slots]
         count = state.count
         scalars = [self._learning_rate(count), (count + 1).astype(jnp.float32).reshape(1)]
         if self.rule.global_norm:
             scalars.append(_global_norm(grads).astype(jnp.float32).reshape(1))
-        written = leaves + [leaf for slot in slot_leaves for leaf in slot]
+        written = leaves + [x for values in slot_values for x in values]
         if leaves:
             statics = self.rule.statics(params, treedef)
-            written = self._launch(written, grad_leaves, scalars, statics)
-        n = len(leaves)
-        new_slots = [treedef.unflatten(written[n * (k + 1): n * (k + 2)])
-                     for k in range(len(self.rule.slots))]
+            written = self._launch(written, grad_leaves, scalars, statics, layout)
+        n, m = len(leaves), len(slot_values[0]) if slot_values else 0
+        new_values = [written[n + k * m: n + (k + 1) * m] for k in range(len(self.rule.slots))]
+        if layout is None:
+            new_slots = [treedef.unflatten(values) for values in new_values]
+        else:
+            new_slots = [dict(zip(layout.names, values)) for values in new_values]
         new_state = self.rule.state_type(optax.safe_increment(count), *new_slots)
         return treedef.unflatten(written[:n]), new_state
 
@@ -302,31 +329,45 @@ class _Engine:
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
         return jnp.asarray(lr, jnp.float32).reshape(1)
 
-    def _launch(self, written: list, grads: list, scalars: list, statics: tuple) -> list:
-        """The written leaves after the step: one FFI custom call on GPUs, else one callback."""
+    def _launch(self, written: list, grads: list, scalars: list, statics: tuple, layout) -> list:
+        """The written arrays after the step: one FFI custom call on GPUs, else one callback
+        (which takes the state leaf by leaf, cut from and put back into flat buffers)."""
         signature = tuple((x.shape, str(x.dtype)) for x in written + grads)
-        key = (statics, signature)
+        key = (statics, layout is not None, signature)
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
         mechanism = os.environ.get(_CALLBACK_ENV, "ffi")
         if mechanism == "host" or buffer_callback is None:
-            return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
-                                          written, grads, scalars))
-        callback = functools.partial(self._callback_call, key, results, len(scalars))
-        if mechanism != "ffi":
+            callback = functools.partial(self._host_call, key, len(grads), len(scalars))
+        else:
+            callback = functools.partial(self._callback_call, key, len(grads), len(scalars))
+        if layout is not None:
+            callback = functools.partial(_leaf_by_leaf, callback, layout, len(grads),
+                                         len(self.rule.slots), len(scalars))
+        if mechanism != "ffi" or buffer_callback is None:
             return callback(*written, *grads, *scalars)
-        on_gpu = functools.partial(self._ffi_call, key, results, len(grads), len(scalars),
+        on_gpu = functools.partial(self._ffi_call, key, results, len(grads), len(scalars), layout,
                                    callback)
         return list(jax.lax.platform_dependent(*written, *grads, *scalars, default=callback,
                                                cuda=on_gpu))
 
-    def _callback_call(self, key, results, n_scalars, *operands) -> list:
+    def _host_call(self, key, n_grads, n_scalars, *operands) -> list:
+        """The step as one pure callback into the NumPy backend: the slow fallback, which
+        copies through the host."""
+        written, grads, scalars = _split(operands, n_grads, n_scalars)
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
+        return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
+                                      written, grads, scalars))
+
+    def _callback_call(self, key, n_grads, n_scalars, *operands) -> list:
         """The step as one buffer callback (the CPU, or GPUs without the FFI handler)."""
+        written = _split(operands, n_grads, n_scalars)[0]
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
         # Flat positional inputs: buffer_callback checks alias indices against them.
         call = buffer_callback(functools.partial(self._buffer_callback, key, n_scalars),
-                               results, input_output_aliases={i: i for i in range(len(results))})
+                               results, input_output_aliases={i: i for i in range(len(written))})
         return list(call(*operands))
 
-    def _ffi_call(self, key, results, n_grads, n_scalars, fallback, *operands) -> list:
+    def _ffi_call(self, key, results, n_grads, n_scalars, layout, fallback, *operands) -> list:
         """The step as one `mtapply_step` custom call: compiled code reads the buffers'
         addresses and launches the kernels, no Python at run time (see mtapply._xla)."""
         if not _xla.available():
@@ -334,31 +375,41 @@ class _Engine:
         with self._lock:
             plan_id = self._ffi_plans.get(key)
             if plan_id is None:
-                plan_id = self._ffi_plans[key] = self._prepare(key, results, operands, n_grads,
-                                                               n_scalars)
+                plan_id = self._ffi_plans[key] = self._prepare(key, operands, n_grads, n_scalars,
+                                                               layout)
         call = jax.ffi.ffi_call(_xla.TARGET, results,
                                 input_output_aliases={i: i for i in range(len(results))})
         return list(call(*operands, plan=np.int64(plan_id)))
 
-    def _prepare(self, key, results, operands, n_grads, n_scalars) -> int:
+    def _prepare(self, key, operands, n_grads, n_scalars, layout) -> int:
         """Registers the rule's op over this tree with the FFI handler. The call's buffers are
         its results (params, then each state slot), then its arguments (the same, then the
         grads, then the scalars)."""
-        spec, n, n_results = self.rule.spec(key[0]), n_grads, len(results)
-        *written_slots, grads_slot = self.rule.plan_slots
-        first = {name: c * n for c, name in enumerate(written_slots)}  # among the results
-        first[grads_slot] = 2 * n_results  # among the arguments, after the written leaves
-        leaves = {name: operands[i: i + n] for name, i in first.items() if name != grads_slot}
-        leaves[grads_slot] = operands[n_results: n_results + n]
-        dtypes = [tuple(str(leaves[slot][i].dtype) for slot in spec.slots) for i in range(n)]
-        numels = [int(np.prod(x.shape, dtype=np.int64)) for x in operands[:n]]
+        spec, n = self.rule.spec(key[0]), n_grads
+        n_results = len(operands) - n_grads - n_scalars
+        zeros = np.zeros(n, np.int64)
+        columns = {"params": (np.arange(n), zeros)}
+        per_slot = (n_results - n) // max(len(self.rule.slots), 1)
+        for k, name in enumerate(self.rule.plan_slots[1:-1]):
+            base = n + k * per_slot
+            columns[name] = ((layout.operands(base), layout.byte_offsets()) if layout is not None
+                             else (base + np.arange(n), zeros))
+        columns[self.rule.plan_slots[-1]] = (2 * n_results + np.arange(n), zeros)  # the grads
+        operand_table = np.stack([columns[slot][0] for slot in spec.slots], axis=1)
+        offset_table = np.stack([columns[slot][1] for slot in spec.slots], axis=1)
+        # an operand index counts the results first; a written input aliases its result
+        array_of = [operands[i if i < n_results else i - n_results] for i in range(2 * n_results + n)]
+        dtypes = [tuple(str(array_of[j].dtype) for j in row) for row in operand_table]
+        params = operands[:n]
+        numels = [int(np.prod(x.shape, dtype=np.int64)) for x in params]
         placeholders = [_xla.placeholder(k) for k in range(n_scalars)]
         hyper = self.rule.step_args(*placeholders)
         scalar_operands = {name: 2 * n_results + n + value.obj for name, value in hyper.items()
                            if isinstance(value, DeviceScalar)}
         devices = sorted({d.local_hardware_id if d.local_hardware_id is not None else d.id
                           for d in jax.local_devices(backend="gpu")})
-        return _xla.prepare(spec, first, dtypes, numels, hyper, scalar_operands, devices)
+        return _xla.prepare(spec, operand_table, offset_table, dtypes, numels, hyper,
+                            scalar_operands, devices)
 
     def _buffer_callback(self, key, n_scalars, ctx, outs, *inputs) -> None:
         """Steps XLA's buffers in place: `outs` alias the first inputs, so they hold the old
@@ -423,6 +474,90 @@ class _Engine:
         buffers = outs + grads
         columns = {name: buffers[c * n: (c + 1) * n] for c, name in enumerate(self.rule.plan_slots)}
         return Plan(self.rule.spec(key[0]), columns, stream=stream)
+
+
+def _split(operands: tuple, n_grads: int, n_scalars: int) -> tuple:
+    """(written, grads, scalars) of a step's operands."""
+    n_written = len(operands) - n_grads - n_scalars
+    return (operands[:n_written], operands[n_written: n_written + n_grads],
+            operands[n_written + n_grads:])
+
+
+def _leaf_by_leaf(step, layout, n_grads: int, n_slots: int, n_scalars: int, *operands) -> list:
+    """`step` (which takes the state leaf by leaf) on operands whose state is in flat buffers:
+    the leaves are cut out of the buffers before and put back after."""
+    written, grads, scalars = _split(operands, n_grads, n_scalars)
+    n, width = n_grads, len(layout.names)
+    slots = [written[n + k * width: n + (k + 1) * width] for k in range(n_slots)]
+    leaves = [leaf for buffers in slots for leaf in layout.split(buffers)]
+    out = step(*written[:n], *leaves, *grads, *scalars)
+    joined = [buffer for k in range(n_slots) for buffer in layout.join(out[n + k * n: n + (k + 1) * n])]
+    return list(out[:n]) + joined
+
+
+class _FlatLayout:
+    """Where a fused optimizer keeps each leaf's state: per state slot, one 1-D buffer per
+    dtype of the params (a dict dtype name -> buffer), each leaf at an offset of a multiple of
+    16 bytes, so the kernel's vector loads stay aligned."""
+
+    def __init__(self, leaves: list):
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dtypes = [np.dtype(x.dtype) for x in leaves]
+        self.names = list(dict.fromkeys(d.name for d in self.dtypes))
+        ends = dict.fromkeys(self.names, 0)
+        self.offsets = []  # in elements of the leaf's dtype
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            self.offsets.append(ends[dtype.name])
+            per_vector = 16 // dtype.itemsize
+            size = int(np.prod(shape, dtype=np.int64))
+            ends[dtype.name] += -(-size // per_vector) * per_vector
+        self.sizes = ends
+
+    def zeros(self) -> dict:
+        return {name: jnp.zeros(max(self.sizes[name], 1), name) for name in self.names}
+
+    def buffers_of(self, slot: dict, field: str) -> list:
+        """The slot's buffers in layout order, checked against the layout."""
+        if not isinstance(slot, dict) or set(slot) != set(self.names):
+            raise ValueError(f"state.{field} holds {type(slot).__name__}, not this optimizer's flat "
+                             f"state for these params: make the state with its init(params)")
+        buffers = [slot[name] for name in self.names]
+        for name, buffer in zip(self.names, buffers):
+            if buffer.shape != (max(self.sizes[name], 1),):
+                raise ValueError(f"state.{field}[{name!r}] has shape {buffer.shape}, not that of "
+                                 f"these params' state ({max(self.sizes[name], 1)},): make the "
+                                 f"state with init(params)")
+        return buffers
+
+    def split(self, buffers) -> list:
+        """Each leaf's state, cut out of the buffers (copies)."""
+        by_name = dict(zip(self.names, buffers))
+        return [by_name[d.name][o: o + int(np.prod(s, dtype=np.int64))].reshape(s)
+                for s, d, o in zip(self.shapes, self.dtypes, self.offsets)]
+
+    def join(self, leaves) -> list:
+        """The buffers holding `leaves` (one per leaf, in order) at their offsets."""
+        parts = {name: [] for name in self.names}
+        ends = dict.fromkeys(self.names, 0)
+        for leaf, d, o in zip(leaves, self.dtypes, self.offsets):
+            if o > ends[d.name]:
+                parts[d.name].append(jnp.zeros(o - ends[d.name], d))
+            parts[d.name].append(leaf.reshape(-1))
+            ends[d.name] = o + leaf.size
+        out = []
+        for name in self.names:
+            total = max(self.sizes[name], 1)
+            if total > ends[name]:
+                parts[name].append(jnp.zeros(total - ends[name], name))
+            out.append(jnp.concatenate(parts[name]))
+        return out
+
+    def operands(self, base: int) -> np.ndarray:
+        """The buffer operand of each leaf, the slot's buffers being operands base, base + 1..."""
+        return np.array([base + self.names.index(d.name) for d in self.dtypes], np.int64)
+
+    def byte_offsets(self) -> np.ndarray:
+        return np.array([o * d.itemsize for o, d in zip(self.offsets, self.dtypes)], np.int64)
 
 
 def _columns(buffers: list, n: int) -> tuple:
@@ -509,9 +644,9 @@ def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
 
 
 def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
-    engine = _Engine(rule, learning_rate)
+    engine = _Engine(rule, learning_rate, flat=True)
     return FusedOptimizer(engine.init, jax.jit(engine.apply),
-                          jax.jit(engine.apply, donate_argnums=(0, 2)))
+                          jax.jit(engine.apply, donate_argnums=(0, 2)), engine.tree_state)
 
 
 def _refuse(name: str, **options) -> None:

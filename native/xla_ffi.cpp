@@ -94,6 +94,7 @@ struct Group {
   int slots = 0;                      // addresses per record
   std::vector<int64_t> shadow;        // the records as last uploaded: numel, then addresses
   std::vector<int32_t> operands;      // per tensor and slot: index into the call's buffers
+  std::vector<int64_t> offsets;       // per tensor and slot: bytes from that buffer's start
 };
 
 struct DevicePlan {
@@ -136,8 +137,10 @@ std::pair<size_t, size_t> refresh(Group& group, void* const* addresses) {
   for (size_t t = 0; t < tensors; ++t) {
     int64_t* record = group.shadow.data() + t * stride + 1;
     const int32_t* operand = group.operands.data() + t * group.slots;
+    const int64_t* offset = group.offsets.data() + t * group.slots;
     for (int s = 0; s < group.slots; ++s) {
-      const int64_t address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(addresses[operand[s]]));
+      const int64_t address =
+          static_cast<int64_t>(reinterpret_cast<uintptr_t>(addresses[operand[s]])) + offset[s];
       if (record[s] != address) {
         record[s] = address;
         const size_t word = t * stride + 1 + s;
@@ -260,12 +263,14 @@ extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_word
 }
 
 // Adds a launch group on `device`: its kernel (one function per pass), grid, argument words,
-// the device address of its records, and per tensor its element count and the call's buffer
-// of each slot. Returns 0, or -1 for an unknown plan.
+// the device address of its records, and per tensor its element count and, for each slot, the
+// call's buffer holding it and its byte offset there (several tensors may share one buffer).
+// Returns 0, or -1 for an unknown plan.
 extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t passes,
                                       const uint64_t* functions, uint32_t blocks, int32_t n_words,
                                       const uint64_t* words, uint64_t records, int32_t tensors,
-                                      int32_t slots, const int64_t* numels, const int32_t* operands) {
+                                      int32_t slots, const int64_t* numels, const int32_t* operands,
+                                      const int64_t* offsets) {
   Plan* plan = find_plan(plan_id);
   if (plan == nullptr) return -1;
   Group group;
@@ -277,6 +282,7 @@ extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t p
   group.shadow.assign(static_cast<size_t>(tensors) * (slots + 1), 0);
   for (int t = 0; t < tensors; ++t) group.shadow[static_cast<size_t>(t) * (slots + 1)] = numels[t];
   group.operands.assign(operands, operands + static_cast<size_t>(tensors) * slots);
+  group.offsets.assign(offsets, offsets + static_cast<size_t>(tensors) * slots);
   std::lock_guard<std::mutex> guard(registry_lock);
   auto& entry = plan->devices[device];
   if (!entry) entry = std::make_unique<DevicePlan>();
