@@ -28,10 +28,14 @@ _CONTIGUOUS = 1 << 24
 def describe(tensors, framework: str) -> np.ndarray | None:
     """The (5, n) description of a list of CUDA tensors of `framework`, or None."""
     if framework == "torch":
-        return _torch(tensors)
-    if framework == "cupy":
-        return _cupy(tensors)
-    return None
+        if not getattr(tensors[0], "is_cuda", False):
+            return None  # the CPU backend gains nothing from a description
+        description = describe_torch(tensors)
+    elif framework == "cupy":
+        description = _cupy(tensors)
+    else:
+        return None
+    return None if description is None else _on_gpu(description)
 
 
 def device_of(description: np.ndarray) -> np.ndarray:
@@ -39,15 +43,17 @@ def device_of(description: np.ndarray) -> np.ndarray:
     return ((description[2] >> 8) & 0xFFFF) - 1
 
 
-def _torch(tensors) -> np.ndarray | None:
+def describe_torch(tensors, *, native: bool = True) -> np.ndarray | None:
+    """The description of torch tensors (CPU ones too), by the compiled describer once it is
+    built (`native`), else by torch's accessors."""
     torch = sys.modules["torch"]
-    native = _native_describer()
-    if native is not None:
-        out = np.empty((len(tensors), ROWS), np.int64)
-        if native(tensors, out.ctypes.data, torch.Tensor, torch.nn.Parameter) < 0:
-            return None
-        return _on_gpu(out.T.copy())
-    return _torch_by_accessors(tensors, torch)
+    function = _native_describer() if native else None
+    if function is None:
+        return _torch_by_accessors(tensors, torch)
+    out = np.empty((len(tensors), ROWS), np.int64)
+    if function(tensors, out.ctypes.data, torch.Tensor, torch.nn.Parameter) < 0:
+        return None
+    return out.T.copy()
 
 
 def _native_describer():
@@ -80,7 +86,7 @@ def _torch_by_accessors(tensors, torch) -> np.ndarray | None:
     out[2] = codes | ((devices + 1) << 8) | contiguous * _CONTIGUOUS
     out[3] = np.fromiter(map(hash, map(_SHAPE, tensors)), np.int64, n)
     out[4] = np.fromiter(map(hash, map(T.stride, tensors)), np.int64, n)
-    return _on_gpu(out)
+    return out
 
 
 def _cupy(arrays) -> np.ndarray | None:
@@ -101,7 +107,7 @@ def _cupy(arrays) -> np.ndarray | None:
     devices = np.fromiter(map(_DEVICE_ID, arrays), np.int64, n)
     contiguous = np.fromiter(map(_cupy_contiguous(), arrays), np.int64, n)
     out[2] = codes | ((devices + 1) << 8) | contiguous * _CONTIGUOUS
-    out[3] = np.fromiter(map(hash, map(_SHAPE, arrays)), np.int64, n)
+    out[3] = shape_hashes(arrays)
     out[4] = 0
     for i in np.flatnonzero(contiguous == 0):
         out[4, i] = hash(arrays[i].strides)
@@ -118,6 +124,11 @@ def _cupy_contiguous():
         _C_CONTIGUOUS = (operator.attrgetter("_c_contiguous") if hasattr(probe, "_c_contiguous")
                          else operator.attrgetter("flags.c_contiguous"))
     return _C_CONTIGUOUS
+
+
+def shape_hashes(arrays) -> np.ndarray:
+    """Hashes of the arrays' shapes, as the CuPy description holds them."""
+    return np.fromiter(map(hash, map(_SHAPE, arrays)), np.int64, len(arrays))
 
 
 def _on_gpu(description: np.ndarray) -> np.ndarray | None:

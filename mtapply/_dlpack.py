@@ -115,14 +115,14 @@ def export(obj, where: str, stream: int | None) -> TensorRef:
     else:
         raise TypeError(f"{where}: __dlpack__ returned a capsule named {name!r}, not a DLPack tensor")
     shape = tuple(dl.shape[i] for i in range(dl.ndim))
-    strides = tuple(dl.strides[i] for i in range(dl.ndim)) if dl.strides else _row_major(shape)
+    strides = tuple(dl.strides[i] for i in range(dl.ndim)) if dl.strides else row_major_strides(shape)
     numel = 1
     for extent in shape:
         numel *= extent
     code, bits, lanes = dl.dtype.code, dl.dtype.bits, dl.dtype.lanes
     dtype = _DTYPES.get((code, bits)) if lanes == 1 else None
     dtype = dtype or f"{_CODE_NAMES.get(code, f'code{code}')}{bits}" + (f"x{lanes}" if lanes != 1 else "")
-    row_major = all(s == r for s, r, e in zip(strides, _row_major(shape), shape) if e != 1)
+    row_major = all(s == r for s, r, e in zip(strides, row_major_strides(shape), shape) if e != 1)
     return TensorRef(obj=obj, ptr=(dl.data or 0) + dl.byte_offset, numel=numel, shape=shape,
                      strides=strides, dtype=dtype, device=device,
                      read_only=bool(flags & _FLAG_READ_ONLY), copied=bool(flags & _FLAG_IS_COPIED),
@@ -141,7 +141,7 @@ def _call_dlpack(obj, stream):
     return obj.__dlpack__()
 
 
-def _row_major(shape: tuple) -> tuple:
+def row_major_strides(shape: tuple) -> tuple:
     strides, step = [], 1
     for extent in reversed(shape):
         strides.append(step)

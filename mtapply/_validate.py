@@ -107,6 +107,8 @@ def _reader(launch_stream):
         return streams[device]
 
     def read(obj, where: str) -> TensorRef:
+        if isinstance(obj, TensorRef):  # a view that mtapply made of a buffer it was lent
+            return obj
         if framework_of(obj) == "torch":
             ref = torch_ref(obj)
             if ref is not None:

@@ -54,6 +54,7 @@ fixed at construction (so `optax.inject_hyperparams` can drive learning_rate onl
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -66,7 +67,7 @@ import numpy as np
 import optax
 
 from . import _xla
-from ._dlpack import export
+from ._dlpack import TensorRef, export, row_major_strides
 from .engine import Plan
 from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .ops._spec import DeviceScalar, check_number
@@ -122,13 +123,15 @@ class FusedOptimizer(NamedTuple):
     `donated_step` is `step` jitted with params and state donated (they are invalid afterwards).
     The state keeps each moment of every param in one flat buffer per dtype (so a step passes
     a few arrays, not one per param); `tree_state(state, params)` gives it as pytrees like
-    params, as the transformation form keeps it (for inspection and checkpoints).
+    params, as the transformation form keeps it (for inspection and checkpoints), and
+    `flat_state(tree_state, params)` makes such a state flat again.
     """
 
     init: Callable
     step: Callable
     donated_step: Callable
     tree_state: Callable
+    flat_state: Callable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +302,14 @@ class _Engine:
                  for s in self.rule.slots]
         return self.rule.state_type(state.count, *slots)
 
+    def flat_state(self, state, params):
+        """A state whose slots are pytrees like params, made flat (copies)."""
+        leaves, treedef = jax.tree.flatten(params)
+        layout = _FlatLayout(leaves)
+        slots = [dict(zip(layout.names, layout.join(treedef.flatten_up_to(getattr(state, s)))))
+                 for s in self.rule.slots]
+        return self.rule.state_type(state.count, *slots)
+
     def apply(self, params, grads, state):
         """(new params, new state) after one step; traceable, and traced by the callers."""
         leaves, treedef = jax.tree.flatten(params)
@@ -330,19 +341,13 @@ class _Engine:
         return jnp.asarray(lr, jnp.float32).reshape(1)
 
     def _launch(self, written: list, grads: list, scalars: list, statics: tuple, layout) -> list:
-        """The written arrays after the step: one FFI custom call on GPUs, else one callback
-        (which takes the state leaf by leaf, cut from and put back into flat buffers)."""
+        """The written arrays after the step: one FFI custom call on GPUs, else one callback."""
         signature = tuple((x.shape, str(x.dtype)) for x in written + grads)
         key = (statics, layout is not None, signature)
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
         mechanism = os.environ.get(_CALLBACK_ENV, "ffi")
-        if mechanism == "host" or buffer_callback is None:
-            callback = functools.partial(self._host_call, key, len(grads), len(scalars))
-        else:
-            callback = functools.partial(self._callback_call, key, len(grads), len(scalars))
-        if layout is not None:
-            callback = functools.partial(_leaf_by_leaf, callback, layout, len(grads),
-                                         len(self.rule.slots), len(scalars))
+        call = self._host_call if mechanism == "host" or buffer_callback is None else self._callback_call
+        callback = functools.partial(call, key, layout, len(grads), len(scalars))
         if mechanism != "ffi" or buffer_callback is None:
             return callback(*written, *grads, *scalars)
         on_gpu = functools.partial(self._ffi_call, key, results, len(grads), len(scalars), layout,
@@ -350,20 +355,20 @@ class _Engine:
         return list(jax.lax.platform_dependent(*written, *grads, *scalars, default=callback,
                                                cuda=on_gpu))
 
-    def _host_call(self, key, n_grads, n_scalars, *operands) -> list:
+    def _host_call(self, key, layout, n_grads, n_scalars, *operands) -> list:
         """The step as one pure callback into the NumPy backend: the slow fallback, which
         copies through the host."""
         written, grads, scalars = _split(operands, n_grads, n_scalars)
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
-        return list(jax.pure_callback(functools.partial(self._host_callback, key), results,
-                                      written, grads, scalars))
+        return list(jax.pure_callback(functools.partial(self._host_callback, key, layout),
+                                      results, written, grads, scalars))
 
-    def _callback_call(self, key, n_grads, n_scalars, *operands) -> list:
+    def _callback_call(self, key, layout, n_grads, n_scalars, *operands) -> list:
         """The step as one buffer callback (the CPU, or GPUs without the FFI handler)."""
         written = _split(operands, n_grads, n_scalars)[0]
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
         # Flat positional inputs: buffer_callback checks alias indices against them.
-        call = buffer_callback(functools.partial(self._buffer_callback, key, n_scalars),
+        call = buffer_callback(functools.partial(self._buffer_callback, key, layout, n_scalars),
                                results, input_output_aliases={i: i for i in range(len(written))})
         return list(call(*operands))
 
@@ -411,11 +416,15 @@ class _Engine:
         return _xla.prepare(spec, operand_table, offset_table, dtypes, numels, hyper,
                             scalar_operands, devices)
 
-    def _buffer_callback(self, key, n_scalars, ctx, outs, *inputs) -> None:
+    def _buffer_callback(self, key, layout, n_scalars, ctx, outs, *inputs) -> None:
         """Steps XLA's buffers in place: `outs` alias the first inputs, so they hold the old
-        values; then come the grads and the scalars."""
+        values; then come the grads and the scalars. Flat state is stepped through views of
+        each leaf's part of its buffer."""
         grads, scalars = inputs[len(outs):-n_scalars], inputs[-n_scalars:]
         outs, grads = [_XlaBuffer(b) for b in outs], [_XlaBuffer(b) for b in grads]
+        if layout is not None:
+            outs = outs[:len(grads)] + layout.views(
+                [export(b, "state", None) for b in outs[len(grads):]])
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:
             values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
@@ -429,11 +438,15 @@ class _Engine:
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
             self._step(key, outs, grads, values, stream)
 
-    def _host_callback(self, key, written, grads, scalars) -> list:
+    def _host_callback(self, key, layout, written, grads, scalars) -> list:
         """The host fallback: new arrays from NumPy copies, through a fresh plan."""
         outs = [np.array(x, copy=True) for x in written]
         values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
-        plan = self._new_plan(key, outs, [np.asarray(g) for g in grads], None)
+        leaves = outs
+        if layout is not None:
+            leaves = outs[:len(grads)] + layout.views([export(b, "state", None)
+                                                       for b in outs[len(grads):]])
+        plan = self._new_plan(key, leaves, [np.asarray(g) for g in grads], None)
         plan.step(**self.rule.step_args(*values))
         return outs
 
@@ -481,18 +494,6 @@ def _split(operands: tuple, n_grads: int, n_scalars: int) -> tuple:
     n_written = len(operands) - n_grads - n_scalars
     return (operands[:n_written], operands[n_written: n_written + n_grads],
             operands[n_written + n_grads:])
-
-
-def _leaf_by_leaf(step, layout, n_grads: int, n_slots: int, n_scalars: int, *operands) -> list:
-    """`step` (which takes the state leaf by leaf) on operands whose state is in flat buffers:
-    the leaves are cut out of the buffers before and put back after."""
-    written, grads, scalars = _split(operands, n_grads, n_scalars)
-    n, width = n_grads, len(layout.names)
-    slots = [written[n + k * width: n + (k + 1) * width] for k in range(n_slots)]
-    leaves = [leaf for buffers in slots for leaf in layout.split(buffers)]
-    out = step(*written[:n], *leaves, *grads, *scalars)
-    joined = [buffer for k in range(n_slots) for buffer in layout.join(out[n + k * n: n + (k + 1) * n])]
-    return list(out[:n]) + joined
 
 
 class _FlatLayout:
@@ -552,6 +553,19 @@ class _FlatLayout:
             out.append(jnp.concatenate(parts[name]))
         return out
 
+    def views(self, buffers: list) -> list:
+        """TensorRefs of each leaf's part of flat buffers: `buffers` holds the TensorRefs of
+        each slot's buffers (in `names` order), slot after slot; the views come likewise."""
+        width, views = len(self.names), []
+        for k in range(0, len(buffers), width):
+            by_name = dict(zip(self.names, buffers[k: k + width]))
+            for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets):
+                buffer = by_name[dtype.name]
+                views.append(dataclasses.replace(
+                    buffer, ptr=buffer.ptr + offset * dtype.itemsize, shape=shape,
+                    numel=int(np.prod(shape, dtype=np.int64)), strides=row_major_strides(shape)))
+        return views
+
     def operands(self, base: int) -> np.ndarray:
         """The buffer operand of each leaf, the slot's buffers being operands base, base + 1..."""
         return np.array([base + self.names.index(d.name) for d in self.dtypes], np.int64)
@@ -562,7 +576,7 @@ class _FlatLayout:
 
 def _columns(buffers: list, n: int) -> tuple:
     """The buffers' addresses, one tuple per slot of n buffers."""
-    addresses = [b.address() for b in buffers]
+    addresses = [b.ptr if isinstance(b, TensorRef) else b.address() for b in buffers]
     return tuple(tuple(addresses[i: i + n]) for i in range(0, len(addresses), n))
 
 
@@ -646,7 +660,8 @@ def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
 def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
     engine = _Engine(rule, learning_rate, flat=True)
     return FusedOptimizer(engine.init, jax.jit(engine.apply),
-                          jax.jit(engine.apply, donate_argnums=(0, 2)), engine.tree_state)
+                          jax.jit(engine.apply, donate_argnums=(0, 2)), engine.tree_state,
+                          engine.flat_state)
 
 
 def _refuse(name: str, **options) -> None:

@@ -75,7 +75,8 @@ def _run_competitor(op, info: dict, competitor: str, initial, budget) -> dict:
     try:
         stepper = op.COMPETITORS[competitor].build(initial.clone())
         timing = harness.measure(stepper.step, budget, stepper.sync)
-        row = report.timing_row(info, competitor, timing, stepper.moves, stepper.note)
+        row = report.timing_row(info, competitor, timing, stepper.moves, stepper.note,
+                                stepper.first_call_s)
         _progress(f"  {competitor:<18} {_progress_times(row)}  "
                   f"({row['steps']} steps x {row['repeats']})")
     except Exception as error:  # one competitor failing (no managed memory, OOM) ends only its row

@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .common import (Competitor, Stepper, TensorLists, attach_grads, cast_list, generator,
-                     graph_stepper, randn_list)
+from .common import (Competitor, JaxLoop, Stepper, TensorLists, attach_grads, cast_list,
+                     fused_step, generator, graph_stepper, import_jax, jax_lists, randn_list,
+                     transformation_step)
 from .workloads import BF16_MASTER, FP32, ITEMSIZE, Dtypes
 
 NAME = "adam"
@@ -110,6 +111,45 @@ def mtapply_plan(data: AdamData, table_mode: str) -> Stepper:
     return Stepper(step, plan, data, note=MASTER_NOTE if "master_params" in options else None)
 
 
+def mtapply_call(data: AdamData) -> Stepper:
+    """mtapply as the one-call API is used: `mtapply.adam_step(...)` on the same lists every
+    step (each call checks the lists, then reuses the tables of the last call)."""
+    import mtapply
+
+    options = data.plan_options()
+    counter = itertools.count(1)
+
+    def step():
+        mtapply.adam_step(data.params, data.grads, data.exp_avgs, data.exp_avg_sqs, lr=LR,
+                          step=next(counter), **options)
+
+    return Stepper(step, data, note=MASTER_NOTE if "master_params" in options else None)
+
+
+def optax_jit(data: AdamData) -> Stepper:
+    """optax.adam under jax.jit on JAX copies of the data, params and state donated."""
+    jax, optax = import_jax()
+    params, grads, mu, nu = jax_lists(data.lists())
+    optimizer = optax.adam(LR, eps=EPS)
+    state = optax.tree_utils.tree_set(optimizer.init(params), mu=mu, nu=nu)
+    return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
+
+
+def mtapply_optax(data: AdamData, fused: bool) -> Stepper:
+    """mtapply.optax.adam (an optax transformation) or fused_adam under jax.jit on JAX copies
+    of the data, params and state donated."""
+    import mtapply.optax as mtx
+
+    params, grads, mu, nu = jax_lists(data.lists())
+    if not fused:
+        optimizer = mtx.adam(LR, eps=EPS)
+        state = optimizer.init(params)._replace(mu=mu, nu=nu)
+        return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
+    optimizer = mtx.fused_adam(LR, eps=EPS)
+    state = optimizer.flat_state(optimizer.init(params)._replace(mu=mu, nu=nu), params)
+    return JaxLoop(fused_step(optimizer), params, state, grads).stepper()
+
+
 def torch_fused(data: AdamData) -> Stepper:
     opt = _torch_adam(data, lr=LR, fused=True)
     return Stepper(opt.step, opt, data, **_torch_notes(data))
@@ -172,6 +212,8 @@ COMPETITORS = {
                           "master_params= where the workload has master weights"),
     "mtapply-unified": Competitor(lambda data: mtapply_plan(data, "unified"),
                                   "mtapply.adam_plan(..., table_mode='unified')"),
+    "mtapply-call": Competitor(mtapply_call, "mtapply.adam_step(...) every step on the same "
+                                             "lists (the one-call API)"),
     "torch-fused": Competitor(torch_fused, "torch.optim.Adam(fused=True); moments in the "
                                            "params' dtype"),
     "torch-fused-fp32": Competitor(torch_fused_fp32, "torch.optim.Adam(fused=True) on fp32 "
@@ -180,4 +222,12 @@ COMPETITORS = {
     "torch-fused-graph": Competitor(
         torch_fused_graph, "torch.optim.Adam(fused=True, capturable=True), CUDA graph replay"),
     "torch-foreach": Competitor(torch_foreach, "torch.optim.Adam(foreach=True)"),
+    "optax-jit": Competitor(optax_jit, "optax.adam under jax.jit, params and state donated; "
+                                       "wall clock only (JAX's own streams)", fp32_only=True),
+    "mtapply-optax": Competitor(lambda data: mtapply_optax(data, fused=False),
+                                "mtapply.optax.adam under jax.jit, params and state donated",
+                                fp32_only=True),
+    "mtapply-optax-fused": Competitor(lambda data: mtapply_optax(data, fused=True),
+                                      "mtapply.optax.fused_adam(...).step under jax.jit, params "
+                                      "and state donated", fp32_only=True),
 }

@@ -5,6 +5,7 @@ torch is imported inside the functions so that listing the ops and competitors n
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 
@@ -29,12 +30,13 @@ class Stepper:
     (a peer keeping its states in the params' low precision), is what it moves; `note` says
     what the row's reader must know about it."""
 
-    def __init__(self, step, *keep_alive, sync=None, moves=None, note=None):
+    def __init__(self, step, *keep_alive, sync=None, moves=None, note=None, first_call_s=None):
         self.step = step
         self.keep_alive = keep_alive
         self.sync = sync
         self.moves = moves
         self.note = note
+        self.first_call_s = first_call_s  # seconds of the first step (JAX: trace and compile)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Competitor:
     build: object  # the op's data -> Stepper
     description: str
     mixed_only: bool = False  # on an all-fp32 workload it would repeat another row
+    fp32_only: bool = False  # it runs fp32 copies of the data only
 
 
 def generator(device, seed: int):
@@ -90,3 +93,68 @@ def graph_stepper(step, *keep_alive, **notes) -> Stepper:
     with torch.cuda.graph(graph):
         step()
     return Stepper(graph.replay, graph, *keep_alive, **notes)
+
+
+def import_jax():
+    """(jax, optax). JAX would otherwise reserve most of the GPU's memory at its first use,
+    leaving too little for the rows and workloads that follow."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import optax
+    except ImportError as error:
+        raise RuntimeError(f"needs jax (with CUDA) and optax: {error}") from None
+    return jax, optax
+
+
+def jax_lists(lists) -> list:
+    """JAX copies of torch tensor lists, on the JAX device of the tensors' GPU."""
+    jax, _ = import_jax()
+    index = lists[0][0].device.index or 0 if lists and lists[0] else 0
+    device = jax.devices("gpu")[index]
+    return [[jax.device_put(t.cpu().numpy(), device) for t in tensors] for tensors in lists]
+
+
+def transformation_step(optimizer):
+    """params, state = step(params, state, grads) with an optax transformation."""
+    jax, optax = import_jax()
+
+    def update(params, state, grads):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(update, donate_argnums=(0, 1))
+
+
+def fused_step(optimizer):
+    """The same with an mtapply.optax fused optimizer."""
+    jax, _ = import_jax()
+    return jax.jit(lambda params, state, grads: optimizer.step(params, grads, state),
+                   donate_argnums=(0, 1))
+
+
+class JaxLoop:
+    """`params, state = step(params, state, grads)` once per step: a jitted step whose params
+    and state are donated, so that XLA updates them in place. JAX runs on its own streams: the
+    harness times it by wall clock, waiting with jax.block_until_ready."""
+
+    def __init__(self, step, params, state, grads):
+        self.update, self.params, self.state, self.grads = step, params, state, grads
+
+    def step(self) -> None:
+        self.params, self.state = self.update(self.params, self.state, self.grads)
+
+    def sync(self) -> None:
+        import jax
+
+        jax.block_until_ready((self.params, self.state))
+
+    def stepper(self) -> Stepper:
+        """The stepper, after a first step whose time (tracing and compilation) it notes."""
+        import time
+
+        start = time.perf_counter()
+        self.step()
+        self.sync()
+        first = time.perf_counter() - start
+        return Stepper(self.step, self, sync=self.sync, first_call_s=first)

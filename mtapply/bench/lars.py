@@ -9,10 +9,11 @@ returns a `Stepper` whose `step()` performs one optimizer step with the gradient
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .common import Competitor, Stepper, TensorLists, generator, graph_stepper, randn_list
+from .common import (Competitor, JaxLoop, Stepper, TensorLists, fused_step,
+                     generator, graph_stepper, import_jax, jax_lists, randn_list,
+                     transformation_step)
 
 NAME = "lars"
 DESCRIPTION = ("lars fp32, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001, "
@@ -101,52 +102,35 @@ def optax_lars_jit(data: LARSData) -> Stepper:
     the operations its own way (weight decay, trust ratio, lr, then momentum), so this row is for
     timing only. JAX runs on its own streams: the harness times it by wall clock, waiting with
     jax.block_until_ready."""
-    jax, optax = _import_jax()
-    device = jax.devices("gpu")[data.params[0].device.index or 0]
-    params, grads, buffers = ([jax.device_put(t.cpu().numpy(), device) for t in tensors]
-                              for tensors in data.lists())
+    jax, optax = import_jax()
+    params, grads, buffers = jax_lists(data.lists())
     adapt = [not excluded for excluded in data.exclude()]
     optimizer = optax.lars(learning_rate=LR, weight_decay=WEIGHT_DECAY, weight_decay_mask=adapt,
                            trust_coefficient=TRUST_COEFFICIENT, eps=EPS, trust_ratio_mask=adapt,
                            momentum=MOMENTUM)
     # Mid-training momentum, as the other competitors have (optax would start from zeros).
     state = optax.tree_utils.tree_set(optimizer.init(params), trace=buffers)
-    return _JaxLoop(jax, optax, optimizer, params, state, grads).stepper()
+    return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
 
 
-class _JaxLoop:
-    """`params, state = update(params, state, grads)` once per step, jitted, the old params and
-    state donated so that XLA updates them in place."""
+def mtapply_optax(data: LARSData, fused: bool) -> Stepper:
+    """mtapply.optax.lars (an optax transformation) or fused_lars in jax.jit on JAX copies of
+    the data, params and state donated; the state starts with the data's momentum (mtapply
+    keeps the velocity itself, optax.lars its negative)."""
+    import mtapply.optax as mtx
 
-    def __init__(self, jax, optax, optimizer, params, state, grads):
-        def update(params, state, grads):
-            updates, state = optimizer.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        self.jax = jax
-        self.update = jax.jit(update, donate_argnums=(0, 1))
-        self.params, self.state, self.grads = params, state, grads
-
-    def step(self) -> None:
-        self.params, self.state = self.update(self.params, self.state, self.grads)
-
-    def sync(self) -> None:
-        self.jax.block_until_ready((self.params, self.state))
-
-    def stepper(self) -> Stepper:
-        return Stepper(self.step, self, sync=self.sync)
-
-
-def _import_jax():
-    """(jax, optax). JAX would otherwise reserve most of the GPU's memory at its first use,
-    leaving too little for the rows and workloads that follow."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    try:
-        import jax
-        import optax
-    except ImportError as error:
-        raise RuntimeError(f"needs jax (with CUDA) and optax: {error}") from None
-    return jax, optax
+    params, grads, buffers = jax_lists(data.lists())
+    adapt = [not excluded for excluded in data.exclude()]
+    hyper = dict(learning_rate=LR, weight_decay=WEIGHT_DECAY, weight_decay_mask=adapt,
+                 trust_coefficient=TRUST_COEFFICIENT, eps=EPS, trust_ratio_mask=adapt,
+                 momentum=MOMENTUM)
+    if not fused:
+        optimizer = mtx.lars(**hyper)
+        state = optimizer.init(params)._replace(momentum=buffers)
+        return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
+    optimizer = mtx.fused_lars(**hyper)
+    state = optimizer.flat_state(optimizer.init(params)._replace(momentum=buffers), params)
+    return JaxLoop(fused_step(optimizer), params, state, grads).stepper()
 
 
 COMPETITORS = {
@@ -158,4 +142,9 @@ COMPETITORS = {
                                                      "CUDA graph replay"),
     "optax-lars-jit": Competitor(optax_lars_jit, "optax.lars under jax.jit, params and state "
                                                  "donated; wall clock only (JAX's own streams)"),
+    "mtapply-optax": Competitor(lambda data: mtapply_optax(data, fused=False),
+                                "mtapply.optax.lars under jax.jit, params and state donated"),
+    "mtapply-optax-fused": Competitor(lambda data: mtapply_optax(data, fused=True),
+                                      "mtapply.optax.fused_lars(...).step under jax.jit, params "
+                                      "and state donated"),
 }

@@ -35,7 +35,10 @@ def accepts(op, workload: str) -> bool:
 def runs_on(op, competitor: str, workload: str) -> bool:
     """Whether `competitor` of `op` has a row on `workload`: a mixed-precision-only one would
     repeat another row on an fp32 workload."""
-    return not op.COMPETITORS[competitor].mixed_only or dtypes(workload) != FP32
+    entry = op.COMPETITORS[competitor]
+    if entry.fp32_only and dtypes(workload) != FP32:
+        return False
+    return not entry.mixed_only or dtypes(workload) != FP32
 
 
 def bytes_per_param(op, workload: str) -> int:

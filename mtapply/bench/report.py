@@ -13,7 +13,8 @@ TARGET_COMPETITORS = ("mtapply", "mtapply-unified")  # rows the issue's targets 
 DEFAULT_MTAPPLY = "mtapply"
 
 
-def timing_row(workload: dict, competitor: str, timing, moves=None, note=None) -> dict:
+def timing_row(workload: dict, competitor: str, timing, moves=None, note=None,
+               first_call_s=None) -> dict:
     """A measured row: medians, samples, and ratios to the op's byte floor. A row timed by wall
     clock alone has None for its GPU figures (n/a) and says so in "timed_by". `moves`: the bytes
     per param the competitor's step moves where that is not the floor's count (a peer with
@@ -32,6 +33,8 @@ def timing_row(workload: dict, competitor: str, timing, moves=None, note=None) -
                            "events on torch's stream do not see; GPU ms n/a")
     if note:
         row["note"] = note
+    if first_call_s is not None:
+        row["first_call_s"] = first_call_s  # its first step: for JAX, tracing and compilation
     if moves is not None and moves != workload["bytes_per_param"]:
         own_floor_ms = floor_ms * moves / workload["bytes_per_param"]
         row.update(bytes_per_param=moves, own_floor_ms=own_floor_ms,
@@ -66,7 +69,8 @@ def format_table(rows: list, ops: dict) -> str:
     label = _reference_label(rows, ops)
     notes = list(dict.fromkeys(row["note"] for row in rows if row.get("note")))
     header = ["op", "workload", "competitor", "GPU ms/step", "wall ms/step", "wall us/step",
-              "x floor", f"x {label} (GPU)", f"x {label} (wall)", "steps x reps", "target"]
+              "x floor", f"x {label} (GPU)", f"x {label} (wall)", "steps x reps", "first call",
+              "target"]
     lines = [header] + [_table_cells(row, ops[row["op"]].REFERENCE, notes) for row in rows]
     widths = [max(len(line[k]) for line in lines) for k in range(len(header))]
     text = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
@@ -147,7 +151,7 @@ def _table_cells(row: dict, reference: str, notes: list) -> list:
     mark = f" [{notes.index(row['note']) + 1}]" if row.get("note") else ""
     head = [row["op"], row["workload"], row["competitor"] + mark]
     if "error" in row:
-        return head + ["-"] * 7 + [f"skipped: {row['error']}"[:120]]
+        return head + ["-"] * 8 + [f"skipped: {row['error']}"[:120]]
     ref = _key(reference)
     wall_only = row["gpu_ms"] is None  # GPU time n/a: x floor by wall clock, and marked so
     x_floor = f"{_ratio(row['x_floor_wall'])} (wall)" if wall_only else _ratio(row["x_floor"])
@@ -156,6 +160,7 @@ def _table_cells(row: dict, reference: str, notes: list) -> list:
     return head + [_time(row["gpu_ms"]), _time(row["wall_ms"]), _time(row["wall_us"]),
                    x_floor, _ratio(row.get(f"x_{ref}_gpu")),
                    _ratio(row.get(f"x_{ref}_wall")), f"{row['steps']} x {row['repeats']}",
+                   "" if row.get("first_call_s") is None else f"{row['first_call_s']:.2f} s",
                    _verdict(row)]
 
 
