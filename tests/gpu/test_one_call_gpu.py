@@ -6,10 +6,9 @@ import pytest
 import mtapply
 from mtapply import _calls, _describe, _native
 
-from ._helpers import adam_state, assert_matches, reference_step, to64
-
 torch = pytest.importorskip("torch")
 cupy = pytest.importorskip("cupy")
+from _helpers import adam_state, assert_matches, reference_step, to64  # noqa: E402
 
 SHAPES = [(1000, 7), (3,), (0,), (4097,), (65, 65), (1,)]
 
