@@ -18,11 +18,23 @@
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
 // the master and also the master rounded to the param's own storage.
+//
+// Updates instead of params (for optax's contract, which returns updates):
+//   MTA_DELTA       the op's new param minus the old goes to the record's last slot (of type
+//                   last_t); the param itself is only read.
+//   MTA_ZERO_PARAM  the param is not read but taken as zero, so the new "param" the op writes to
+//                   slot 0 is the update itself (ops whose update does not depend on the param).
 #pragma once
 #include "dtypes.cuh"
 
 #ifndef MTA_MASTER
 #define MTA_MASTER 0
+#endif
+#ifndef MTA_DELTA
+#define MTA_DELTA 0
+#endif
+#ifndef MTA_ZERO_PARAM
+#define MTA_ZERO_PARAM 0
 #endif
 
 namespace mta {
@@ -119,14 +131,22 @@ __device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, 
 
 // Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path);
 // an op that sums also adds each element's contributions to `acc`.
-// With master weights, `param_copy` is the 16-bit param that receives the rounded master.
+// With master weights, `param_copy` is the 16-bit param that receives the rounded master; with
+// MTA_DELTA it is the slot that receives the update.
 template <class Op, int W>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                       char* param_copy, long long i,
                                       float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   constexpr int N = Op::N_SLOTS;
+  constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
+  constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA ? ~1u : ~0u);
   acc_t v[N][W];
-  load_slots<0, N, ReadMask<Op>::value, W>(ptr, i, v);
+  load_slots<0, N, READ, W>(ptr, i, v);
+#if MTA_DELTA
+  acc_t before[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) before[k] = v[0][k];
+#endif
 #pragma unroll
   for (int k = 0; k < W; ++k) {
     acc_t x[N];
@@ -140,7 +160,16 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
 #pragma unroll
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
   }
-  if constexpr (Op::WRITTEN != 0u) store_slots<0, N, Op::WRITTEN, W>(ptr, i, v);
+  if constexpr (STORED != 0u) store_slots<0, N, STORED, W>(ptr, i, v);
+#if MTA_DELTA
+  if constexpr ((Op::WRITTEN & 1u) != 0u) {
+    acc_t update[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) update[k] = v[0][k] - before[k];
+    if constexpr (W == 1) reinterpret_cast<last_t*>(param_copy)[i] = from_acc<last_t>(update[0]);
+    else store_vec<last_t, W>(param_copy, i, update);
+  }
+#endif
 #if MTA_MASTER
   if constexpr ((Op::WRITTEN & 1u) != 0u) {
     if constexpr (W == 1) reinterpret_cast<param_t*>(param_copy)[i] = from_acc<param_t>(v[0][0]);
@@ -233,6 +262,9 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
 #if MTA_MASTER
   param_copy = ptr[0];
   ptr[0] = reinterpret_cast<char*>(rec[MTA_SLOTS]);  // the fp32 master is the op's param
+  address_bits |= static_cast<unsigned long long>(rec[MTA_SLOTS]);
+#elif MTA_DELTA
+  param_copy = reinterpret_cast<char*>(rec[MTA_SLOTS]);  // the updates
   address_bits |= static_cast<unsigned long long>(rec[MTA_SLOTS]);
 #endif
   const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;

@@ -48,7 +48,7 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`;
     grads are divided by `grad_scale` first (AMP), in the math type, as the kernel does.
     With master weights the op sees the fp32 master as its param, and the param receives the
-    rounded result."""
+    rounded result. Param modes as `OpSpec.with_param_mode` says."""
     if spec.cpu_run(refs, args, grad_scale):
         return
     first = refs[spec.slots[0]]
@@ -56,12 +56,18 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
         if first[i].numel == 0:
             continue
         dtype = np.float64 if first[i].dtype == "float64" else np.float32
-        arrays = {name: load(column[i], dtype) for name, column in refs.items()}
+        arrays = {name: load(column[i], dtype) for name, column in refs.items()
+                  if name != "updates"}
         if spec.master_weights:
             arrays["params"] = arrays.pop("master_params")
+        if spec.param_mode == "zero":
+            arrays["params"] = np.zeros_like(arrays["params"])
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        for name, values in spec.cpu_update(arrays, args, dtype, i).items():
+        for name, values in spec.cpu_update(dict(arrays), args, dtype, i).items():
+            if name == "params" and spec.param_mode == "delta":
+                store(refs["updates"][i], values - arrays["params"])
+                continue
             store(refs[name][i], values)
             if name == "params" and spec.master_weights:
                 store(refs["master_params"][i], values)

@@ -80,7 +80,8 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     master = dict(flags).get("MASTER", False)
     loaded = (dtypes[-1],) + tuple(dtypes[1:]) if master else tuple(dtypes)
     lines += ["namespace mta {", f"typedef {math_type(loaded)} acc_t;",
-              f"typedef {CUDA_TYPES[dtypes[0]]} param_t;", "template <int S> struct SlotType;"]
+              f"typedef {CUDA_TYPES[dtypes[0]]} param_t;",
+              f"typedef {CUDA_TYPES[dtypes[-1]]} last_t;", "template <int S> struct SlotType;"]
     lines += [f"template <> struct SlotType<{s}> {{ typedef {CUDA_TYPES[d]} type; }};"
               for s, d in enumerate(loaded)]
     lines += ["}  // namespace mta"]

@@ -14,27 +14,30 @@
         return opt.step(params, grads, state)                  # -> (params, state), in place
 
 `adam`, `adamw`, `sgd`, `lars` and `lamb` take optax's arguments and return
-`optax.GradientTransformation`s whose `update` returns deltas (new params - params), as optax's
-contract requires, so they compose with `optax.chain` and `optax.apply_updates`. The fused forms
-(`fused_adam`, ...) return `FusedOptimizer(init, step, donated_step)`: `step(params, grads,
-state) -> (params, state)` writes the new params and state into the buffers of the old ones when
-the enclosing `jax.jit` donates them (`donated_step` is `step` jitted with params and state
-donated), so a step moves each tensor through memory once. Prefer it: the transformation form
-also writes a copy of the params and subtracts.
+`optax.GradientTransformation`s whose `update` returns updates (new params - params, computed by
+the kernel, which only reads the params), as optax's contract requires, so they compose with
+`optax.chain` and `optax.apply_updates`. The fused forms (`fused_adam`, ...) return
+`FusedOptimizer`: `step(params, grads, state) -> (params, state)` writes the new params and state
+into the buffers of the old ones when the enclosing `jax.jit` donates them (`donated_step` is
+`step` jitted with params and state donated), so a step moves each tensor through memory once and
+nothing more. Their state keeps each slot (mu, nu, ...) in one flat buffer per dtype, so a jitted
+step passes a few arrays besides the params and grads instead of one per param and slot: JAX's
+dispatch costs a few microseconds per array. `tree_state` and `flat_state` convert it.
 
-How it runs. Each update is one `jax.experimental.buffer_callback` (jax >= 0.6.1) inside a
-jitted function, also when called eagerly. Its outputs (params and state) alias its inputs
-(`input_output_aliases`), so XLA hands the callback buffers that already hold the old values:
-the inputs themselves when they are donated and used nowhere else, otherwise fresh copies. An
-array the caller still holds is therefore never written. The callback gives those buffers to
-mtapply through DLPack and launches the whole tree in one plan step (one kernel launch per dtype
-group; two for LARS and LAMB) on XLA's own stream (`ctx.stream`), with lr and the step count
-read by the kernel from device memory: no host synchronisation. On the CPU the same callback
-runs mtapply's NumPy backend on XLA's host buffers. Plans are cached by buffer addresses, so a
-training loop whose buffers recur (the usual case with donation) does O(1) host work per step
-besides reading the addresses; when only the grads move, the plan is rebound to them. With
-MTAPPLY_OPTAX_CALLBACK=host (read at trace time) the update is a `jax.pure_callback` into the
-NumPy backend instead: a slow fallback that copies through the host (no bfloat16).
+How it runs. On GPUs each update is one XLA FFI custom call, `mtapply_step` (`mtapply._xla`,
+`native/xla_ffi.cpp`), prepared when the step is traced: the kernels are compiled and the tables
+allocated on every local GPU, and at run time compiled code reads the buffers' addresses, uploads
+the table records of those that moved on XLA's stream and launches the whole tree (one launch per
+dtype group; two for LARS and LAMB), with lr and the step count read by the kernel from device
+memory. No Python runs per step and the host never waits. The outputs that are updated in place
+alias their inputs (`input_output_aliases`), so XLA hands the call buffers that already hold the
+old values: the inputs themselves when they are donated and used nowhere else, otherwise fresh
+copies; an array the caller still holds is therefore never written. Where the FFI handler cannot
+be built, and on the CPU, the same step is one `jax.experimental.buffer_callback` (jax >= 0.6.1)
+into mtapply (the NumPy backend on the CPU), with the same semantics; its plans are cached by
+buffer addresses. MTAPPLY_OPTAX_CALLBACK (read at trace time) picks `buffer` (the callback on GPUs
+too) or `host` (a `jax.pure_callback` into the NumPy backend that copies through the host, no
+bfloat16) instead of the default `ffi`.
 
 Semantics (the count in the state is the number of steps taken; the kernel's step is count + 1;
 a schedule is evaluated at count, as optax does):
@@ -271,7 +274,14 @@ def _mask_leaves(mask, params, treedef, name: str) -> tuple:
 
 
 class _Engine:
-    """Runs a rule over whole pytrees. Holds the learning rate and the plans of its callbacks.
+    """Runs a rule over whole pytrees. Holds the learning rate and the plans of its calls.
+
+    A step is one call (the FFI custom call on GPUs, else a buffer callback) whose operands are
+    grouped in columns, one per slot of the op (`_Column`): those updated in place (results that
+    alias their operands), fresh results (updates), and inputs only read (grads; params when
+    the step returns updates). The fused forms update params in place ("inplace"); the
+    transformations return updates, computed by the kernel as new - old params ("delta") or,
+    for rules that do not read params, as the step from zero params ("zero").
 
     With `flat` (the fused forms) each state slot is one buffer per dtype holding every leaf's
     state (`_FlatLayout`), so a jitted step passes two arrays per slot instead of one per leaf:
@@ -282,7 +292,7 @@ class _Engine:
             check_number("learning_rate", learning_rate, low=0.0)
         self.rule, self.learning_rate, self.flat = rule, learning_rate, flat
         self._plans: OrderedDict = OrderedDict()  # the callbacks' plans, by buffer addresses
-        self._ffi_plans: dict = {}  # the FFI handler's plan ids, by tree signature
+        self._ffi_plans: dict = {}  # the FFI handler's plan ids, by call key
         self._lock = threading.Lock()  # XLA may run callbacks from several threads
 
     def init(self, params):
@@ -310,106 +320,119 @@ class _Engine:
                  for s in self.rule.slots]
         return self.rule.state_type(state.count, *slots)
 
-    def apply(self, params, grads, state):
-        """(new params, new state) after one step; traceable, and traced by the callers."""
-        leaves, treedef = jax.tree.flatten(params)
+    def apply(self, params, grads, state, mode: str = "inplace"):
+        """(new params, new state) after one step, or (updates, new state) in the "delta" and
+        "zero" modes (params None in "zero"); traceable, and traced by the callers."""
+        leaves, treedef = jax.tree.flatten(grads if mode == "zero" else params)
         grad_leaves = treedef.flatten_up_to(grads)
         layout = _FlatLayout(leaves) if self.flat else None
-        if layout is None:
-            slot_values = [treedef.flatten_up_to(getattr(state, s)) for s in self.rule.slots]
-        else:
-            slot_values = [layout.buffers_of(getattr(state, s), s) for s in self.rule.slots]
+        slot_values = [treedef.flatten_up_to(getattr(state, s)) if layout is None
+                       else layout.buffers_of(getattr(state, s), s) for s in self.rule.slots]
         count = state.count
         scalars = [self._learning_rate(count), (count + 1).astype(jnp.float32).reshape(1)]
         if self.rule.global_norm:
             scalars.append(_global_norm(grads).astype(jnp.float32).reshape(1))
-        written = leaves + [x for values in slot_values for x in values]
+        state_names = self.rule.plan_slots[1:-1]
+        aliased = (([("params", leaves)] if mode == "inplace" else [])
+                   + list(zip(state_names, slot_values)))
+        read = (([("params", leaves)] if mode == "delta" else [])
+                + [(self.rule.plan_slots[-1], grad_leaves)])
+        fresh = [] if mode == "inplace" else [
+            ("updates" if mode == "delta" else "params",
+             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])]
         if leaves:
-            statics = self.rule.statics(params, treedef)
-            written = self._launch(written, grad_leaves, scalars, statics, layout)
-        n, m = len(leaves), len(slot_values[0]) if slot_values else 0
-        new_values = [written[n + k * m: n + (k + 1) * m] for k in range(len(self.rule.slots))]
-        if layout is None:
-            new_slots = [treedef.unflatten(values) for values in new_values]
+            statics = self.rule.statics(grads if mode == "zero" else params, treedef)
+            outs = self._launch(aliased, fresh, read, scalars, statics, layout, mode)
         else:
-            new_slots = [dict(zip(layout.names, values)) for values in new_values]
+            outs = dict(aliased) | {name: [] for name, _ in fresh}
+        first = outs["updates" if mode == "delta" else "params"]
+        new_slots = [treedef.unflatten(outs[name]) if layout is None else
+                     dict(zip(layout.names, outs[name])) for name in state_names]
         new_state = self.rule.state_type(optax.safe_increment(count), *new_slots)
-        return treedef.unflatten(written[:n]), new_state
+        return treedef.unflatten(first), new_state
 
     def _learning_rate(self, count):
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
         return jnp.asarray(lr, jnp.float32).reshape(1)
 
-    def _launch(self, written: list, grads: list, scalars: list, statics: tuple, layout) -> list:
-        """The written arrays after the step: one FFI custom call on GPUs, else one callback."""
-        signature = tuple((x.shape, str(x.dtype)) for x in written + grads)
-        key = (statics, layout is not None, signature)
-        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
+    def _launch(self, aliased, fresh, read, scalars, statics, layout, mode) -> dict:
+        """Column name -> arrays after the step: one FFI custom call on GPUs, else one
+        callback."""
+        written = [x for _, arrays in aliased for x in arrays]
+        inputs = written + [x for _, arrays in read for x in arrays] + scalars
+        results = ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
+                   + [spec for _, specs in fresh for spec in specs])
+        schema = _schema(aliased, fresh, read, layout)
+        signature = tuple((x.shape, str(x.dtype)) for x in inputs[:len(inputs) - len(scalars)])
+        key = (statics, mode, schema, signature)
         mechanism = os.environ.get(_CALLBACK_ENV, "ffi")
-        call = self._host_call if mechanism == "host" or buffer_callback is None else self._callback_call
-        callback = functools.partial(call, key, layout, len(grads), len(scalars))
-        if mechanism != "ffi" or buffer_callback is None:
-            return callback(*written, *grads, *scalars)
-        on_gpu = functools.partial(self._ffi_call, key, results, len(grads), len(scalars), layout,
-                                   callback)
-        return list(jax.lax.platform_dependent(*written, *grads, *scalars, default=callback,
-                                               cuda=on_gpu))
+        host = mechanism == "host" or buffer_callback is None
+        callback = functools.partial(self._host_call if host else self._callback_call, key,
+                                     layout, results, len(written), len(scalars))
+        if mechanism == "ffi" and not host:
+            on_gpu = functools.partial(self._ffi_call, key, layout, results, len(written),
+                                       len(scalars), callback)
+            outs = jax.lax.platform_dependent(*inputs, default=callback, cuda=on_gpu)
+        else:
+            outs = callback(*inputs)
+        return {column.name: list(outs[column.start: column.start + column.count])
+                for column in schema if column.place == "out"}
 
-    def _host_call(self, key, layout, n_grads, n_scalars, *operands) -> list:
+    def spec(self, key):
+        """The op of a call key: the rule's op in the call's param mode."""
+        spec = self.rule.spec(key[0])
+        return spec if key[1] == "inplace" else spec.with_param_mode(key[1])
+
+    def _host_call(self, key, layout, results, n_aliased, n_scalars, *inputs) -> list:
         """The step as one pure callback into the NumPy backend: the slow fallback, which
         copies through the host."""
-        written, grads, scalars = _split(operands, n_grads, n_scalars)
-        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
-        return list(jax.pure_callback(functools.partial(self._host_callback, key, layout),
-                                      results, written, grads, scalars))
+        call = functools.partial(self._host_callback, key, layout, n_aliased, n_scalars)
+        return list(jax.pure_callback(call, results, *inputs))
 
-    def _callback_call(self, key, layout, n_grads, n_scalars, *operands) -> list:
+    def _callback_call(self, key, layout, results, n_aliased, n_scalars, *inputs) -> list:
         """The step as one buffer callback (the CPU, or GPUs without the FFI handler)."""
-        written = _split(operands, n_grads, n_scalars)[0]
-        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
         # Flat positional inputs: buffer_callback checks alias indices against them.
         call = buffer_callback(functools.partial(self._buffer_callback, key, layout, n_scalars),
-                               results, input_output_aliases={i: i for i in range(len(written))})
-        return list(call(*operands))
+                               results, input_output_aliases={i: i for i in range(n_aliased)})
+        return list(call(*inputs))
 
-    def _ffi_call(self, key, results, n_grads, n_scalars, layout, fallback, *operands) -> list:
+    def _ffi_call(self, key, layout, results, n_aliased, n_scalars, fallback, *inputs) -> list:
         """The step as one `mtapply_step` custom call: compiled code reads the buffers'
         addresses and launches the kernels, no Python at run time (see mtapply._xla)."""
         if not _xla.available():
-            return fallback(*operands)
+            return fallback(*inputs)
         with self._lock:
             plan_id = self._ffi_plans.get(key)
             if plan_id is None:
-                plan_id = self._ffi_plans[key] = self._prepare(key, operands, n_grads, n_scalars,
-                                                               layout)
+                plan_id = self._ffi_plans[key] = self._prepare(key, layout, results, inputs,
+                                                               n_scalars)
         call = jax.ffi.ffi_call(_xla.TARGET, results,
-                                input_output_aliases={i: i for i in range(len(results))})
-        return list(call(*operands, plan=np.int64(plan_id)))
+                                input_output_aliases={i: i for i in range(n_aliased)})
+        return list(call(*inputs, plan=np.int64(plan_id)))
 
-    def _prepare(self, key, operands, n_grads, n_scalars, layout) -> int:
-        """Registers the rule's op over this tree with the FFI handler. The call's buffers are
-        its results (params, then each state slot), then its arguments (the same, then the
-        grads, then the scalars)."""
-        spec, n = self.rule.spec(key[0]), n_grads
-        n_results = len(operands) - n_grads - n_scalars
-        zeros = np.zeros(n, np.int64)
-        columns = {"params": (np.arange(n), zeros)}
-        per_slot = (n_results - n) // max(len(self.rule.slots), 1)
-        for k, name in enumerate(self.rule.plan_slots[1:-1]):
-            base = n + k * per_slot
-            columns[name] = ((layout.operands(base), layout.byte_offsets()) if layout is not None
-                             else (base + np.arange(n), zeros))
-        columns[self.rule.plan_slots[-1]] = (2 * n_results + np.arange(n), zeros)  # the grads
-        operand_table = np.stack([columns[slot][0] for slot in spec.slots], axis=1)
-        offset_table = np.stack([columns[slot][1] for slot in spec.slots], axis=1)
-        # an operand index counts the results first; a written input aliases its result
-        array_of = [operands[i if i < n_results else i - n_results] for i in range(2 * n_results + n)]
-        dtypes = [tuple(str(array_of[j].dtype) for j in row) for row in operand_table]
-        params = operands[:n]
-        numels = [int(np.prod(x.shape, dtype=np.int64)) for x in params]
+    def _prepare(self, key, layout, results, inputs, n_scalars) -> int:
+        """Registers the call's op with the FFI handler, which numbers a call's buffers results
+        first, then inputs."""
+        spec, by_name = self.spec(key), {column.name: column for column in key[2]}
+        grads = by_name[self.rule.plan_slots[-1]]
+        n, n_results = grads.count, len(results)
+        operand_table = np.zeros((n, len(spec.slots)), np.int64)
+        offset_table = np.zeros((n, len(spec.slots)), np.int64)
+        for s, name in enumerate(spec.slots):
+            column = by_name[name]
+            base = column.start + (n_results if column.place == "in" else 0)
+            if column.flat:
+                operand_table[:, s], offset_table[:, s] = layout.operands(base), layout.byte_offsets()
+            else:
+                operand_table[:, s] = base + np.arange(n)
+        buffers = list(results) + list(inputs)
+        dtypes = [tuple(str(buffers[j].dtype) for j in row) for row in operand_table]
+        numels = [int(np.prod(x.shape, dtype=np.int64)) for x in
+                  inputs[grads.start: grads.start + n]]
         placeholders = [_xla.placeholder(k) for k in range(n_scalars)]
         hyper = self.rule.step_args(*placeholders)
-        scalar_operands = {name: 2 * n_results + n + value.obj for name, value in hyper.items()
+        first_scalar = n_results + len(inputs) - n_scalars
+        scalar_operands = {name: first_scalar + value.obj for name, value in hyper.items()
                            if isinstance(value, DeviceScalar)}
         devices = sorted({d.local_hardware_id if d.local_hardware_id is not None else d.id
                           for d in jax.local_devices(backend="gpu")})
@@ -417,18 +440,17 @@ class _Engine:
                             scalar_operands, devices)
 
     def _buffer_callback(self, key, layout, n_scalars, ctx, outs, *inputs) -> None:
-        """Steps XLA's buffers in place: `outs` alias the first inputs, so they hold the old
-        values; then come the grads and the scalars. Flat state is stepped through views of
-        each leaf's part of its buffer."""
-        grads, scalars = inputs[len(outs):-n_scalars], inputs[-n_scalars:]
-        outs, grads = [_XlaBuffer(b) for b in outs], [_XlaBuffer(b) for b in grads]
-        if layout is not None:
-            outs = outs[:len(grads)] + layout.views(
-                [export(b, "state", None) for b in outs[len(grads):]])
+        """Steps XLA's buffers: `outs` (the results) alias the first inputs where the schema
+        says so, and then hold the old values; the scalars come last. Flat state is stepped
+        through views of each leaf's part of its buffer."""
+        scalars = inputs[len(inputs) - n_scalars:]
+        outs = [_XlaBuffer(b) for b in outs]
+        columns = _buffers_by_column(key[2], layout, outs,
+                                     [_XlaBuffer(b) for b in inputs[:len(inputs) - n_scalars]])
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:
             values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
-            self._step(key, outs, grads, values, None)
+            self._step(key, columns, values, None)
             return
         import cupy
 
@@ -436,64 +458,102 @@ class _Engine:
         # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
         with cupy.cuda.Device(device_id), _cupy_stream(stream, device_id):
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
-            self._step(key, outs, grads, values, stream)
+            self._step(key, columns, values, stream)
 
-    def _host_callback(self, key, layout, written, grads, scalars) -> list:
+    def _host_callback(self, key, layout, n_aliased, n_scalars, *inputs) -> list:
         """The host fallback: new arrays from NumPy copies, through a fresh plan."""
-        outs = [np.array(x, copy=True) for x in written]
-        values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
-        leaves = outs
-        if layout is not None:
-            leaves = outs[:len(grads)] + layout.views([export(b, "state", None)
-                                                       for b in outs[len(grads):]])
-        plan = self._new_plan(key, leaves, [np.asarray(g) for g in grads], None)
+        schema = key[2]
+        outs = [np.array(x, copy=True) for x in inputs[:n_aliased]]
+        outs += [np.empty(shape, column.dtype) for column in schema
+                 if column.place == "out" and column.shapes for shape in column.shapes]
+        values = [float(np.asarray(s).reshape(-1)[0]) for s in inputs[len(inputs) - n_scalars:]]
+        reads = [np.asarray(x) for x in inputs[:len(inputs) - n_scalars]]
+        plan = Plan(self.spec(key), dict(_buffers_by_column(schema, layout, outs, reads)))
         plan.step(**self.rule.step_args(*values))
         return outs
 
-    def _step(self, key, outs: list, grads: list, scalars: list, stream) -> None:
+    def _step(self, key, columns: list, scalars: list, stream) -> None:
         """One plan step over the buffers. Plans are cached by the buffers' addresses, which
-        recur in a training loop. On a miss where only one slot moved (typically fresh grads
+        recur in a training loop. On a miss where only one column moved (typically fresh grads
         while params and state stay in place) a plan of the tree is rebound to them."""
-        columns = _columns(outs + grads, len(grads))
+        addresses = tuple(tuple(_address(b) for b in buffers) for _, buffers in columns)
         with self._lock:
-            plan = self._plans.pop((key, columns), None)
+            plan = self._plans.pop((key, addresses), None)
             if plan is None:
-                plan = self._moved_plan(key, columns, outs + grads, stream)
+                plan = self._moved_plan(key, addresses, columns, stream)
             if plan is None:
-                plan = self._new_plan(key, outs, grads, stream)
-            self._plans[(key, columns)] = plan
+                plan = Plan(self.spec(key), dict(columns), stream=stream)
+            self._plans[(key, addresses)] = plan
             mine = [k for k in self._plans if k[0] == key]
             for old_key in mine[:-_PLANS_PER_TREE]:
                 del self._plans[old_key]
             plan.step(stream=stream, **self.rule.step_args(*scalars))
 
-    def _moved_plan(self, key, columns: tuple, buffers: list, stream):
-        """The most recent plan of `key` whose buffers differ from `columns` in one slot only,
-        rebound to `buffers`; None if there is none. (Rebinding several slots one by one could
-        meet stale addresses that XLA has since given to another slot.)"""
-        n = len(columns[0])
+    def _moved_plan(self, key, addresses: tuple, columns: list, stream):
+        """The most recent plan of `key` whose buffers differ from `addresses` in one column
+        only, rebound to `columns`; None if there is none. (Rebinding several columns one by
+        one could meet stale addresses that XLA has since given to another column.)"""
         for old_key in reversed([k for k in self._plans if k[0] == key]):
-            moved = [i for i, (old, new) in enumerate(zip(old_key[1], columns)) if old != new]
+            moved = [i for i, (old, new) in enumerate(zip(old_key[1], addresses)) if old != new]
             if len(moved) == 1:
-                plan, i = self._plans.pop(old_key), moved[0]
+                plan, (name, buffers) = self._plans.pop(old_key), columns[moved[0]]
                 # XLA's buffers have the traced shapes and dtypes, dense: only addresses change.
-                plan.rebind_addresses(self.rule.plan_slots[i], buffers[i * n: (i + 1) * n],
-                                      np.asarray(columns[i], np.uint64), stream=stream)
+                plan.rebind_addresses(name, buffers, np.asarray(addresses[moved[0]], np.uint64),
+                                      stream=stream)
                 return plan
         return None
 
-    def _new_plan(self, key, outs: list, grads: list, stream):
-        n = len(grads)
-        buffers = outs + grads
-        columns = {name: buffers[c * n: (c + 1) * n] for c, name in enumerate(self.rule.plan_slots)}
-        return Plan(self.rule.spec(key[0]), columns, stream=stream)
+
+class _Column(NamedTuple):
+    """One slot of a call's op: where its buffers are among the call's results ("out") or
+    inputs ("in"), how many, whether they are a flat state's buffers, and for fresh results
+    each leaf's shape and the dtype."""
+
+    name: str
+    place: str
+    start: int
+    count: int
+    flat: bool
+    shapes: tuple = ()
+    dtype: str = ""
 
 
-def _split(operands: tuple, n_grads: int, n_scalars: int) -> tuple:
-    """(written, grads, scalars) of a step's operands."""
-    n_written = len(operands) - n_grads - n_scalars
-    return (operands[:n_written], operands[n_written: n_written + n_grads],
-            operands[n_written + n_grads:])
+def _schema(aliased, fresh, read, layout) -> tuple:
+    """The columns of a call whose results are `aliased` then `fresh`, and whose inputs are
+    `aliased` (the same buffers), then `read`, then the scalars."""
+    columns, start = [], 0
+    for name, arrays in aliased:
+        flat = layout is not None and name != "params"
+        columns.append(_Column(name, "out", start, len(arrays), flat))
+        start += len(arrays)
+    n_aliased = start
+    for name, specs in fresh:
+        columns.append(_Column(name, "out", start, len(specs), False,
+                               tuple(tuple(x.shape) for x in specs), str(specs[0].dtype)))
+        start += len(specs)
+    start = n_aliased
+    for name, arrays in read:
+        columns.append(_Column(name, "in", start, len(arrays), False))
+        start += len(arrays)
+    return tuple(columns)
+
+
+def _buffers_by_column(schema, layout, outs: list, inputs: list) -> list:
+    """(slot name, one buffer per leaf) of each column: the call's results and inputs as the
+    schema places them, flat state as views of each leaf's part."""
+    columns = []
+    for column in schema:
+        buffers = (outs if column.place == "out" else inputs)[column.start: column.start + column.count]
+        if column.flat:
+            buffers = layout.views([export(b, "state", None) for b in buffers])
+        columns.append((column.name, list(buffers)))
+    return columns
+
+
+def _address(buffer) -> int:
+    if isinstance(buffer, TensorRef):
+        return buffer.ptr
+    return buffer.address()
 
 
 class _FlatLayout:
@@ -574,12 +634,6 @@ class _FlatLayout:
         return np.array([o * d.itemsize for o, d in zip(self.offsets, self.dtypes)], np.int64)
 
 
-def _columns(buffers: list, n: int) -> tuple:
-    """The buffers' addresses, one tuple per slot of n buffers."""
-    addresses = [b.ptr if isinstance(b, TensorRef) else b.address() for b in buffers]
-    return tuple(tuple(addresses[i: i + n]) for i in range(0, len(addresses), n))
-
-
 def _global_norm(tree):
     norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5
     return norm(tree) if norm is not None else optax.global_norm(tree)
@@ -641,18 +695,18 @@ def _cupy_stream(handle: int, device_id: int):
 
 
 def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
-    """An optax.GradientTransformation whose update returns new params - params."""
+    """An optax.GradientTransformation whose update returns updates (new params - params),
+    written by the kernel itself: params are only read, and not at all by rules that do not
+    depend on them."""
     engine = _Engine(rule, learning_rate)
 
     def update(updates, state, params=None):
         if not rule.reads_params:  # the step from zero params is the update itself
-            zeros = jax.tree.map(jnp.zeros_like, updates)
-            return engine.apply(zeros, updates, state)
+            return engine.apply(None, updates, state, mode="zero")
         if params is None:
             raise ValueError(f"mtapply.optax.{rule.name} with these options reads the params: "
                              f"call update(grads, state, params)")
-        new_params, state = engine.apply(params, updates, state)
-        return jax.tree.map(lambda new, old: new - old, new_params, params), state
+        return engine.apply(params, updates, state, mode="delta")
 
     return optax.GradientTransformation(engine.init, jax.jit(update))
 

@@ -41,6 +41,11 @@ def variants():
             for sig_name, dtypes in dtype_signatures(len(spec.slots), spec.master_weights).items():
                 flag_names = "+".join(k for k, v in spec.flags if v) or "plain"
                 yield pytest.param(spec, dtypes, id=f"{name}-{flag_names}-{sig_name}")
+    for name, spec_cls in REGISTRY.items():  # the updates that mtapply.optax's transformations take
+        for mode in ("delta", "zero"):
+            spec = spec_cls(**OPS[name]["flag_sets"][0]).with_param_mode(mode)
+            for sig_name in ("float32", "bfloat16"):
+                yield pytest.param(spec, (sig_name,) * len(spec.slots), id=f"{name}-{mode}-{sig_name}")
     for name, spec_cls in UTILITIES.items():
         for flags in ([{"into_outputs": False}, {"into_outputs": True}] if name == "scale" else [{}]):
             spec = spec_cls(**flags)

@@ -9,7 +9,7 @@ as a ratio to the model's reference variant (torch's fused optimizer; optax in J
 
 - gpt2: GPT-2 124M from a `transformers` config, AdamW, bf16 autocast, batch 8 x 512 tokens;
 - resnet50: torchvision's ResNet-50, SGD with momentum and LARS, bf16 autocast, batch 32;
-- mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW;
+- mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW, fp32;
 - jax-mlp: an MLP in JAX (flax if installed, else plain JAX), optax.adamw against
   mtapply.optax.adamw and fused_adamw, each step one jitted function with donation.
 
@@ -43,14 +43,14 @@ class Model:
 class _TorchRun:
     """One variant of a torch model: its own copy of the model and its optimizer."""
 
-    def __init__(self, model, optimizer, loss):
-        self.model, self.optimizer, self.loss = model, optimizer, loss
+    def __init__(self, model, optimizer, loss, autocast: bool):
+        self.model, self.optimizer, self.loss, self.autocast = model, optimizer, loss, autocast
 
     def step(self) -> None:
         import torch
 
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.loss(self.model)
         loss.backward()
         self.optimizer.step()
@@ -100,12 +100,12 @@ def interleaved(runs: dict, rounds: int, steps: int) -> dict:
 # torch models
 
 
-def _torch_variants(optimizers: dict, build, loss) -> dict:
+def _torch_variants(optimizers: dict, build, loss, autocast: bool = True) -> dict:
     """name -> factory of a _TorchRun with its own deep copy of the model `build()` gives."""
 
     def factory(make_optimizer, base):
         model = copy.deepcopy(base).cuda()
-        return _TorchRun(model, make_optimizer(model), loss)
+        return _TorchRun(model, make_optimizer(model), loss, autocast)
 
     base = build()
     return {name: functools.partial(factory, make, base) for name, make in optimizers.items()}
@@ -201,9 +201,9 @@ def mlp(depth: int = 600, width: int = 256, batch: int = 512) -> Model:
     def loss(model):
         return torch.nn.functional.mse_loss(model(x), y)
 
-    return Model("mlp", f"MLP of {depth} layers of {width} ({2 * depth} params), AdamW, bf16 "
-                        f"autocast, batch {batch}", "torch-fused",
-                 _torch_variants(_adamw_optimizers(1e-4, 0.01), build, loss))
+    return Model("mlp", f"MLP of {depth} layers of {width} ({2 * depth} params), AdamW, fp32, "
+                        f"batch {batch}", "torch-fused",
+                 _torch_variants(_adamw_optimizers(1e-4, 0.01), build, loss, autocast=False))
 
 
 # ---------------------------------------------------------------------------------------------

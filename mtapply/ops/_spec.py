@@ -1,6 +1,7 @@
 """What every op spec provides to the engine."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,26 @@ class OpSpec:
         if self.master_weights:
             self.slots = tuple(self.slots) + ("master_params",)
             self.written = self.written | {"master_params"}
+
+    param_mode: str = "inplace"  # or "delta", "zero": see with_param_mode
+
+    def with_param_mode(self, mode: str) -> "OpSpec":
+        """A copy of the op that returns updates rather than updating params in place:
+        "delta" reads the params and writes new - old into an `updates` slot (added last);
+        "zero" takes the params as zeros without reading them (for ops whose update does not
+        depend on them), so that what it writes to `params` is the update."""
+        if mode not in ("inplace", "delta", "zero"):
+            raise ValueError(f"param mode {mode!r}; use inplace, delta or zero")
+        if mode != "inplace" and self.master_weights:
+            raise ValueError("updates are not taken with master weights")
+        spec = copy.copy(self)
+        spec.param_mode = mode
+        if mode == "delta":
+            spec.slots = tuple(self.slots) + ("updates",)
+            spec.written = (self.written - {"params"}) | {"updates"}
+        if mode != "inplace":
+            spec.flags = tuple(self.flags) + ((mode.upper() if mode == "delta" else "ZERO_PARAM", True),)
+        return spec
 
     def check_tensors(self, refs: dict) -> None:
         """Checks that need the ingested tensors (before anything is written)."""
