@@ -38,7 +38,7 @@ def enabled() -> bool:
 def source_dir() -> Path:
     """Folder of the C++ sources: inside the installed package, else the source checkout's."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "native", here.parent / "native"):
+    for candidate in (here / "csrc", here.parent / "csrc"):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"mtapply's native sources not found beside {here}")

@@ -4,7 +4,7 @@ At trace time `prepare` binds an op to the structure of a pytree (each leaf's dt
 and which buffer of the call holds each slot of each leaf): on every local GPU it compiles the
 kernels, uploads the block map and allocates the records and workspaces (engine._Launcher),
 packs each launch's argument words, and registers all of it with the handler of
-`native/xla_ffi.cpp` under an id. The traced program then holds one `mtapply_step` custom call
+`csrc/xla_ffi.cpp` under an id. The traced program then holds one `mtapply_step` custom call
 naming that id. At run time XLA calls the compiled handler with the buffers and its stream; no
 Python runs. The handler re-uploads only the records whose buffers moved since its last call
 on that device, on XLA's stream.

@@ -25,7 +25,7 @@ step passes a few arrays besides the params and grads instead of one per param a
 dispatch costs a few microseconds per array. `tree_state` and `flat_state` convert it.
 
 How it runs. On GPUs each update is one XLA FFI custom call, `mtapply_step` (`mtapply._xla`,
-`native/xla_ffi.cpp`), prepared when the step is traced: the kernels are compiled and the tables
+`csrc/xla_ffi.cpp`), prepared when the step is traced: the kernels are compiled and the tables
 allocated on every local GPU, and at run time compiled code reads the buffers' addresses, uploads
 the table records of those that moved on XLA's stream and launches the whole tree (one launch per
 dtype group; two for LARS and LAMB), with lr and the step count read by the kernel from device
