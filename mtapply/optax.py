@@ -591,13 +591,31 @@ class _FlatLayout:
         return buffers
 
     def split(self, buffers) -> list:
-        """Each leaf's state, cut out of the buffers (copies)."""
-        by_name = dict(zip(self.names, buffers))
-        return [by_name[d.name][o: o + int(np.prod(s, dtype=np.int64))].reshape(s)
+        """Each leaf's state, cut out of the buffers (copies; through the host for concrete
+        arrays, where thousands of small device slices would each dispatch)."""
+        if _traced(buffers):
+            by_name = dict(zip(self.names, buffers))
+            return [by_name[d.name][o: o + _size(s)].reshape(s)
+                    for s, d, o in zip(self.shapes, self.dtypes, self.offsets)]
+        device = _device_of(buffers[0])
+        by_name = {name: np.asarray(buffer) for name, buffer in zip(self.names, buffers)}
+        return [jax.device_put(by_name[d.name][o: o + _size(s)].reshape(s), device)
                 for s, d, o in zip(self.shapes, self.dtypes, self.offsets)]
 
     def join(self, leaves) -> list:
-        """The buffers holding `leaves` (one per leaf, in order) at their offsets."""
+        """The buffers holding `leaves` (one per leaf, in order) at their offsets, zero
+        between them (built on the host for concrete arrays: a device concatenation of
+        thousands of operands compiles slowly)."""
+        leaves = list(leaves)
+        if _traced(leaves):
+            return self._join_traced(leaves)
+        device = _device_of(leaves[0]) if leaves else None
+        buffers = {name: np.zeros(max(self.sizes[name], 1), name) for name in self.names}
+        for leaf, d, o in zip(leaves, self.dtypes, self.offsets):
+            buffers[d.name][o: o + leaf.size] = np.asarray(leaf, d).reshape(-1)
+        return [jax.device_put(buffers[name], device) for name in self.names]
+
+    def _join_traced(self, leaves: list) -> list:
         parts = {name: [] for name in self.names}
         ends = dict.fromkeys(self.names, 0)
         for leaf, d, o in zip(leaves, self.dtypes, self.offsets):
@@ -632,6 +650,20 @@ class _FlatLayout:
 
     def byte_offsets(self) -> np.ndarray:
         return np.array([o * d.itemsize for o, d in zip(self.offsets, self.dtypes)], np.int64)
+
+
+def _size(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _traced(arrays) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
+def _device_of(array):
+    """The one device of a concrete array (its first, for arrays on several)."""
+    devices = getattr(array, "devices", None)
+    return next(iter(devices())) if devices is not None else None
 
 
 def _global_norm(tree):
