@@ -24,7 +24,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from ._source import cache_dir
+from ._source import bundled_dir, cache_dir
 
 _lock = threading.Lock()
 _loaded: dict = {}  # name -> ctypes library, or None once it failed
@@ -33,15 +33,6 @@ _building: dict = {}  # name -> thread building it in the background
 
 def enabled() -> bool:
     return os.environ.get("MTAPPLY_NATIVE", "1") != "0"
-
-
-def source_dir() -> Path:
-    """Folder of the C++ sources: inside the installed package, else the source checkout's."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "csrc", here.parent / "csrc"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"mtapply's native sources not found beside {here}")
 
 
 def library(name: str, *, wait: bool = True):
@@ -77,7 +68,7 @@ def _build_and_load(name: str):
 def _built(name: str) -> Path:
     """The cached shared library, compiled now if it is not there yet."""
     recipe = _RECIPES[name]
-    source = source_dir() / f"{name}.cpp"
+    source = bundled_dir("csrc") / f"{name}.cpp"
     flags = recipe.flags()
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:

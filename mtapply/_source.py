@@ -31,12 +31,18 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def kernel_dir() -> Path:
-    """Folder of the CUDA sources: inside the installed package, else the source checkout's."""
+    """Folder of the CUDA sources."""
+    return bundled_dir("kernels")
+
+
+def bundled_dir(name: str) -> Path:
+    """A folder of sources shipped with mtapply: inside the installed package, else the
+    source checkout's."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "kernels"):
+    for candidate in (here / name, here.parent / name):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"mtapply kernel sources not found beside {here}")
+    raise FileNotFoundError(f"mtapply's {name} sources not found beside {here}")
 
 
 def inlined_sources(names: tuple[str, ...], seen: set[str]) -> list[str]:
