@@ -74,7 +74,7 @@ class OpSpec:
             spec.slots = tuple(self.slots) + ("updates",)
             spec.written = (self.written - {"params"}) | {"updates"}
         if mode != "inplace":
-            spec.flags = tuple(self.flags) + ((mode.upper() if mode == "delta" else "ZERO_PARAM", True),)
+            spec.flags = tuple(self.flags) + (({"delta": "DELTA", "zero": "ZERO_PARAM"}[mode], True),)
         return spec
 
     def check_tensors(self, refs: dict) -> None:
