@@ -20,18 +20,26 @@ the kernel, which only reads the params), as optax's contract requires, so they 
 `FusedOptimizer`: `step(params, grads, state) -> (params, state)` writes the new params and state
 into the buffers of the old ones when the enclosing `jax.jit` donates them (`donated_step` is
 `step` jitted with params and state donated), so a step moves each tensor through memory once and
-nothing more. Their state keeps each slot (mu, nu, ...) in one flat buffer per dtype, so a jitted
-step passes a few arrays besides the params and grads instead of one per param and slot: JAX's
-dispatch costs a few microseconds per array. `tree_state` and `flat_state` convert it.
+nothing more.
+
+State layout. Both forms keep each state slot (mu, nu, ...) in one flat buffer per dtype, every
+leaf at a 16-byte aligned offset, so a jitted step passes a few state arrays instead of one per
+param and slot: JAX's dispatch costs a few microseconds per array, more than the kernel on many
+models. `tree_state(state, params)` gives any such state (or a chain's) with its slots as pytrees
+like params, as optax keeps them; `flat_state` goes back. The transformations take
+`flat_state=False` to keep optax's layout throughout (for states sharded like the params).
 
 How it runs. On GPUs each update is one XLA FFI custom call, `mtapply_step` (`mtapply._xla`,
 `csrc/xla_ffi.cpp`), prepared when the step is traced: the kernels are compiled and the tables
 allocated on every local GPU, and at run time compiled code reads the buffers' addresses, uploads
 the table records of those that moved on XLA's stream and launches the whole tree (one launch per
 dtype group; two for LARS and LAMB), with lr and the step count read by the kernel from device
-memory. No Python runs per step and the host never waits. The outputs that are updated in place
-alias their inputs (`input_output_aliases`), so XLA hands the call buffers that already hold the
-old values: the inputs themselves when they are donated and used nowhere else, otherwise fresh
+memory. A tree of more than about a thousand leaves is stepped by one call per thousand leaves,
+the flat state passing through them in turn: XLA's compile time grows with the square of one
+instruction's operands (97 s for one call over 10,000 leaves, 21 s in calls of 1,000). No
+Python runs per step and the host never waits. The outputs that are updated in place alias
+their inputs (`input_output_aliases`), so XLA hands the call buffers that already hold the old
+values: the inputs themselves when they are donated and used nowhere else, otherwise fresh
 copies; an array the caller still holds is therefore never written. Where the FFI handler cannot
 be built, and on the CPU, the same step is one `jax.experimental.buffer_callback` (jax >= 0.6.1)
 into mtapply (the NumPy backend on the CPU), with the same semantics; its plans are cached by
@@ -57,6 +65,7 @@ fixed at construction (so `optax.inject_hyperparams` can drive learning_rate onl
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -82,6 +91,7 @@ except ImportError:  # jax < 0.6.1: only the host fallback works
 
 _CALLBACK_ENV = "MTAPPLY_OPTAX_CALLBACK"
 _PLANS_PER_TREE = 4  # plans kept per tree signature, keyed by buffer addresses
+_OPERANDS_PER_CALL = 3072  # per-leaf operands and results of one call (see _Engine.apply)
 _DLPACK_CPU = 1
 
 
@@ -119,6 +129,38 @@ class LambState(NamedTuple):
     nu: Any
 
 
+_STATES = (AdamState, SgdState, LarsState, LambState)
+
+
+def tree_state(state, params):
+    """`state` with each flat slot (one buffer per dtype, the default layout) given as a pytree
+    like params, as optax keeps it (copies): for inspection, and for checkpoints read by code
+    that expects optax's layout. `state` is an mtapply.optax state or any pytree holding them
+    (a chain's); `params` the params it was made for."""
+    return _convert_states(state, params, lambda layout, treedef, slot, field: treedef.unflatten(
+        layout.split(layout.buffers_of(slot, field))))
+
+
+def flat_state(state, params):
+    """The inverse of `tree_state`: each slot that is a pytree like params made flat
+    (copies)."""
+    return _convert_states(state, params, lambda layout, treedef, slot, field: dict(
+        zip(layout.names, layout.join(treedef.flatten_up_to(slot)))))
+
+
+def _convert_states(state, params, convert):
+    leaves, treedef = jax.tree.flatten(params)
+    layout = _FlatLayout(leaves)
+
+    def one(node):
+        if not isinstance(node, _STATES):
+            return node
+        return node._replace(**{field: convert(layout, treedef, getattr(node, field), field)
+                                for field in node._fields[1:] if getattr(node, field) is not None})
+
+    return jax.tree.map(one, state, is_leaf=lambda node: isinstance(node, _STATES))
+
+
 class FusedOptimizer(NamedTuple):
     """The fused form: `step(params, grads, state) -> (params, state)`.
 
@@ -126,8 +168,9 @@ class FusedOptimizer(NamedTuple):
     `donated_step` is `step` jitted with params and state donated (they are invalid afterwards).
     The state keeps each moment of every param in one flat buffer per dtype (so a step passes
     a few arrays, not one per param); `tree_state(state, params)` gives it as pytrees like
-    params, as the transformation form keeps it (for inspection and checkpoints), and
-    `flat_state(tree_state, params)` makes such a state flat again.
+    params, as optax keeps it (for inspection and checkpoints), and
+    `flat_state(tree_state, params)` makes such a state flat again (the module's functions of
+    the same names).
     """
 
     init: Callable
@@ -304,67 +347,88 @@ class _Engine:
             zeros = [jax.tree.map(jnp.zeros_like, params) for _ in self.rule.slots]
         return self.rule.state_type(jnp.zeros([], jnp.int32), *zeros)
 
-    def tree_state(self, state, params):
-        """A flat state with each slot as a pytree like params (copies)."""
-        leaves, treedef = jax.tree.flatten(params)
-        layout = _FlatLayout(leaves)
-        slots = [treedef.unflatten(layout.split(layout.buffers_of(getattr(state, s), s)))
-                 for s in self.rule.slots]
-        return self.rule.state_type(state.count, *slots)
-
-    def flat_state(self, state, params):
-        """A state whose slots are pytrees like params, made flat (copies)."""
-        leaves, treedef = jax.tree.flatten(params)
-        layout = _FlatLayout(leaves)
-        slots = [dict(zip(layout.names, layout.join(treedef.flatten_up_to(getattr(state, s)))))
-                 for s in self.rule.slots]
-        return self.rule.state_type(state.count, *slots)
-
     def apply(self, params, grads, state, mode: str = "inplace"):
         """(new params, new state) after one step, or (updates, new state) in the "delta" and
-        "zero" modes (params None in "zero"); traceable, and traced by the callers."""
+        "zero" modes (in "zero" params may be None); traceable, and traced by the callers.
+
+        The tree is stepped a thousand leaves or so per call (see the module docstring), the
+        flat state's buffers passing through the calls in turn."""
         leaves, treedef = jax.tree.flatten(grads if mode == "zero" else params)
-        grad_leaves = treedef.flatten_up_to(grads)
-        layout = _FlatLayout(leaves) if self.flat else None
-        slot_values = [treedef.flatten_up_to(getattr(state, s)) if layout is None
-                       else layout.buffers_of(getattr(state, s), s) for s in self.rule.slots]
-        count = state.count
+        like_params = treedef.flatten_up_to(grads if params is None else params)
+        layout = _FlatLayout(like_params) if self.flat else None  # state dtypes: the params'
+        state_names = self.rule.plan_slots[1:-1]
+        slots = {name: self._slot_values(state, field, treedef, layout)
+                 for name, field in zip(state_names, self.rule.slots)}
+        statics = self.rule.statics(grads if params is None else params, treedef) if leaves else ()
+        step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads),
+                                 self._scalars(state.count, grads), statics, layout, mode)
+        firsts, per_leaf = [], {name: [] for name in state_names}
+        per_call = self._leaves_per_call(mode)
+        for start in range(0, len(leaves), per_call):
+            part = slice(start, start + per_call)
+            outs = step(part, [(name, values if layout else values[part])
+                               for name, values in slots.items()])
+            firsts += outs.pop("updates" if mode == "delta" else "params")
+            for name, values in outs.items():
+                if layout:
+                    slots[name] = values
+                else:
+                    per_leaf[name] += values
+        new_slots = [dict(zip(layout.names, slots[name])) if layout else
+                     treedef.unflatten(per_leaf[name]) for name in state_names]
+        return (treedef.unflatten(firsts),
+                self.rule.state_type(optax.safe_increment(state.count), *new_slots))
+
+    def _step_part(self, leaves, grad_leaves, scalars, statics, layout, mode, part: slice,
+                   state_part: list) -> dict:
+        """Column name -> arrays after one call over the leaves in `part`, with `state_part`
+        the (slot, arrays) of their state."""
+        aliased = ([("params", leaves[part])] if mode == "inplace" else []) + state_part
+        read = (([("params", leaves[part])] if mode == "delta" else [])
+                + [(self.rule.plan_slots[-1], grad_leaves[part])])
+        fresh = [] if mode == "inplace" else [
+            ("updates" if mode == "delta" else "params",
+             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves[part]])]
+        return self._launch(aliased, fresh, read, scalars, statics[part],
+                            layout.part(part) if layout else None, mode, part.start)
+
+    def _scalars(self, count, grads) -> list:
+        """The call's one-element float32 operands: lr, the step, and the grads' global norm
+        where the rule takes it."""
         scalars = [self._learning_rate(count), (count + 1).astype(jnp.float32).reshape(1)]
         if self.rule.global_norm:
             scalars.append(_global_norm(grads).astype(jnp.float32).reshape(1))
-        state_names = self.rule.plan_slots[1:-1]
-        aliased = (([("params", leaves)] if mode == "inplace" else [])
-                   + list(zip(state_names, slot_values)))
-        read = (([("params", leaves)] if mode == "delta" else [])
-                + [(self.rule.plan_slots[-1], grad_leaves)])
-        fresh = [] if mode == "inplace" else [
-            ("updates" if mode == "delta" else "params",
-             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])]
-        if leaves:
-            statics = self.rule.statics(grads if mode == "zero" else params, treedef)
-            outs = self._launch(aliased, fresh, read, scalars, statics, layout, mode)
-        else:
-            outs = dict(aliased) | {name: [] for name, _ in fresh}
-        first = outs["updates" if mode == "delta" else "params"]
-        new_slots = [treedef.unflatten(outs[name]) if layout is None else
-                     dict(zip(layout.names, outs[name])) for name in state_names]
-        new_state = self.rule.state_type(optax.safe_increment(count), *new_slots)
-        return treedef.unflatten(first), new_state
+        return scalars
+
+    def _leaves_per_call(self, mode: str) -> int:
+        """Leaves per call, from the operands and results each leaf adds to it: params (in and
+        out, only in, or only out), grads, each state slot kept per leaf (in and out), and
+        updates."""
+        per_leaf = ({"inplace": 2, "delta": 2, "zero": 1}[mode] + 1
+                    + (0 if self.flat else 2 * len(self.rule.slots)))
+        return max(1, _OPERANDS_PER_CALL // per_leaf)
+
+    @staticmethod
+    def _slot_values(state, field, treedef, layout) -> list:
+        """A state slot's arrays: one per leaf, or the flat buffers in layout order."""
+        if layout is None:
+            return treedef.flatten_up_to(getattr(state, field))
+        return layout.buffers_of(getattr(state, field), field)
 
     def _learning_rate(self, count):
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
         return jnp.asarray(lr, jnp.float32).reshape(1)
 
-    def _launch(self, aliased, fresh, read, scalars, statics, layout, mode) -> dict:
-        """Column name -> arrays after the step: one FFI custom call on GPUs, else one
-        callback."""
+    def _launch(self, aliased, fresh, read, scalars, statics, layout, mode, start) -> dict:
+        """Column name -> arrays after the step over the leaves from `start` on: one FFI custom
+        call on GPUs, else one callback."""
         written = [x for _, arrays in aliased for x in arrays]
         inputs = written + [x for _, arrays in read for x in arrays] + scalars
         results = ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
                    + [spec for _, specs in fresh for spec in specs])
         schema = _schema(aliased, fresh, read, layout)
         signature = tuple((x.shape, str(x.dtype)) for x in inputs[:len(inputs) - len(scalars)])
-        key = (statics, mode, schema, signature)
+        key = (statics, mode, schema, signature, start)
         mechanism = os.environ.get(_CALLBACK_ENV, "ffi")
         host = mechanism == "host" or buffer_callback is None
         callback = functools.partial(self._host_call if host else self._callback_call, key,
@@ -574,6 +638,13 @@ class _FlatLayout:
             ends[dtype.name] += -(-size // per_vector) * per_vector
         self.sizes = ends
 
+    def part(self, leaves: slice) -> _FlatLayout:
+        """The layout of some of the leaves, in the same buffers."""
+        part = copy.copy(self)
+        part.shapes, part.dtypes = self.shapes[leaves], self.dtypes[leaves]
+        part.offsets = self.offsets[leaves]
+        return part
+
     def zeros(self) -> dict:
         return {name: jnp.zeros(max(self.sizes[name], 1), name) for name in self.names}
 
@@ -726,15 +797,15 @@ def _cupy_stream(handle: int, device_id: int):
 # Public constructors.
 
 
-def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
+def _transformation(rule: _Rule, learning_rate, flat_state: bool) -> optax.GradientTransformation:
     """An optax.GradientTransformation whose update returns updates (new params - params),
     written by the kernel itself: params are only read, and not at all by rules that do not
     depend on them."""
-    engine = _Engine(rule, learning_rate)
+    engine = _Engine(rule, learning_rate, flat=flat_state)
 
     def update(updates, state, params=None):
         if not rule.reads_params:  # the step from zero params is the update itself
-            return engine.apply(None, updates, state, mode="zero")
+            return engine.apply(params, updates, state, mode="zero")
         if params is None:
             raise ValueError(f"mtapply.optax.{rule.name} with these options reads the params: "
                              f"call update(grads, state, params)")
@@ -746,8 +817,7 @@ def _transformation(rule: _Rule, learning_rate) -> optax.GradientTransformation:
 def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
     engine = _Engine(rule, learning_rate, flat=True)
     return FusedOptimizer(engine.init, jax.jit(engine.apply),
-                          jax.jit(engine.apply, donate_argnums=(0, 2)), engine.tree_state,
-                          engine.flat_state)
+                          jax.jit(engine.apply, donate_argnums=(0, 2)), tree_state, flat_state)
 
 
 def _refuse(name: str, **options) -> None:
@@ -767,12 +837,16 @@ def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0
 
 
 def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-         nesterov=False) -> optax.GradientTransformation:
+         nesterov=False, flat_state=True) -> optax.GradientTransformation:
     """optax.adam on mtapply's fused kernel (update: -lr * m_hat / (sqrt(v_hat) + eps)).
 
     Args:
         learning_rate: a number, a scalar array, or an optax schedule of the step count.
         b1, b2, eps: as optax.adam. eps_root, mu_dtype and nesterov only take their defaults.
+        flat_state: keep mu and nu each in one flat buffer per dtype (see `tree_state`), so
+            that a jitted step passes a few state arrays instead of one per param and slot;
+            False keeps them as pytrees like params, as optax does (for states sharded like
+            the params), at JAX's dispatch cost of a few microseconds per array and step.
 
     Returns:
         An optax.GradientTransformation with state `AdamState(count, mu, nu)`.
@@ -781,42 +855,45 @@ def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
         >>> tx = optax.chain(optax.clip_by_global_norm(1.0), mtapply.optax.adam(1e-3))
     """
     return _transformation(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov),
-                           learning_rate)
+                           learning_rate, flat_state)
 
 
 def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-          weight_decay=1e-4, mask=None, *, nesterov=False) -> optax.GradientTransformation:
+          weight_decay=1e-4, mask=None, *, nesterov=False,
+          flat_state=True) -> optax.GradientTransformation:
     """optax.adamw on mtapply's fused kernel: p -= lr * (u + weight_decay * p), u as in `adam`.
 
     Args as optax.adamw; weight_decay is a number; mask (weight decay on some leaves only),
-    eps_root, mu_dtype and nesterov only take their defaults. Params are required by update.
+    eps_root, mu_dtype and nesterov only take their defaults; flat_state as in `adam`. Params
+    are required by update.
     """
     rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
-    return _transformation(rule, learning_rate)
+    return _transformation(rule, learning_rate, flat_state)
 
 
-def sgd(learning_rate, momentum=None, nesterov=False,
-        accumulator_dtype=None) -> optax.GradientTransformation:
+def sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
+        flat_state=True) -> optax.GradientTransformation:
     """optax.sgd on mtapply's fused kernel: t = g + momentum * t; p -= lr * t (Nesterov:
-    p -= lr * (g + momentum * t)). momentum None or 0 keeps no trace.
+    p -= lr * (g + momentum * t)). momentum None or 0 keeps no trace. flat_state as in `adam`.
 
     Returns:
         An optax.GradientTransformation with state `SgdState(count, trace)`.
     """
     _refuse("sgd", accumulator_dtype=(accumulator_dtype, None))
-    return _transformation(_Sgd(momentum, nesterov), learning_rate)
+    return _transformation(_Sgd(momentum, nesterov), learning_rate, flat_state)
 
 
 def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
-         eps=0.0, trust_ratio_mask=True, momentum=0.9,
-         nesterov=False) -> optax.GradientTransformation:
+         eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False, *,
+         flat_state=True) -> optax.GradientTransformation:
     """mtapply's LARS (Paddle's lars_momentum, You et al. 2017) with optax.lars's arguments.
 
     Per tensor: local_lr = lr * trust_coefficient * ||p|| / (||g|| + wd * ||p|| + eps) (lr when a
     norm is 0); v = momentum * v + local_lr * (g + wd * p); p -= v. A leaf whose
     trust_ratio_mask is False takes a plain momentum step with lr and no weight decay, so
     weight_decay_mask must equal trust_ratio_mask when weight_decay > 0. Differs from optax.lars
-    when weight_decay > 0 (see the module docstring); nesterov is not supported.
+    when weight_decay > 0 (see the module docstring); nesterov is not supported. flat_state as
+    in `adam`.
 
     Returns:
         An optax.GradientTransformation with state `LarsState(count, momentum)`.
@@ -824,25 +901,25 @@ def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coeffici
     _refuse("lars", nesterov=(nesterov, False))
     rule = _Lars(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
                  weight_decay_mask)
-    return _transformation(rule, learning_rate)
+    return _transformation(rule, learning_rate, flat_state)
 
 
 def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0, mask=None,
          *, adam_w_mode=True, use_nvlamb=False, grad_averaging=True, bias_correction=True,
-         max_grad_norm=0.0) -> optax.GradientTransformation:
+         max_grad_norm=0.0, flat_state=True) -> optax.GradientTransformation:
     """LAMB with Apex FusedLAMB's semantics (`mtapply.LAMBSpec`) and optax.lamb's arguments.
 
     u = m_hat / (sqrt(v_hat) + eps) + wd * p;  p -= lr * ||p|| / ||u|| * u, the trust ratio
     applied when weight_decay != 0 or use_nvlamb (optax.lamb: always). max_grad_norm > 0 divides
     the grads by global_norm / max_grad_norm when that exceeds 1 (norm computed in the step).
-    eps_root and mask only take their defaults.
+    eps_root and mask only take their defaults; flat_state as in `adam`.
 
     Returns:
         An optax.GradientTransformation with state `LambState(count, mu, nu)`.
     """
     return _transformation(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode,
                                       use_nvlamb, grad_averaging, bias_correction, max_grad_norm),
-                           learning_rate)
+                           learning_rate, flat_state)
 
 
 def _lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
@@ -890,5 +967,5 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
 
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adam", "adamw",
-           "fused_adam", "fused_adamw", "fused_lamb", "fused_lars", "fused_sgd", "lamb", "lars",
-           "sgd"]
+           "flat_state", "fused_adam", "fused_adamw", "fused_lamb", "fused_lars", "fused_sgd",
+           "lamb", "lars", "sgd", "tree_state"]

@@ -71,8 +71,9 @@ def _assert_trees_close(got, want, what: str, rtol: float = RTOL, scales=None) -
 
 
 def _run(tx, params, grads_seq, mode: str):
-    """(params, state) after each step of `tx`, eager calls or one jitted train step."""
-    state = tx.init(params)
+    """(params, state) after each step of `tx`, eager calls or one jitted train step; the
+    state in optax's layout (mtapply's flat slots as pytrees like params)."""
+    state, first = tx.init(params), params
 
     def step(params, grads, state):
         updates, state = tx.update(grads, state, params)
@@ -81,7 +82,16 @@ def _run(tx, params, grads_seq, mode: str):
     step = jax.jit(step) if mode == "jit" else step
     for grads in grads_seq:
         params, state = step(params, grads, state)
-        yield params, state
+        yield params, _as_tree(state, first)
+
+
+def _as_tree(state, params):
+    """`state` with the flat slots of mtapply's states as pytrees; a state already in that
+    layout (flat_state=False, or optax's own) as it is."""
+    try:
+        return mtx.tree_state(state, params)
+    except ValueError:  # not flat: buffers_of names what it found
+        return state
 
 
 def _compare(ours, theirs, params, grads_seq, mode, state_map):
@@ -112,12 +122,16 @@ CASES = {  # name -> (ours, optax's, state pairs)
                    lambda: optax.adam(3e-2, b1=0.5, b2=0.9, eps=1e-6), _adam_states),
     "adamw": (lambda: mtx.adamw(1e-2, weight_decay=0.1),
               lambda: optax.adamw(1e-2, weight_decay=0.1), _adam_states),
+    "adamw-tree-state": (lambda: mtx.adamw(1e-2, weight_decay=0.1, flat_state=False),
+                         lambda: optax.adamw(1e-2, weight_decay=0.1), _adam_states),
     "adamw-default-wd": (lambda: mtx.adamw(1e-3), lambda: optax.adamw(1e-3), _adam_states),
     "sgd": (lambda: mtx.sgd(0.1), lambda: optax.sgd(0.1), _sgd_states),
     "sgd-momentum": (lambda: mtx.sgd(0.05, momentum=0.9), lambda: optax.sgd(0.05, momentum=0.9),
                      _sgd_states),
     "sgd-nesterov": (lambda: mtx.sgd(0.05, momentum=0.8, nesterov=True),
                      lambda: optax.sgd(0.05, momentum=0.8, nesterov=True), _sgd_states),
+    "sgd-tree-state": (lambda: mtx.sgd(0.05, momentum=0.9, flat_state=False),
+                       lambda: optax.sgd(0.05, momentum=0.9), _sgd_states),
 }
 
 

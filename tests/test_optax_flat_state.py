@@ -1,5 +1,6 @@
-"""The fused forms' flat state: one buffer per dtype and state slot, each leaf at an aligned
-offset; the same steps as the transformation forms, and conversions to and from pytrees."""
+"""Flat state (the default of every form): one buffer per dtype and state slot, each leaf at an
+aligned offset; the same steps as pytree state, conversions to and from pytrees, and trees
+stepped a few leaves per call."""
 import os
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
-pytest.importorskip("optax")
+optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import mtapply.optax as mtx  # noqa: E402
@@ -39,14 +40,21 @@ def test_leaves_sit_at_16_byte_offsets_in_one_buffer_per_dtype():
 def test_fused_steps_match_the_transformation_and_convert_both_ways():
     rng = np.random.default_rng(1)
     params = _mixed(rng)
-    opt, tx = mtx.fused_adamw(1e-2, weight_decay=0.1, eps=1e-3), mtx.adamw(1e-2, weight_decay=0.1, eps=1e-3)
-    state, their_state, theirs = opt.init(params), tx.init(params), params
-    mine = params
+    hyper = dict(weight_decay=0.1, eps=1e-3)
+    opt, tx = mtx.fused_adamw(1e-2, **hyper), mtx.adamw(1e-2, flat_state=False, **hyper)
+    flat_tx = mtx.adamw(1e-2, **hyper)
+    state, their_state, flat_tx_state = opt.init(params), tx.init(params), flat_tx.init(params)
+    mine = theirs = flat_params = params
     for _ in range(5):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
         mine, state = opt.step(mine, grads, state)
         updates, their_state = tx.update(grads, their_state, theirs)
         theirs = jax.tree.map(lambda p, u: p + u, theirs, updates)
+        updates, flat_tx_state = flat_tx.update(grads, flat_tx_state, flat_params)
+        flat_params = jax.tree.map(lambda p, u: p + u, flat_params, updates)
+    for name in state.mu:  # the transformation keeps the fused form's layout by default
+        np.testing.assert_allclose(np.asarray(flat_tx_state.nu[name], np.float64),
+                                   np.asarray(state.nu[name], np.float64), rtol=2e-3, atol=1e-7)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
                                    rtol=2e-3 if got.dtype == jnp.float16 else 1e-5, atol=1e-6)
@@ -66,6 +74,60 @@ def test_a_state_of_other_params_is_refused():
     opt = mtx.fused_adam(1e-2)
     with pytest.raises(ValueError, match="init\\(params\\)"):
         opt.step(params, params, opt.init({"a": params["a"]}))
-    tree_state = mtx.adam(1e-2).init(params)
+    tree_state = mtx.adam(1e-2, flat_state=False).init(params)
     with pytest.raises(ValueError, match="flat state"):
         opt.step(params, params, tree_state)
+
+
+def test_chain_states_convert_both_ways():
+    rng = np.random.default_rng(3)
+    params = _mixed(rng)
+    tx = optax.chain(optax.scale(0.5), mtx.sgd(0.1, momentum=0.9))
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)  # the first trace is the scaled grads
+    as_tree = mtx.tree_state(state, params)
+    assert jax.tree.structure(as_tree[1].trace) == jax.tree.structure(params)
+    for got, grad in zip(jax.tree.leaves(as_tree[1].trace), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(grad) * 0.5)
+    back = mtx.flat_state(as_tree, params)
+    for name in state[1].trace:
+        np.testing.assert_array_equal(np.asarray(back[1].trace[name]),
+                                      np.asarray(state[1].trace[name]))
+
+
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("make", [lambda f: mtx.adamw(1e-2, weight_decay=0.1, flat_state=f),
+                                  lambda f: mtx.lamb(1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                                                     flat_state=f),
+                                  lambda f: mtx.lars(0.5, trust_ratio_mask=_MASK,
+                                                     weight_decay_mask=_MASK, weight_decay=1e-2,
+                                                     flat_state=f)],
+                         ids=["adamw", "lamb", "lars"])
+def test_trees_stepped_a_few_leaves_per_call(make, flat, monkeypatch):
+    """With few operands per call, five leaves take several calls, whose results equal one
+    call's (flat state passes through the calls in turn; per-leaf options are split with the
+    leaves)."""
+    rng = np.random.default_rng(4)
+    params = _mixed(rng)
+    grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype),
+                              params) for _ in range(3)]
+
+    def run(tx):
+        state, p = tx.init(params), params
+        for grads in grads_seq:
+            updates, state = jax.jit(tx.update)(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return p, state
+
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")  # one branch to count calls in
+    want = run(make(flat))
+    monkeypatch.setattr(mtx, "_OPERANDS_PER_CALL", 7)  # two or three leaves flat, one not
+    tx = make(flat)
+    text = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+    assert text.count("buffer_callback[") == (3 if flat else 5), text
+    got = run(tx)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_MASK = {"a": True, "e": True, "h": False, "s": False, "z": True}

@@ -15,8 +15,8 @@ import itertools
 from dataclasses import dataclass
 
 from .common import (Competitor, JaxLoop, Stepper, TensorLists, attach_grads, cast_list,
-                     fused_step, generator, graph_stepper, import_jax, jax_lists, randn_list,
-                     transformation_step)
+                     fused_step, generator, graph_stepper, import_jax, jax_lists, optax_state,
+                     randn_list, transformation_step)
 from .workloads import BF16_MASTER, FP32, ITEMSIZE, Dtypes
 
 NAME = "adam"
@@ -131,7 +131,7 @@ def optax_jit(data: AdamData) -> Stepper:
     jax, optax = import_jax()
     params, grads, mu, nu = jax_lists(data.lists())
     optimizer = optax.adam(LR, eps=EPS)
-    state = optax.tree_utils.tree_set(optimizer.init(params), mu=mu, nu=nu)
+    state = optax_state(optimizer, params, mu=mu, nu=nu)
     return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
 
 
@@ -141,13 +141,10 @@ def mtapply_optax(data: AdamData, fused: bool) -> Stepper:
     import mtapply.optax as mtx
 
     params, grads, mu, nu = jax_lists(data.lists())
-    if not fused:
-        optimizer = mtx.adam(LR, eps=EPS)
-        state = optimizer.init(params)._replace(mu=mu, nu=nu)
-        return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
-    optimizer = mtx.fused_adam(LR, eps=EPS)
-    state = optimizer.flat_state(optimizer.init(params)._replace(mu=mu, nu=nu), params)
-    return JaxLoop(fused_step(optimizer), params, state, grads).stepper()
+    optimizer = (mtx.fused_adam if fused else mtx.adam)(LR, eps=EPS)
+    state = mtx.flat_state(optimizer.init(params)._replace(mu=mu, nu=nu), params)
+    step = fused_step(optimizer) if fused else transformation_step(optimizer)
+    return JaxLoop(step, params, state, grads).stepper()
 
 
 def torch_fused(data: AdamData) -> Stepper:

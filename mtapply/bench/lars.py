@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .common import (Competitor, JaxLoop, Stepper, TensorLists, fused_step,
-                     generator, graph_stepper, import_jax, jax_lists, randn_list,
+                     generator, graph_stepper, import_jax, jax_lists, optax_state, randn_list,
                      transformation_step)
 
 NAME = "lars"
@@ -109,7 +109,7 @@ def optax_lars_jit(data: LARSData) -> Stepper:
                            trust_coefficient=TRUST_COEFFICIENT, eps=EPS, trust_ratio_mask=adapt,
                            momentum=MOMENTUM)
     # Mid-training momentum, as the other competitors have (optax would start from zeros).
-    state = optax.tree_utils.tree_set(optimizer.init(params), trace=buffers)
+    state = optax_state(optimizer, params, trace=buffers)
     return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
 
 
@@ -124,13 +124,10 @@ def mtapply_optax(data: LARSData, fused: bool) -> Stepper:
     hyper = dict(learning_rate=LR, weight_decay=WEIGHT_DECAY, weight_decay_mask=adapt,
                  trust_coefficient=TRUST_COEFFICIENT, eps=EPS, trust_ratio_mask=adapt,
                  momentum=MOMENTUM)
-    if not fused:
-        optimizer = mtx.lars(**hyper)
-        state = optimizer.init(params)._replace(momentum=buffers)
-        return JaxLoop(transformation_step(optimizer), params, state, grads).stepper()
-    optimizer = mtx.fused_lars(**hyper)
-    state = optimizer.flat_state(optimizer.init(params)._replace(momentum=buffers), params)
-    return JaxLoop(fused_step(optimizer), params, state, grads).stepper()
+    optimizer = (mtx.fused_lars if fused else mtx.lars)(**hyper)
+    state = mtx.flat_state(optimizer.init(params)._replace(momentum=buffers), params)
+    step = fused_step(optimizer) if fused else transformation_step(optimizer)
+    return JaxLoop(step, params, state, grads).stepper()
 
 
 COMPETITORS = {
