@@ -13,11 +13,12 @@ from .lamb import lamb_plan, lamb_step
 from .lars import lars_plan, lars_step
 from .norms import clip_grad_norm_, l2_norms
 from .ops import REGISTRY, AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from .rules import Rule, rule
 from .scaling import scale_, unscale_, zero_
 from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "SGDSpec", "adam_plan",
+__all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec", "adam_plan",
            "adam_step", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
-           "lars_step", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]
+           "lars_step", "rule", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]

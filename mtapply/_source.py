@@ -45,14 +45,25 @@ def bundled_dir(name: str) -> Path:
     raise FileNotFoundError(f"mtapply's {name} sources not found beside {here}")
 
 
+_generated: dict = {}  # name -> the text of a kernel file generated at run time (rules)
+
+
+def register_generated(name: str, text: str) -> None:
+    """Makes `text` the kernel file `name` (a name no file in kernels/ has): ops built at run
+    time, such as user-written rules, give their functor's source this way."""
+    if _generated.setdefault(name, text) != text:
+        raise ValueError(f"generated kernel {name!r} is already registered with another text")
+
+
 def inlined_sources(names: tuple[str, ...], seen: set[str]) -> list[str]:
-    """The texts of kernels/`names` with quoted includes inlined, skipping files in `seen`."""
+    """The texts of kernels/`names` (or of generated files) with quoted includes inlined,
+    skipping files in `seen`."""
 
     def expand(file: str) -> str:
         if file in seen:
             return ""
         seen.add(file)
-        text = (kernel_dir() / file).read_text()
+        text = _generated[file] if file in _generated else (kernel_dir() / file).read_text()
         text = text.replace("#pragma once", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 

@@ -1,0 +1,113 @@
+"""User-written optimizers: a rule of a few lines becomes a fused multi-tensor op.
+
+    lion = mtapply.rule(
+        "lion", slots="param:rw grad:r exp_avg:rw",
+        hyper=dict(lr=None, beta1=0.9, beta2=0.99, weight_decay=0.0),
+        update='''
+            c = beta1 * exp_avg + (1 - beta1) * grad
+            param = param * (1 - lr * weight_decay) - lr * sign(c)
+            exp_avg = beta2 * exp_avg + (1 - beta2) * grad
+        ''')
+    lion.step(params, grads, exp_avgs, lr=1e-4)        # one launch per dtype group, in place
+    plan = lion.plan(params, grads, exp_avgs)          # bound once: plan.step(lr=1e-4)
+
+The update is checked when the rule is made (`_language`), then generated twice from the same
+checked program: a CUDA functor on mtapply's chunk walker (`_cuda`, compiled by NVRTC like the
+built-in ops) and a NumPy path for the CPU (`_numpy`). Steps have the built-in ops' semantics:
+checks before anything is written, AMP's grad_scale and found_inf, master weights for 16-bit
+params, device scalars for any hyperparameter, the caller's stream, CUDA graphs.
+"""
+from __future__ import annotations
+
+import textwrap
+
+from ._language import check_hyper, parse, parse_slots
+
+
+class Rule:
+    """A user-written optimizer: `step` and `plan` over lists in slot order."""
+
+    def __init__(self, name: str, slots: str, hyper: dict, update: str):
+        if not isinstance(name, str) or not name:
+            raise TypeError("name must be a non-empty string")
+        self.name = name
+        parsed = parse_slots(slots)
+        self.program = parse(parsed, check_hyper(hyper, parsed), textwrap.dedent(update))
+        self._specs: dict = {}
+
+    @property
+    def slots(self) -> tuple:
+        """The rule's slot names, in the order `step` and `plan` take their lists."""
+        return tuple(s.name for s in self.program.slots)
+
+    @property
+    def hyper(self) -> dict:
+        """Hyperparameter name -> default (None: required at every step)."""
+        return dict(self.program.hyper)
+
+    def spec(self, master_weights: bool = False):
+        """The rule's op (`mtapply.ops.rule.RuleSpec`), for the engine and the adapters."""
+        from ..ops.rule import RuleSpec
+
+        spec = self._specs.get(master_weights)
+        if spec is None:
+            spec = self._specs[master_weights] = RuleSpec(self.name, self.program,
+                                                          master_weights=master_weights)
+        return spec
+
+    def cuda_source(self) -> str:
+        """The CUDA functor the rule generates (compiled after mtapply's chunk walker)."""
+        return self.spec().functor_text
+
+    def plan(self, *lists, master_params=None, table_mode=None, stream=None):
+        """Binds the lists (one per slot, in order) once; `plan.step(**hyper)` then steps them."""
+        from ..engine import Plan
+
+        spec = self.spec(master_params is not None)
+        return Plan(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,
+                    stream=stream)
+
+    def step(self, *lists, master_params=None, grad_scale=None, found_inf=None, stream=None,
+             table_mode=None, **hyper) -> None:
+        """One step over whole lists (one per slot, in order), in place."""
+        from .. import _calls
+
+        spec = self.spec(master_params is not None)
+        spec.arguments(**hyper)
+        _calls.step(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,
+                    stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+    def _tensors(self, spec, lists: tuple, master_params) -> dict:
+        if len(lists) != len(self.program.slots):
+            raise TypeError(f"rule {self.name!r} takes {len(self.program.slots)} lists "
+                            f"({', '.join(self.slots)}), got {len(lists)}")
+        tensors = dict(zip(spec.slots, lists))
+        if master_params is not None:
+            tensors["master_params"] = master_params
+        return tensors
+
+    def __repr__(self) -> str:
+        return f"mtapply.rule({self.name!r}, slots={' '.join(self.slots)!r})"
+
+
+def rule(name: str, *, slots: str, hyper: dict, update: str) -> Rule:
+    """A fused multi-tensor optimizer from a few lines (see the module docstring).
+
+    Args:
+        name: the rule's name, for messages.
+        slots: the per-param tensors as "NAME:r" or "NAME:rw", in the order `step` takes their
+            lists: "param:rw" first, and "grad:r" among them.
+        hyper: name -> default of each scalar hyperparameter (None: required). Each may be a
+            number or a one-element float32 device array at step time; `step` (the 1-based
+            step count) is always available too.
+        update: one assignment per line (see `mtapply.rules._language`).
+
+    Raises:
+        ValueError, TypeError: at once, naming the line, for unknown names, a write to a
+        read-only slot, an rw slot never written, a comparison used as a number, a call
+        outside the rule functions, division by a literal 0.
+    """
+    return Rule(name, slots, hyper, update)
+
+
+__all__ = ["Rule", "rule"]

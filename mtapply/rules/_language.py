@@ -1,0 +1,245 @@
+"""The rule language: a few lines of per-element assignments, parsed and checked once.
+
+A rule's update is Python-like text, one assignment per line:
+
+    c = beta1 * exp_avg + (1 - beta1) * grad
+    param = param * (1 - lr * weight_decay) - lr * sign(c)
+    exp_avg = beta2 * exp_avg + (1 - beta2) * grad
+
+Names are the rule's slots (per-element values of its tensors), its hyperparameters and `step`
+(per-launch numbers), and temporaries assigned on earlier lines. Expressions use numbers,
++ - * / **, unary minus, comparisons, `where(cond, a, b)` and the functions in FUNCTIONS.
+The text is parsed with Python's `ast` and only the node types named here are accepted: nothing
+from it is ever executed. Each value is classed once: *uniform* (the same for every element of
+a launch: numbers, hyperparameters, step, and what is computed from them alone) or *element*,
+and boolean (a comparison) or numeric. Both code generators walk the same checked `Program`.
+"""
+from __future__ import annotations
+
+import ast
+import keyword
+import math
+from dataclasses import dataclass, field
+
+FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
+             "max": 2, "where": 3}
+BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
+COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
+           ast.NotEq: "!="}
+STEP = "step"
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    written: bool
+
+
+@dataclass(frozen=True)
+class Line:
+    """One checked assignment: `target` (a slot or a temporary) = `expr`."""
+
+    number: int
+    target: str
+    expr: ast.expr
+    text: str
+
+
+@dataclass(frozen=True)
+class Kind:
+    uniform: bool
+    boolean: bool = False
+
+
+@dataclass
+class Program:
+    """A checked rule: its slots, hyperparameters (name -> default, None for required), and
+    update lines, with the kind of every expression node (`kinds`, by node id)."""
+
+    slots: tuple
+    hyper: dict
+    lines: tuple
+    kinds: dict = field(default_factory=dict)
+
+    def kind(self, node) -> Kind:
+        return self.kinds[id(node)]
+
+    @property
+    def uses_step(self) -> bool:
+        return any(isinstance(n, ast.Name) and n.id == STEP
+                   for line in self.lines for n in ast.walk(line.expr))
+
+
+def parse_slots(text: str) -> tuple:
+    """"param:rw grad:r exp_avg:rw" -> Slots. param (read-written) comes first, grad (read)
+    is among them."""
+    if not isinstance(text, str):
+        raise TypeError(f"slots must be a string like \"param:rw grad:r exp_avg:rw\", got "
+                        f"{type(text).__name__}")
+    slots = []
+    for word in text.split():
+        name, _, mode = word.partition(":")
+        if not name.isidentifier() or keyword.iskeyword(name) or mode not in ("r", "rw"):
+            raise ValueError(f"slots: {word!r} is not NAME:r or NAME:rw")
+        if name in FUNCTIONS or name == STEP:
+            raise ValueError(f"slots: {name!r} is a reserved name")
+        if any(s.name == name for s in slots):
+            raise ValueError(f"slots: {name!r} is declared twice")
+        slots.append(Slot(name, mode == "rw"))
+    if not slots or slots[0] != Slot("param", True):
+        raise ValueError("slots must begin with param:rw (the tensors the rule updates)")
+    if Slot("grad", False) not in slots:
+        raise ValueError("slots must include grad:r (the gradients, unscaled by AMP's "
+                         "grad_scale)")
+    return tuple(slots)
+
+
+def check_hyper(hyper: dict, slots: tuple) -> dict:
+    """name -> default (a number, or None for a required hyperparameter)."""
+    if not isinstance(hyper, dict):
+        raise TypeError(f"hyper must be a dict of name -> default, got {type(hyper).__name__}")
+    taken = {s.name for s in slots}
+    out = {}
+    for name, default in hyper.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"hyper: {name!r} is not a valid name")
+        if name in taken or name in FUNCTIONS or name == STEP:
+            raise ValueError(f"hyper: {name!r} is already a slot or a reserved name")
+        if default is not None and (isinstance(default, bool)
+                                    or not isinstance(default, (int, float))):
+            raise TypeError(f"hyper: the default of {name!r} must be a number or None "
+                            f"(required), got {default!r}")
+        out[name] = None if default is None else float(default)
+    return out
+
+
+def parse(slots: tuple, hyper: dict, update: str) -> Program:
+    """The checked program of an update text; ValueError or TypeError naming the line."""
+    if not isinstance(update, str):
+        raise TypeError(f"update must be a string of assignments, got {type(update).__name__}")
+    program = Program(slots, hyper, ())
+    checker = _Checker(program)
+    lines = []
+    for number, text in enumerate(update.splitlines(), 1):
+        text = text.split("#", 1)[0].strip()
+        if text:
+            lines.append(checker.line(number, text))
+    if not lines:
+        raise ValueError("update has no assignments")
+    never = [s.name for s in slots if s.written and s.name not in checker.assigned]
+    if never:
+        raise ValueError(f"slot {never[0]!r} is declared rw but no line assigns it: declare it "
+                         f"{never[0]}:r, or assign it")
+    program.lines = tuple(lines)
+    return program
+
+
+class _Checker:
+    def __init__(self, program: Program):
+        self.program = program
+        self.slots = {s.name: s for s in program.slots}
+        self.temporaries: dict = {}  # name -> Kind of its latest value
+        self.assigned: set = set()
+
+    def line(self, number: int, text: str) -> Line:
+        self.where, self.text = f"update line {number} ({text!r})", text
+        try:
+            tree = ast.parse(text, mode="exec")
+        except SyntaxError as error:
+            raise ValueError(f"{self.where}: {error.msg}") from None
+        statement = tree.body[0] if len(tree.body) == 1 else None
+        if (not isinstance(statement, ast.Assign) or len(statement.targets) != 1
+                or not isinstance(statement.targets[0], ast.Name)):
+            raise ValueError(f"{self.where}: each line is one assignment NAME = expression")
+        target, expr = statement.targets[0].id, statement.value
+        kind = self.expr(expr)
+        if kind.boolean:
+            raise TypeError(f"{self.where}: a comparison is only a where() condition, not a "
+                            f"value to assign")
+        if target in self.slots:
+            if not self.slots[target].written:
+                raise ValueError(f"{self.where}: slot {target!r} is read-only (declared "
+                                 f"{target}:r)")
+            self.assigned.add(target)
+        elif target in self.program.hyper or target == STEP or target in FUNCTIONS:
+            raise ValueError(f"{self.where}: {target!r} is a hyperparameter or reserved name "
+                             f"and cannot be assigned")
+        else:
+            self.temporaries[target] = kind
+        return Line(number, target, expr, text)
+
+    def expr(self, node) -> Kind:
+        kind = self._kind(node)
+        self.program.kinds[id(node)] = kind
+        return kind
+
+    def _kind(self, node) -> Kind:
+        if isinstance(node, ast.Constant):
+            if (isinstance(node.value, bool) or not isinstance(node.value, (int, float))
+                    or not math.isfinite(node.value)):
+                raise ValueError(f"{self.where}: {node.value!r} is not a finite number")
+            return Kind(uniform=True)
+        if isinstance(node, ast.Name):
+            return self._name(node.id)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return self._numeric(node.operand, "unary minus")
+        if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+            left = self._numeric(node.left, BINARY[type(node.op)])
+            right = self._numeric(node.right, BINARY[type(node.op)])
+            if isinstance(node.op, ast.Div) and _is_zero(node.right):
+                raise ValueError(f"{self.where}: division by the literal 0")
+            return Kind(uniform=left.uniform and right.uniform)
+        if isinstance(node, ast.Compare):
+            if len(node.ops) != 1 or type(node.ops[0]) not in COMPARE:
+                raise ValueError(f"{self.where}: one comparison (< <= > >= == !=) at a time")
+            left = self._numeric(node.left, "a comparison")
+            right = self._numeric(node.comparators[0], "a comparison")
+            return Kind(uniform=left.uniform and right.uniform, boolean=True)
+        if isinstance(node, ast.Call):
+            return self._call(node)
+        token = ast.get_source_segment(self.text, node) or type(node).__name__
+        raise ValueError(f"{self.where}: {type(node).__name__} ({token}) is not part of the rule "
+                         f"language (numbers, names, + - * / **, comparisons, where() and "
+                         f"{', '.join(f for f in FUNCTIONS if f != 'where')})")
+
+    def _name(self, name: str) -> Kind:
+        if name in self.slots:
+            return Kind(uniform=False)
+        if name in self.program.hyper or name == STEP:
+            return Kind(uniform=True)
+        if name in self.temporaries:
+            return self.temporaries[name]
+        raise ValueError(f"{self.where}: unknown name {name!r} (slots: "
+                         f"{', '.join(self.slots)}; hyperparameters: "
+                         f"{', '.join(self.program.hyper) or 'none'}; step; or a name assigned "
+                         f"on an earlier line)")
+
+    def _numeric(self, node, what: str) -> Kind:
+        kind = self.expr(node)
+        if kind.boolean:
+            raise TypeError(f"{self.where}: a comparison cannot be an operand of {what}; use "
+                            f"where(cond, a, b)")
+        return kind
+
+    def _call(self, node: ast.Call) -> Kind:
+        name = node.func.id if isinstance(node.func, ast.Name) else None
+        if name not in FUNCTIONS:
+            shown = name or ast.get_source_segment(self.text, node.func)
+            raise ValueError(f"{self.where}: {shown}() is not a rule function (allowed: "
+                             f"{', '.join(FUNCTIONS)})")
+        if node.keywords or len(node.args) != FUNCTIONS[name]:
+            raise TypeError(f"{self.where}: {name}() takes {FUNCTIONS[name]} positional "
+                            f"argument(s)")
+        if name == "where":
+            cond = self.expr(node.args[0])
+            if not cond.boolean:
+                raise TypeError(f"{self.where}: where()'s first argument must be a comparison")
+            a, b = (self._numeric(arg, "where()") for arg in node.args[1:])
+            return Kind(uniform=cond.uniform and a.uniform and b.uniform)
+        kinds = [self._numeric(arg, f"{name}()") for arg in node.args]
+        return Kind(uniform=all(k.uniform for k in kinds))
+
+
+def _is_zero(node) -> bool:
+    return (isinstance(node, ast.Constant) and not isinstance(node.value, bool)
+            and isinstance(node.value, (int, float)) and node.value == 0)

@@ -1,0 +1,95 @@
+"""A rule's update on the CPU: the checked program evaluated with NumPy, tensor by tensor.
+
+It follows the CUDA functor's arithmetic: every maximal uniform subexpression is computed in
+float64 (as the functor's constructor does, once per launch) and rounded to the math type where
+element values use it; element values are computed in the math type (float32, or float64 for
+float64 params). x**2 is x*x and x**0.5 is sqrt(x) in both.
+"""
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+
+from ._language import STEP, Program
+
+_ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np.exp,
+                      "log": np.log, "min": np.fmin, "max": np.fmax}
+
+
+def evaluate(program: Program, arrays: dict, scalars: dict, dtype) -> dict:
+    """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
+    `scalars`: hyperparameter (and step) name -> float."""
+    shape = next(iter(arrays.values())).shape
+    env = {name: np.float64(value) for name, value in scalars.items()}
+    env.update(arrays)
+    with np.errstate(all="ignore"):
+        for line in program.lines:
+            env[line.target] = _Evaluator(program, env, dtype).value(line.expr)
+    return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()
+            for s in program.slots if s.written}
+
+
+class _Evaluator:
+    def __init__(self, program: Program, env: dict, dtype):
+        self.program, self.env, self.dtype = program, env, dtype
+
+    def value(self, node):
+        """The node's value: a float64 scalar when uniform, else an array in the math type."""
+        return self.uniform(node) if self.program.kind(node).uniform else self.element(node)
+
+    def element(self, node):
+        if self.program.kind(node).uniform:  # hoisted: computed in float64, then rounded
+            value = self.uniform(node)
+            return value if isinstance(value, (bool, np.bool_)) else self.dtype(value)
+        if isinstance(node, ast.Name):  # a slot, or a temporary of element values
+            return self.env[node.id]
+        return self._apply(node, self.element)
+
+    def uniform(self, node):
+        if isinstance(node, ast.Constant):
+            return np.float64(node.value)
+        if isinstance(node, ast.Name):
+            return np.float64(self.env[node.id]) if node.id == STEP else self.env[node.id]
+        return self._apply(node, self.uniform)
+
+    def _apply(self, node, sub):
+        one = self.dtype(1) if sub == self.element else np.float64(1)
+        if isinstance(node, ast.UnaryOp):
+            operand = sub(node.operand)
+            return -operand if isinstance(node.op, ast.USub) else operand
+        if isinstance(node, ast.BinOp):
+            return _binary(node, sub)
+        if isinstance(node, ast.Compare):
+            left, right = sub(node.left), sub(node.comparators[0])
+            return _COMPARE[type(node.ops[0])](left, right)
+        name = node.func.id
+        args = [sub(arg) for arg in node.args]
+        if name == "where":
+            return np.where(*args) if sub == self.element else (args[1] if args[0] else args[2])
+        if name == "rsqrt":
+            return one / np.sqrt(args[0])
+        return _ELEMENT_FUNCTIONS[name](*args)
+
+
+def _binary(node: ast.BinOp, sub):
+    left = sub(node.left)
+    if isinstance(node.op, ast.Pow) and isinstance(node.right, ast.Constant):
+        if node.right.value == 2:
+            return left * left
+        if node.right.value == 0.5:
+            return np.sqrt(left)
+    right = sub(node.right)
+    if isinstance(node.op, ast.Add):
+        return left + right
+    if isinstance(node.op, ast.Sub):
+        return left - right
+    if isinstance(node.op, ast.Mult):
+        return left * right
+    if isinstance(node.op, ast.Div):
+        return left / right
+    return np.power(left, right)
+
+
+_COMPARE = {ast.Lt: np.less, ast.LtE: np.less_equal, ast.Gt: np.greater,
+            ast.GtE: np.greater_equal, ast.Eq: np.equal, ast.NotEq: np.not_equal}

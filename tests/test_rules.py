@@ -1,0 +1,232 @@
+"""User-written rules (`mtapply.rule`): the language's checks, the NumPy path against float64
+references and torch.optim, and the generated CUDA compiled by NVRTC (no GPU needed)."""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import mtapply
+from mtapply import _source
+
+LION = dict(slots="param:rw grad:r exp_avg:rw",
+            hyper=dict(lr=None, beta1=0.9, beta2=0.99, weight_decay=0.0),
+            update="""
+                c = beta1 * exp_avg + (1 - beta1) * grad
+                param = param * (1 - lr * weight_decay) - lr * sign(c)
+                exp_avg = beta2 * exp_avg + (1 - beta2) * grad
+            """)
+ADAGRAD = dict(slots="param:rw grad:r state_sum:rw",
+               hyper=dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, eps=1e-10),
+               update="""
+                   g = grad + weight_decay * param
+                   state_sum = state_sum + g * g
+                   clr = lr / (1 + (step - 1) * lr_decay)
+                   param = param - clr * (g / (sqrt(state_sum) + eps))
+               """)
+# every construct of the language once: where() on element and uniform conditions, each
+# function, powers, unary minus, a temporary reassigned
+EVERYTHING = dict(slots="param:rw grad:r a:rw b:r",
+                  hyper=dict(lr=None, k=2.0),
+                  update="""
+                      t = where(grad > 0, sqrt(abs(grad)), -rsqrt(abs(grad) + 1))
+                      t = t + exp(-abs(b)) * log(1 + b * b) + min(grad, b) - max(a, -1)
+                      u = where(step > 1, lr, lr / k)
+                      a = a ** 2 * 0.5 + b ** 0.5 * 0 + abs(a) ** 1.5 * 0.1 + sign(grad)
+                      param = param - u * t
+                  """)
+SHAPES = [(10,), (3, 4), (0,), (1,), (257,)]
+
+
+def _lists(rng, n_slots, dtype=np.float32, positive=()):
+    return [[(np.abs(x) if k in positive else x).astype(dtype)
+             for x in (rng.standard_normal(s) for s in SHAPES)] for k in range(n_slots)]
+
+
+def test_lion_follows_its_float64_definition():
+    lion = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(0)
+    params, _, exp_avgs = _lists(rng, 3)
+    want_p = [p.astype(np.float64) for p in params]
+    want_m = [m.astype(np.float64) for m in exp_avgs]
+    for _ in range(5):
+        grads = _lists(rng, 1)[0]
+        lion.step(params, grads, exp_avgs, lr=0.01, weight_decay=0.1)
+        for i, g in enumerate(grads):
+            c = 0.9 * want_m[i] + 0.1 * g
+            want_p[i] = want_p[i] * (1 - 0.01 * 0.1) - 0.01 * np.sign(c)
+            want_m[i] = 0.99 * want_m[i] + 0.01 * g
+    for got, want in zip(params + exp_avgs, want_p + want_m):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_rule_matches_torch_optim():
+    torch = pytest.importorskip("torch")
+    adagrad = mtapply.rule("adagrad", **ADAGRAD)
+    rng = np.random.default_rng(1)
+    params = _lists(rng, 1)[0]
+    sums = [np.zeros_like(p) for p in params]
+    theirs = [torch.tensor(p, requires_grad=True) for p in params]
+    opt = torch.optim.Adagrad(theirs, lr=0.1, lr_decay=0.01, weight_decay=0.05)
+    for step in range(1, 21):
+        grads = _lists(rng, 1)[0]
+        adagrad.step(params, grads, sums, lr=0.1, lr_decay=0.01, weight_decay=0.05, step=step)
+        for t, g in zip(theirs, grads):
+            t.grad = torch.tensor(g)
+        opt.step()
+    for got, want in zip(params, theirs):
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=2e-6, atol=1e-7)
+
+
+def test_every_construct_follows_the_float64_definition():
+    rule = mtapply.rule("everything", **EVERYTHING)
+    rng = np.random.default_rng(2)
+    params, grads, a, b = _lists(rng, 4, positive=(3,))
+    want = [np.array(x, np.float64) for x in params], [np.array(x, np.float64) for x in a]
+    rule.step(params, grads, a, b, lr=0.1, step=1)
+    for i, (g, bb) in enumerate(zip(grads, b)):
+        g, bb, aa = g.astype(np.float64), bb.astype(np.float64), want[1][i]
+        t = np.where(g > 0, np.sqrt(np.abs(g)), -1 / np.sqrt(np.abs(g) + 1))
+        t = t + np.exp(-np.abs(bb)) * np.log(1 + bb * bb) + np.fmin(g, bb) - np.fmax(aa, -1)
+        want[1][i] = aa ** 2 * 0.5 + np.abs(aa) ** 1.5 * 0.1 + np.sign(g)
+        want[0][i] = want[0][i] - 0.05 * t  # step 1: lr / k
+    for got, expected in zip(params + a, want[0] + want[1]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_storage_computes_in_float32():
+    lion = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(3)
+    params, grads, exp_avgs = _lists(rng, 3, np.float16)
+    want = [p.astype(np.float32) - 0.01 * np.sign(0.9 * m.astype(np.float32) + 0.1 * g)
+            for p, g, m in zip(params, grads, exp_avgs)]
+    lion.step(params, grads, exp_avgs, lr=0.01)
+    for got, expected in zip(params, want):
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, expected.astype(np.float16))
+
+
+def test_plan_steps_like_the_one_call():
+    lion = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(4)
+    lists = _lists(rng, 3)
+    copies = [[x.copy() for x in column] for column in lists]
+    plan = lion.plan(*lists)
+    for _ in range(3):
+        plan.step(lr=0.01, beta1=0.5)
+        lion.step(*copies, lr=0.01, beta1=0.5)
+    for got, want in zip(lists[0] + lists[2], copies[0] + copies[2]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_amp_grad_scale_and_found_inf():
+    lion = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(5)
+    params, grads, exp_avgs = _lists(rng, 3)
+    kept = [p.copy() for p in params]
+    lion.step(params, grads, exp_avgs, lr=0.01, found_inf=1.0)
+    for got, want in zip(params, kept):
+        np.testing.assert_array_equal(got, want)
+    scaled = [g * 1024 for g in grads]
+    twin = [p.copy() for p in params], [m.copy() for m in exp_avgs]
+    lion.step(params, scaled, exp_avgs, lr=0.01, grad_scale=1024.0)
+    lion.step(twin[0], grads, twin[1], lr=0.01)
+    for got, want in zip(params + exp_avgs, twin[0] + twin[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _bad(update, slots="param:rw grad:r m:rw", hyper=None):
+    return mtapply.rule("bad", slots=slots, hyper=hyper or {"lr": None}, update=update)
+
+
+@pytest.mark.parametrize("update,error,match", [
+    ("param = param - lr * nope", ValueError, r"line 1 .*unknown name 'nope'"),
+    ("m = grad\ngrad = 0 * grad\nparam = param", ValueError, r"line 2 .*'grad' is read-only"),
+    ("param = param - lr * grad", ValueError, r"'m' is declared rw but no line assigns it"),
+    ("m = grad > 0\nparam = param", TypeError, r"line 1 .*comparison is only a where"),
+    ("m = (grad > 0) * 2\nparam = param", TypeError, r"line 1 .*cannot be an operand of \*"),
+    ("m = where(grad, 1, 2)\nparam = param", TypeError, r"line 1 .*first argument must be a comp"),
+    ("m = grad / 0\nparam = param", ValueError, r"line 1 .*division by the literal 0"),
+    ("m = grad\nparam = __import__('os').system('true')", ValueError,
+     r"line 2 .*__import__\('os'\)\.system\(\) is not a rule function"),
+    ("m = grad\nparam = __import__('os')", ValueError, r"line 2 .*__import__\(\) is not a rule"),
+    ("m = grad.real\nparam = param", ValueError, r"line 1 .*Attribute \(grad.real\)"),
+    ("m = grad\nparam = param[0]", ValueError, r"line 2 .*Subscript"),
+    ("m = grad\nlr = 1\nparam = param", ValueError, r"line 2 .*'lr' is a hyperparameter"),
+    ("m = grad\nparam = sqrt(grad, m)", TypeError, r"line 2 .*sqrt\(\) takes 1"),
+    ("m = grad\nparam = param if lr else m", ValueError, r"line 2 .*IfExp"),
+    ("m, param = grad, grad", ValueError, r"line 1 .*one assignment NAME = expression"),
+    ("m = grad\nparam = param - 1e999 * lr", ValueError, r"line 2 .*not a finite number"),
+    ("m = grad +\nparam = param", ValueError, r"line 1 .*invalid syntax"),
+])
+def test_bad_rules_are_refused_naming_the_line(update, error, match):
+    with pytest.raises(error, match=match):
+        _bad(update)
+
+
+@pytest.mark.parametrize("slots,hyper,match", [
+    ("grad:r param:rw", {}, "begin with param:rw"),
+    ("param:rw m:rw", {}, "include grad:r"),
+    ("param:rw grad:r m:x", {}, "'m:x' is not NAME:r or NAME:rw"),
+    ("param:rw grad:r m:rw m:r", {}, "'m' is declared twice"),
+    ("param:rw grad:r step:rw", {}, "'step' is a reserved name"),
+    ("param:rw grad:r m:rw", {"m": 1.0}, "'m' is already a slot"),
+    ("param:rw grad:r m:rw", {"lr": "fast"}, "default of 'lr' must be a number"),
+])
+def test_bad_slots_and_hyperparameters(slots, hyper, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _bad("m = grad\nparam = param", slots=slots, hyper=hyper)
+
+
+def test_step_arguments_are_checked_before_anything_is_written():
+    lion = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(6)
+    lists = _lists(rng, 3)
+    kept = [x.copy() for x in lists[0]]
+    with pytest.raises(TypeError, match="needs lr="):
+        lion.step(*lists)
+    with pytest.raises(TypeError, match="no hyperparameter 'momentum'"):
+        lion.step(*lists, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="beta1 must be"):
+        lion.step(*lists, lr=0.1, beta1=float("nan"))
+    with pytest.raises(TypeError, match="takes 3 lists"):
+        lion.step(lists[0], lists[1], lr=0.1)
+    with pytest.raises(ValueError, match="exp_avgs"):
+        lion.step(lists[0], lists[1], lists[2][:-1], lr=0.1)
+    for got, want in zip(lists[0], kept):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_step_is_required_only_by_rules_that_read_it():
+    adagrad = mtapply.rule("adagrad", **ADAGRAD)
+    lists = _lists(np.random.default_rng(7), 3, positive=(2,))
+    with pytest.raises(TypeError, match="needs step="):
+        adagrad.step(*lists)
+    mtapply.rule("lion", **LION).step(*lists, lr=0.1)  # no step needed
+
+
+def test_cuda_source_is_readable():
+    source = mtapply.rule("lion", **LION).cuda_source()
+    assert "// param = param * (1 - lr * weight_decay) - lr * sign(c)" in source
+    assert "scalar_arg(a.lr_ptr, a.lr)" in source and "N_SLOTS = 3" in source
+
+
+ARCHS = ("sm_80", "sm_90")
+
+
+@pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING], ids=["lion", "adagrad",
+                                                                          "everything"])
+@pytest.mark.parametrize("dtypes", ["float32", "bfloat16", "float64", "master"])
+def test_generated_kernels_compile(definition, dtypes):
+    pytest.importorskip("cuda.bindings")
+    rule = mtapply.rule("compiled", **definition)
+    spec = rule.spec(master_weights=dtypes == "master")
+    n = len(rule.slots)
+    types = {"float32": ("float32",) * n, "bfloat16": ("bfloat16",) + ("float32",) * (n - 1),
+             "float64": ("float64",) * n,
+             "master": ("bfloat16", "bfloat16") + ("float32",) * (n - 1)}[dtypes]
+    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    assert "#include" not in source
+    with ThreadPoolExecutor(len(ARCHS)) as pool:
+        cubins = list(pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS))
+    for cubin in cubins:
+        assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
