@@ -1,4 +1,5 @@
-"""Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB.
+"""Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
+and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
@@ -46,7 +47,7 @@ from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 
-__all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW"]
+__all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW", "RuleOptimizer", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -324,12 +325,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return counter
 
     @staticmethod
-    def _lr(group, device):
-        lr = group["lr"]
+    def _lr(group, device, name: str = "lr"):
+        """A group's hyperparameter as the plan takes it: a float, or a one-element float32
+        tensor on the params' device (read by the kernel)."""
+        lr = group[name]
         if isinstance(lr, torch.Tensor):
             if lr.device != device or lr.dtype != torch.float32:
-                raise ValueError(f"a tensor lr must be float32 on {device} (the params' device), "
-                                 f"got {lr.dtype} on {lr.device}")
+                raise ValueError(f"a tensor {name} must be float32 on {device} (the params' "
+                                 f"device), got {lr.dtype} on {lr.device}")
             return lr.reshape(1) if lr.dim() == 0 else lr
         return float(lr)
 
@@ -475,6 +478,57 @@ class SGD(_FusedOptimizer):
         return dict(lr=self._lr(group, device), momentum=group["momentum"],
                     dampening=group["dampening"], weight_decay=group["weight_decay"],
                     step=2 if group["momentum"] != 0 else None)
+
+
+class RuleOptimizer(_FusedOptimizer):
+    """A user-written rule (`mtapply.rule`) as a `torch.optim.Optimizer`, made by `optimizer`.
+
+    Each hyperparameter of the rule is a param group option (its default from the rule; a rule
+    default of None is required, as torch's `lr` is); any may be a float or a one-element
+    float32 tensor on the params' device. Each slot other than param and grad is a per-param
+    state tensor of that name, zero at first, beside the device step counter `step`.
+    """
+
+    def __init__(self, rule, params, *, flat_grads=False, **hyper):
+        from torch.optim.optimizer import required
+
+        unknown = sorted(set(hyper) - set(rule.hyper))
+        if unknown:
+            raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
+                            f"{', '.join(rule.hyper)})")
+        self.rule = rule
+        defaults = {name: hyper.get(name, required if default is None else default)
+                    for name, default in rule.hyper.items()}
+        super().__init__(params, defaults, flat_grads)
+
+    def _compile_options(self, group) -> tuple:
+        return ()
+
+    def _init_state(self, group, p, state) -> None:
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for name in self.rule.slots[1:]:
+            if name != "grad" and name not in state:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _make_plan(self, group, params, grads):
+        lists = {"param": _aliases(params), "grad": grads}
+        return self.rule.plan(*(lists[name] if name in lists else self._states(params, name)
+                                for name in self.rule.slots))
+
+    def _hyper(self, group, device) -> dict:
+        return {name: self._lr(group, device, name) for name in self.rule.hyper}
+
+
+def optimizer(rule, params, *, flat_grads=False, **hyper) -> RuleOptimizer:
+    """`rule` (from `mtapply.rule`) as a torch.optim.Optimizer over `params` (params or param
+    groups), with the rule's hyperparameters as options: param groups, state_dict, LR
+    schedulers, GradScaler and `flat_grads` as the built-in optimizers have them.
+
+    Example:
+        >>> opt = mtapply.torch.optimizer(lion, model.parameters(), lr=1e-4, weight_decay=0.1)
+    """
+    return RuleOptimizer(rule, params, flat_grads=flat_grads, **hyper)
 
 
 def _is_dtensor(tensor) -> bool:
