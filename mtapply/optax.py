@@ -13,6 +13,10 @@
         grads = jax.grad(loss)(params, batch)
         return opt.step(params, grads, state)                  # -> (params, state), in place
 
+A rule written with `mtapply.rule` becomes one too: `transformation(rule, learning_rate,
+**hyper)` and `fused(rule, learning_rate, **hyper)`; `lion`, `adan` (and their fused forms) are the shipped
+rules of `mtapply.rules.library` with optax's arguments.
+
 `adam`, `adamw`, `sgd`, `lars` and `lamb` take optax's arguments and return
 `optax.GradientTransformation`s whose `update` returns updates (new params - params, computed by
 the kernel, which only reads the params), as optax's contract requires, so they compose with
@@ -65,6 +69,7 @@ fixed at construction (so `optax.inject_hyperparams` can drive learning_rate onl
 """
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
@@ -129,7 +134,7 @@ class LambState(NamedTuple):
     nu: Any
 
 
-_STATES = (AdamState, SgdState, LarsState, LambState)
+_STATES = [AdamState, SgdState, LarsState, LambState]  # and the states of rules (_UserRule)
 
 
 def tree_state(state, params):
@@ -153,12 +158,12 @@ def _convert_states(state, params, convert):
     layout = _FlatLayout(leaves)
 
     def one(node):
-        if not isinstance(node, _STATES):
+        if not isinstance(node, tuple(_STATES)):
             return node
         return node._replace(**{field: convert(layout, treedef, getattr(node, field), field)
                                 for field in node._fields[1:] if getattr(node, field) is not None})
 
-    return jax.tree.map(one, state, is_leaf=lambda node: isinstance(node, _STATES))
+    return jax.tree.map(one, state, is_leaf=lambda node: isinstance(node, tuple(_STATES)))
 
 
 class FusedOptimizer(NamedTuple):
@@ -287,6 +292,48 @@ class _Lamb(_Rule):
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, global_grad_norm=norm, **self.hyper)
+
+
+class _UserRule(_Rule):
+    """A user-written rule (`mtapply.rule`): its slots other than param and grad are the
+    state, zero at first; learning_rate drives its `lr`, the other hyperparameters are fixed
+    numbers given here."""
+
+    def __init__(self, rule, hyper: dict):
+        from .ops.rule import list_name
+
+        self.user, self.name = rule, rule.name
+        if "lr" not in rule.hyper:
+            raise TypeError(f"rule {rule.name!r} has no lr: mtapply.optax passes learning_rate "
+                            f"as the rule's lr hyperparameter")
+        unknown = sorted(set(hyper) - set(rule.hyper) - {"lr"})
+        if unknown:
+            raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
+                            f"{', '.join(rule.hyper)})")
+        self.hyper = {name: hyper.get(name, default) for name, default in rule.hyper.items()
+                      if name != "lr"}
+        missing = [name for name, value in self.hyper.items() if value is None]
+        if missing:
+            raise TypeError(f"rule {rule.name!r} needs {missing[0]}=... (a number)")
+        rule.spec().arguments(lr=0.0, step=1.0, **self.hyper)
+        read_only = [s.name for s in rule.program.slots[1:] if not s.written and s.name != "grad"]
+        if read_only:
+            raise NotImplementedError(f"rule {rule.name!r}: slot {read_only[0]!r} is read-only; "
+                                      f"mtapply.optax keeps only read-written slots as state")
+        self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
+        self.plan_slots = ("params", *map(list_name, self.slots), "grads")
+        self.reads_params = any(isinstance(node, ast.Name) and node.id == "param"
+                                for line in rule.program.lines for node in ast.walk(line.expr))
+        title = "".join(part.title() for part in rule.name.replace("-", "_").split("_"))
+        self.state_type = NamedTuple(f"{title or 'Rule'}State",
+                                     [("count", Any)] + [(name, Any) for name in self.slots])
+        _STATES.append(self.state_type)
+
+    def spec(self, statics):
+        return self.user.spec()
+
+    def step_args(self, lr, step, norm=None) -> dict:
+        return dict(lr=lr, step=step, **self.hyper)
 
 
 def _check(arguments: Callable, **hyper) -> None:
@@ -966,6 +1013,69 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
                              grad_averaging, bias_correction, max_grad_norm), learning_rate)
 
 
+def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> _UserRule:
+    from .rules import library
+
+    _refuse("lion", mu_dtype=(mu_dtype, None), mask=(mask, None))
+    if callable(weight_decay):
+        raise TypeError("mtapply.optax.lion: weight_decay must be a number, not a schedule")
+    return _UserRule(library.lion(), dict(beta1=b1, beta2=b2, weight_decay=weight_decay))
+
+
+def lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3, mask=None, *,
+         flat_state=True) -> optax.GradientTransformation:
+    """optax.lion on the rule `mtapply.rules.library.lion`: p -= lr * (sign(b1 * m + (1 - b1)
+    * g) + weight_decay * p); m = b2 * m + (1 - b2) * g. mu_dtype and mask only take their
+    defaults; the state is `LionState(count, exp_avg)`."""
+    return _transformation(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate,
+                           flat_state)
+
+
+def fused_lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3,
+               mask=None) -> FusedOptimizer:
+    """`lion` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate)
+
+
+def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> _UserRule:
+    from .rules import library
+
+    _refuse("adan", mask=(mask, None))
+    if callable(weight_decay):
+        raise TypeError("mtapply.optax.adan: weight_decay must be a number, not a schedule")
+    return _UserRule(library.adan(), dict(beta1=b1, beta2=b2, beta3=b3, eps=eps,
+                                          eps_root=eps_root, weight_decay=weight_decay))
+
+
+def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0, weight_decay=0.0,
+         mask=None, *, flat_state=True) -> optax.GradientTransformation:
+    """optax.adan on the rule `mtapply.rules.library.adan` (optax's arguments; mask only takes
+    its default). The state is `AdanState(count, m, v, n, prev_grad)`."""
+    return _transformation(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask),
+                           learning_rate, flat_state)
+
+
+def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
+               weight_decay=0.0, mask=None) -> FusedOptimizer:
+    """`adan` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask), learning_rate)
+
+
+def transformation(rule, learning_rate, *, flat_state=True,
+                   **hyper) -> optax.GradientTransformation:
+    """A user-written rule (`mtapply.rule`) as an optax transformation, like `adam`:
+    learning_rate (a number, array or schedule) is the rule's `lr`; the other hyperparameters
+    are numbers (the rule's defaults where not given). The state holds `count` and each
+    read-written slot besides param, zero at first."""
+    return _transformation(_UserRule(rule, hyper), learning_rate, flat_state)
+
+
+def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
+    """A user-written rule as a fused step, like `fused_adam`."""
+    return _fused(_UserRule(rule, hyper), learning_rate)
+
+
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adam", "adamw",
-           "flat_state", "fused_adam", "fused_adamw", "fused_lamb", "fused_lars", "fused_sgd",
-           "lamb", "lars", "sgd", "tree_state"]
+           "adan", "flat_state", "fused", "fused_adam", "fused_adamw", "fused_adan", "fused_lamb",
+           "fused_lars", "fused_lion", "fused_sgd", "lamb", "lars", "lion", "sgd", "transformation",
+           "tree_state"]

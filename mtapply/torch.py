@@ -1,5 +1,5 @@
 """Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
-and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
+Adagrad, RMSprop, Lion, Adan, and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
@@ -47,7 +47,8 @@ from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 
-__all__ = ["LAMB", "LARS", "SGD", "Adam", "AdamW", "RuleOptimizer", "optimizer"]
+__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "AdamW", "Adan", "Lion", "RMSprop",
+           "RuleOptimizer", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -325,16 +326,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return counter
 
     @staticmethod
-    def _lr(group, device, name: str = "lr"):
-        """A group's hyperparameter as the plan takes it: a float, or a one-element float32
-        tensor on the params' device (read by the kernel)."""
-        lr = group[name]
-        if isinstance(lr, torch.Tensor):
-            if lr.device != device or lr.dtype != torch.float32:
-                raise ValueError(f"a tensor {name} must be float32 on {device} (the params' "
-                                 f"device), got {lr.dtype} on {lr.device}")
-            return lr.reshape(1) if lr.dim() == 0 else lr
-        return float(lr)
+    def _lr(group, device):
+        return _scalar_option(group["lr"], device, "lr")
 
     # -- per optimizer --------------------------------------------------------------------------
 
@@ -480,7 +473,41 @@ class SGD(_FusedOptimizer):
                     step=2 if group["momentum"] != 0 else None)
 
 
-class RuleOptimizer(_FusedOptimizer):
+class _RuleBased(_FusedOptimizer):
+    """Optimizers run by a rule (`mtapply.rule`): each group's rule and hyperparameters, state
+    tensors named after the rule's slots beside the device step counter `step`."""
+
+    def _rule(self, group):
+        raise NotImplementedError
+
+    def _rule_hyper(self, group) -> dict:
+        """The rule's hyperparameters from a group's options (the same names by default)."""
+        return {name: group[name] for name in self._rule(group).hyper}
+
+    def _initial(self, group, p, name: str):
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _compile_options(self, group) -> tuple:
+        return (self._rule(group),)
+
+    def _init_state(self, group, p, state) -> None:
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for name in self._rule(group).slots[1:]:
+            if name != "grad" and name not in state:
+                state[name] = self._initial(group, p, name)
+
+    def _make_plan(self, group, params, grads):
+        lists, rule = {"param": _aliases(params), "grad": grads}, self._rule(group)
+        return rule.plan(*(lists[name] if name in lists else self._states(params, name)
+                           for name in rule.slots))
+
+    def _hyper(self, group, device) -> dict:
+        return {name: _scalar_option(value, device, name)
+                for name, value in self._rule_hyper(group).items()}
+
+
+class RuleOptimizer(_RuleBased):
     """A user-written rule (`mtapply.rule`) as a `torch.optim.Optimizer`, made by `optimizer`.
 
     Each hyperparameter of the rule is a param group option (its default from the rule; a rule
@@ -501,23 +528,123 @@ class RuleOptimizer(_FusedOptimizer):
                     for name, default in rule.hyper.items()}
         super().__init__(params, defaults, flat_grads)
 
-    def _compile_options(self, group) -> tuple:
-        return ()
+    def _rule(self, group):
+        return self.rule
 
-    def _init_state(self, group, p, state) -> None:
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for name in self.rule.slots[1:]:
-            if name != "grad" and name not in state:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _make_plan(self, group, params, grads):
-        lists = {"param": _aliases(params), "grad": grads}
-        return self.rule.plan(*(lists[name] if name in lists else self._states(params, name)
-                                for name in self.rule.slots))
+class Lion(_RuleBased):
+    """Lion (lion-pytorch's arguments and state: `exp_avg`), from `mtapply.rules.library.lion`:
+    p = p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g.
+    """
 
-    def _hyper(self, group, device) -> dict:
-        return {name: self._lr(group, device, name) for name in self.rule.hyper}
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 flat_grads=False):
+        _check_adam_args(lr, betas, 0.0, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), flat_grads)
+
+    def _rule(self, group):
+        from .rules import library
+
+        return library.lion()
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+
+
+class Adan(_RuleBased):
+    """Adan (`mtapply.rules.library.adan`, optax.adan's update) with the arguments of the
+    authors' PyTorch implementation: betas=(beta1, beta2, beta3), eps, weight_decay (decoupled:
+    p -= lr * (update + weight_decay * p)). State: `m`, `v`, `n`, `prev_grad`, `step`."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
+                 *, flat_grads=False):
+        _check_options(lr=lr, eps=eps, weight_decay=weight_decay)
+        for k, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {k}: {beta}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay), flat_grads)
+
+    def _rule(self, group):
+        from .rules import library
+
+        return library.adan()
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2, beta3 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
+                    eps_root=0.0, weight_decay=group["weight_decay"])
+
+
+class Adagrad(_RuleBased):
+    """`torch.optim.Adagrad` (same arguments and state: `sum`, `step`) from
+    `mtapply.rules.library.adagrad`; `foreach`, `fused` and `differentiable=False` are accepted
+    for compatibility."""
+
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                 initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
+                 differentiable=False, fused=None, flat_grads=False):
+        _check_options(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                       initial_accumulator_value=initial_accumulator_value, eps=eps)
+        if differentiable:
+            raise ValueError("differentiable=True is not supported by mtapply's fused step")
+        defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
+                        initial_accumulator_value=initial_accumulator_value, foreach=foreach,
+                        maximize=maximize, differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        from .rules import library
+
+        return library.adagrad(bool(group["maximize"]))
+
+    def _initial(self, group, p, name: str):
+        return torch.full_like(p, float(group["initial_accumulator_value"]),
+                               memory_format=torch.preserve_format)
+
+
+class RMSprop(_RuleBased):
+    """`torch.optim.RMSprop` (same arguments and state: `square_avg`, `grad_avg`,
+    `momentum_buffer`, `step`) from `mtapply.rules.library.rmsprop`; `foreach`, `capturable`
+    and `differentiable=False` are accepted for compatibility."""
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
+                 centered=False, capturable=False, foreach=None, maximize=False,
+                 differentiable=False, *, flat_grads=False):
+        _check_options(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                       momentum=momentum)
+        if differentiable:
+            raise ValueError("differentiable=True is not supported by mtapply's fused step")
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                        momentum=momentum, centered=centered, capturable=capturable,
+                        foreach=foreach, maximize=maximize, differentiable=differentiable)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        from .rules import library
+
+        return library.rmsprop(bool(group["centered"]), group["momentum"] > 0,
+                               bool(group["maximize"]))
+
+
+def _check_options(**values) -> None:
+    """torch.optim's checks of non-negative options, with its messages."""
+    for name, value in values.items():
+        if not 0.0 <= float(value):
+            label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
+            raise ValueError(f"Invalid {label}: {value}")
+
+
+def _scalar_option(value, device, name: str):
+    """A group's option as a plan takes it: a float, or a one-element float32 tensor on the
+    params' device (read by the kernel)."""
+    if isinstance(value, torch.Tensor):
+        if value.device != device or value.dtype != torch.float32:
+            raise ValueError(f"a tensor {name} must be float32 on {device} (the params' "
+                             f"device), got {value.dtype} on {value.device}")
+        return value.reshape(1) if value.dim() == 0 else value
+    return float(value)
 
 
 def optimizer(rule, params, *, flat_grads=False, **hyper) -> RuleOptimizer:

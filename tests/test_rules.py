@@ -230,3 +230,42 @@ def test_generated_kernels_compile(definition, dtypes):
         cubins = list(pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS))
     for cubin in cubins:
         assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+
+
+def _shipped():
+    from mtapply.rules import library
+
+    yield "lion", library.lion()
+    yield "adan", library.adan()
+    for maximize in (False, True):
+        yield f"adagrad-max{int(maximize)}", library.adagrad(maximize)
+    for centered in (False, True):
+        for momentum in (False, True):
+            for maximize in (False, True):
+                yield (f"rmsprop-c{int(centered)}-m{int(momentum)}-max{int(maximize)}",
+                       library.rmsprop(centered, momentum, maximize))
+
+
+@pytest.mark.parametrize("name,rule", list(_shipped()), ids=[n for n, _ in _shipped()])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shipped_rules_compile_and_stay_short(name, rule, dtype):
+    pytest.importorskip("cuda.bindings")
+    assert len(rule.program.lines) < 30
+    spec = rule.spec()
+    types = (dtype,) * 2 + ("float32",) * (len(rule.slots) - 2)
+    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    with ThreadPoolExecutor(len(ARCHS)) as pool:
+        for cubin in pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS):
+            assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+
+
+@pytest.mark.parametrize("mode", ["delta", "zero"])
+def test_rules_compile_in_the_optax_param_modes(mode):
+    """mtapply.optax steps rules that return updates: the new param minus the old ("delta"),
+    or the step from zero params ("zero")."""
+    pytest.importorskip("cuda.bindings")
+    spec = mtapply.rule("lion", **LION).spec().with_param_mode(mode)
+    types = ("float32",) * len(spec.slots)
+    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    assert f"#define MTA_{'DELTA' if mode == 'delta' else 'ZERO_PARAM'} 1" in source
+    assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"

@@ -74,3 +74,106 @@ def test_required_and_unknown_hyperparameters():
         opt.step()
     for p, k in zip(params, kept):
         np.testing.assert_array_equal(p.detach().numpy(), k.numpy())
+
+
+def _pair(make_ours, make_theirs, steps=12, seed=3, scheduler=True):
+    ours, theirs = _model(seed), _model(seed)
+    opt, ref = make_ours(ours.parameters()), make_theirs(theirs.parameters())
+    sched = (lambda o: torch.optim.lr_scheduler.StepLR(o, 4, 0.5)) if scheduler else \
+        (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0))
+    _train(ours, opt, sched(opt), steps)
+    _train(theirs, ref, sched(ref), steps)
+    return ours, theirs, opt, ref
+
+
+@pytest.mark.parametrize("options", [dict(), dict(lr_decay=0.01, weight_decay=0.05),
+                                     dict(initial_accumulator_value=0.3, eps=1e-6),
+                                     dict(maximize=True, weight_decay=0.01)],
+                         ids=["defaults", "decay", "initial", "maximize"])
+def test_adagrad_matches_torch_optim(options):
+    ours, theirs, opt, ref = _pair(lambda p: mt.Adagrad(p, lr=0.05, **options),
+                                   lambda p: torch.optim.Adagrad(p, lr=0.05, foreach=False,
+                                                                 **options))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[a]["sum"], ref.state[b]["sum"], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["no-momentum", "momentum"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_rmsprop_matches_torch_optim(centered, momentum, maximize):
+    options = dict(lr=1e-3, alpha=0.9, weight_decay=0.01, momentum=momentum, centered=centered,
+                   maximize=maximize)
+    ours, theirs, opt, ref = _pair(lambda p: mt.RMSprop(p, **options),
+                                   lambda p: torch.optim.RMSprop(p, foreach=False, **options))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for key in ref.state[b]:
+            torch.testing.assert_close(opt.state[a][key].reshape(ref.state[b][key].shape),
+                                       ref.state[b][key], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_move_between_torch_optim_and_mtapply():
+    a, b = _model(4), _model(4)
+    ref = torch.optim.RMSprop(a.parameters(), lr=1e-3, momentum=0.9, centered=True)
+    _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3)
+    b.load_state_dict(a.state_dict())
+    ours = mt.RMSprop(b.parameters(), lr=1.0)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert ours.param_groups[0]["centered"] and ours.param_groups[0]["momentum"] == 0.9
+    _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3, seed=9)
+    _train(b, ours, torch.optim.lr_scheduler.LambdaLR(ours, lambda k: 1.0), 3, seed=9)
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+    back = torch.optim.RMSprop(a.parameters(), lr=1.0)
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    assert set(back.state[next(a.parameters())]) == {"step", "square_avg", "grad_avg",
+                                                     "momentum_buffer"}
+
+
+def test_lion_follows_its_float64_definition():
+    model = _model(5)
+    opt = mt.Lion(model.parameters(), lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1)
+    want = [p.detach().double().clone() for p in model.parameters()]
+    moments = [torch.zeros_like(w) for w in want]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(8, 6, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        for i, p in enumerate(model.parameters()):
+            grad = p.grad.double()
+            c = 0.8 * moments[i] + 0.2 * grad
+            want[i] = want[i] * (1 - 1e-4) - 1e-3 * torch.sign(c)
+            moments[i] = 0.95 * moments[i] + 0.05 * grad
+        opt.step()
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.detach().double(), w, rtol=1e-6, atol=1e-7)
+            w.copy_(p.detach().double())  # no drift: each step from the float32 params
+    for p, m in zip(model.parameters(), moments):
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-5, atol=1e-7)
+
+
+def test_adan_class_follows_the_optax_rule_through_torch():
+    """mtapply.torch.Adan and mtapply.optax.adan run one rule: equal steps on equal data."""
+    jax = pytest.importorskip("jax")
+    import mtapply.optax as mtx
+
+    rng = np.random.default_rng(6)
+    params = [rng.standard_normal(s).astype(np.float32) for s in [(5, 3), (7,)]]
+    grads_seq = [[rng.standard_normal(p.shape).astype(np.float32) for p in params]
+                 for _ in range(6)]
+    ours = [torch.tensor(p, requires_grad=True) for p in params]
+    opt = mt.Adan(ours, lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.02)
+    tx = mtx.adan(1e-2, b1=0.9, b2=0.8, b3=0.95, weight_decay=0.02)
+    jparams = [jax.numpy.asarray(p) for p in params]
+    state = tx.init(jparams)
+    for grads in grads_seq:
+        for p, g in zip(ours, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+        updates, state = tx.update([jax.numpy.asarray(g) for g in grads], state, jparams)
+        jparams = [p + u for p, u in zip(jparams, updates)]
+    for p, q in zip(ours, jparams):
+        np.testing.assert_allclose(p.detach().numpy(), np.asarray(q), rtol=1e-5, atol=1e-6)

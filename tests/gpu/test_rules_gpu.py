@@ -1,6 +1,7 @@
 """User-written rules on the GPU: the generated kernel against the rule's float64 definition
 and its NumPy path, over lists with a big tensor (first and last elements checked), device
 scalars, bf16 params with fp32 master weights, and a CUDA graph replay."""
+import copy
 import sys
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import mtapply
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import mtapply.torch as mt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' rules
 from test_rules import ADAGRAD, EVERYTHING, LION  # noqa: E402
@@ -93,3 +96,63 @@ def test_bf16_params_with_fp32_master_weights():
     for p16, master, want in zip(params16, masters, reference):
         torch.testing.assert_close(master.double(), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(p16, master.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["transformation", "fused"])
+def test_jax_steps_through_the_ffi_call_follow_optax_lion(form):
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import mtapply.optax as mtx
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("jax has no GPU backend here")
+    rng = np.random.default_rng(3)
+    tree = lambda: {f"p{i}": jax.device_put(rng.standard_normal(s).astype(np.float32), gpus[0])  # noqa: E731
+                    for i, s in enumerate(SHAPES)}
+    params, grads_seq = tree(), [tree() for _ in range(10)]
+    rule = mtapply.rule("lion", **LION)
+    theirs = optax.lion(1e-3, weight_decay=0.1)
+    if form == "fused":
+        ours = mtx.fused(rule, 1e-3, weight_decay=0.1)
+        step = jax.jit(lambda p, s, g: ours.step(p, g, s), donate_argnums=(0, 1))
+    else:
+        ours = mtx.transformation(rule, 1e-3, weight_decay=0.1)
+        step = jax.jit(lambda p, s, g: _apply(ours, optax, p, s, g), donate_argnums=(0, 1))
+    their_step = jax.jit(lambda p, s, g: _apply(theirs, optax, p, s, g))
+    mine, state = jax.tree.map(lambda x: x.copy(), params), ours.init(params)
+    assert "mtapply_step" in step.lower(mine, state, grads_seq[0]).compile().as_text()
+    want, their_state = params, theirs.init(params)
+    for g in grads_seq:
+        mine, state = step(mine, state, g)
+        want, their_state = their_step(want, their_state, g)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def _apply(tx, optax, params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+@pytest.mark.parametrize("name,make_ours,make_theirs", [
+    ("adagrad", lambda p: mt.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
+     lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1,
+                                   foreach=False)),
+    ("rmsprop", lambda p: mt.RMSprop(p, lr=1e-3, momentum=0.9, centered=True),
+     lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True, foreach=False)),
+])
+def test_shipped_torch_classes_match_torch_optim_on_the_gpu(name, make_ours, make_theirs):
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(),
+                               torch.nn.Linear(300, 10)).cuda()
+    theirs = copy.deepcopy(ours)
+    opt, ref = make_ours(ours.parameters()), make_theirs(theirs.parameters())
+    for k in range(10):
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(k))
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            model(x).square().mean().backward()
+            o.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

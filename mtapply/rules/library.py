@@ -1,0 +1,94 @@
+"""Optimizers shipped as rules: each a few lines of `mtapply.rule`, the same for the GPU, the
+CPU, `mtapply.torch` and `mtapply.optax`.
+
+    mtapply.rules.library.lion().step(params, grads, exp_avgs, lr=1e-4)
+
+Slot names are the state names of the optimizers they follow (torch.optim's `sum`,
+`square_avg`, `grad_avg`, `momentum_buffer`; lion-pytorch's `exp_avg`), so checkpoints move
+between them and mtapply's torch classes.
+"""
+from __future__ import annotations
+
+import functools
+
+from . import Rule, rule
+
+
+@functools.lru_cache(maxsize=None)
+def lion() -> Rule:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as
+    lion-pytorch and optax.lion: the sign of an interpolation of momentum and gradient, with
+    decoupled weight decay."""
+    return rule("lion", slots="param:rw grad:r exp_avg:rw",
+                hyper=dict(lr=None, beta1=0.9, beta2=0.99, weight_decay=0.0),
+                update="""
+                    c = beta1 * exp_avg + (1 - beta1) * grad
+                    param = param * (1 - lr * weight_decay) - lr * sign(c)
+                    exp_avg = beta2 * exp_avg + (1 - beta2) * grad
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def adagrad(maximize: bool = False) -> Rule:
+    """Adagrad as torch.optim.Adagrad (eps outside the root; lr decayed by lr_decay per step).
+    The sum starts at torch's initial_accumulator_value, which the torch class sets."""
+    return rule("adagrad", slots="param:rw grad:r sum:rw",
+                hyper=dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, eps=1e-10),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"} + weight_decay * param
+                    sum = sum + g * g
+                    clr = lr / (1 + (step - 1) * lr_decay)
+                    param = param - clr * (g / (sqrt(sum) + eps))
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def rmsprop(centered: bool = False, momentum: bool = False, maximize: bool = False) -> Rule:
+    """RMSprop as torch.optim.RMSprop: eps outside the root; `centered` subtracts the square of
+    a running mean of the gradient (blended as torch's lerp); `momentum` (a momentum
+    hyperparameter above 0) keeps a buffer of the scaled steps."""
+    slots = "param:rw grad:r square_avg:rw"
+    lines = [f"g = {'-grad' if maximize else 'grad'} + weight_decay * param",
+             "square_avg = square_avg * alpha + (1 - alpha) * (g * g)"]
+    if centered:
+        slots += " grad_avg:rw"
+        lines += ["d = g - grad_avg",  # torch's lerp of weight 1 - alpha, both branches
+                  "grad_avg = where(1 - alpha < 0.5, grad_avg + (1 - alpha) * d, g - d * alpha)",
+                  "avg = sqrt(square_avg - grad_avg * grad_avg) + eps"]
+    else:
+        lines += ["avg = sqrt(square_avg) + eps"]
+    if momentum:
+        slots += " momentum_buffer:rw"
+        lines += ["momentum_buffer = momentum_buffer * momentum + g / avg",
+                  "param = param - lr * momentum_buffer"]
+    else:
+        lines += ["param = param - lr * (g / avg)"]
+    hyper = dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0)
+    if momentum:
+        hyper["momentum"] = None
+    return rule("rmsprop", slots=slots, hyper=hyper, update="\n".join(lines))
+
+
+@functools.lru_cache(maxsize=None)
+def adan() -> Rule:
+    """Adan (Xie et al. 2022, "Adaptive Nesterov Momentum Algorithm"), as optax.adan (and the
+    authors' implementation without the proximal step): moments of the gradient, of its
+    difference from the last step's (zero at the first step) and of the squared extrapolation,
+    bias-corrected; weight decay decoupled."""
+    return rule("adan", slots="param:rw grad:r m:rw v:rw n:rw prev_grad:rw",
+                hyper=dict(lr=None, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, eps_root=0.0,
+                           weight_decay=0.0),
+                update="""
+                    diff = where(step > 1, grad - prev_grad, 0)
+                    m = beta1 * m + (1 - beta1) * grad
+                    v = beta2 * v + (1 - beta2) * diff
+                    sq = grad + (1 - beta2) * diff
+                    n = beta3 * n + (1 - beta3) * (sq * sq)
+                    u = m / (1 - beta1 ** step) + (1 - beta2) * (v / (1 - beta2 ** step))
+                    denom = sqrt(n / (1 - beta3 ** step) + eps_root) + eps
+                    param = param - lr * (u / denom + weight_decay * param)
+                    prev_grad = grad
+                """)
+
+
+__all__ = ["adagrad", "adan", "lion", "rmsprop"]

@@ -1,0 +1,137 @@
+"""A user-written rule in optax (`mtapply.optax.transformation` and `fused`) on the CPU:
+Lion written as a rule against optax.lion, in jit and eagerly, flat and per-leaf state."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import mtapply  # noqa: E402
+import mtapply.optax as mtx  # noqa: E402
+from test_rules import EVERYTHING, LION  # noqa: E402
+
+STEPS = 8
+
+
+def _tree(rng):
+    cpu = jax.devices("cpu")[0]
+    return jax.device_put({"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+                           "b": jnp.asarray(rng.standard_normal(5), jnp.float32),
+                           "e": jnp.zeros((0,), jnp.float32)}, cpu)
+
+
+def _applying(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def _run(step, params, state, grads_seq):
+    for grads in grads_seq:
+        params, state = step(params, state, grads)
+    return params, state
+
+
+@pytest.mark.parametrize("form", ["transformation", "tree-state", "fused"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_lion_rule_follows_optax_lion(form, jit):
+    rule = mtapply.rule("lion", **LION)
+    rng = np.random.default_rng(0)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    theirs = optax.lion(1e-2, b1=0.9, b2=0.99, weight_decay=0.1)
+    their_step = _applying(theirs)
+    if form == "fused":
+        ours = mtx.fused(rule, 1e-2, weight_decay=0.1)
+
+        def our_step(p, s, g):
+            return ours.step(p, g, s)
+    else:
+        ours = mtx.transformation(rule, 1e-2, weight_decay=0.1, flat_state=form != "tree-state")
+        our_step = _applying(ours)
+    wrap = jax.jit if jit else (lambda f: f)
+    mine, state = _run(wrap(our_step), params, ours.init(params), grads_seq)
+    want, their_state = _run(wrap(their_step), params, theirs.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    as_tree = state if form == "tree-state" else mtx.tree_state(state, params)
+    assert int(as_tree.count) == STEPS and type(as_tree).__name__ == "LionState"
+    for got, expected in zip(jax.tree.leaves(as_tree.exp_avg), jax.tree.leaves(their_state[0].mu)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-7)
+
+
+def test_schedules_drive_the_rules_lr():
+    rule = mtapply.rule("lion", **LION)
+    schedule = optax.linear_schedule(1e-2, 1e-3, STEPS)
+    rng = np.random.default_rng(1)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    outs = []
+    for tx in (mtx.transformation(rule, schedule, weight_decay=0.0),
+               optax.lion(schedule, weight_decay=0.0)):
+        outs.append(_run(jax.jit(_applying(tx)), params, tx.init(params), grads_seq)[0])
+    for got, expected in zip(*map(jax.tree.leaves, outs)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_uses_are_refused():
+    lion = mtapply.rule("lion", **LION)
+    with pytest.raises(TypeError, match="no hyperparameter 'momentum'"):
+        mtx.transformation(lion, 1e-3, momentum=0.9)
+    with pytest.raises(ValueError, match="beta1 must be"):
+        mtx.transformation(lion, 1e-3, beta1=float("nan"))
+    no_lr = mtapply.rule("nolr", slots="param:rw grad:r", hyper={"rate": None},
+                         update="param = param - rate * grad")
+    with pytest.raises(TypeError, match="has no lr"):
+        mtx.transformation(no_lr, 1e-3)
+    with pytest.raises(NotImplementedError, match="slot 'b' is read-only"):
+        mtx.fused(mtapply.rule("everything", **EVERYTHING), 1e-3)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+def test_shipped_lion_takes_optax_lions_arguments(fused):
+    rng = np.random.default_rng(2)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    hyper = dict(b1=0.8, b2=0.95, weight_decay=0.05)
+    theirs = optax.lion(3e-3, **hyper)
+    want, _ = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
+    if fused:
+        ours = mtx.fused_lion(3e-3, **hyper)
+        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
+    else:
+        ours = mtx.lion(3e-3, **hyper)
+        step = jax.jit(_applying(ours))
+    mine, _ = _run(step, params, ours.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="mu_dtype"):
+        mtx.lion(1e-3, mu_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+@pytest.mark.parametrize("hyper", [dict(), dict(b1=0.9, b2=0.8, b3=0.95, eps=1e-6,
+                                                 weight_decay=0.02)], ids=["defaults", "set"])
+def test_shipped_adan_follows_optax_adan(fused, hyper):
+    rng = np.random.default_rng(3)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    theirs = optax.adan(1e-2, **hyper)
+    want, their_state = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
+    if fused:
+        ours = mtx.fused_adan(1e-2, **hyper)
+        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
+    else:
+        ours = mtx.adan(1e-2, **hyper)
+        step = jax.jit(_applying(ours))
+    mine, state = _run(step, params, ours.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+    state = mtx.tree_state(state, params)
+    for field in ("m", "v", "n"):
+        for got, expected in zip(jax.tree.leaves(getattr(state, field)),
+                                 jax.tree.leaves(getattr(their_state[0], field))):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5,
+                                       atol=1e-7)
