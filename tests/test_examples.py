@@ -72,6 +72,12 @@ def test_digits_torch_example_on_cpu(tmp_path):
     assert "device=cpu epochs=2" in output
 
 
+def test_digits_rule_example_on_cpu(tmp_path):
+    _needs_mtapply_torch()
+    output = run_example("digits_rule.py", tmp_path, "--device", "cpu", "--epochs", "2")
+    assert "device=cpu epochs=2" in output
+
+
 def test_digits_jax_example_on_cpu(tmp_path):
     _needs_mtapply_optax()
     output = run_example("digits_jax.py", tmp_path, "--device", "cpu", "--epochs", "2")
@@ -92,6 +98,17 @@ def test_digits_torch_example_on_gpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("this torch build sees no CUDA device")
     output = run_example("digits_torch.py", tmp_path, "--device", "cuda")
+    assert "device=cuda epochs=20" in output
+
+
+@pytest.mark.gpu
+def test_digits_rule_example_on_gpu(tmp_path):
+    _needs_mtapply_torch()
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build sees no CUDA device")
+    output = run_example("digits_rule.py", tmp_path, "--device", "cuda")
     assert "device=cuda epochs=20" in output
 
 

@@ -34,6 +34,33 @@ EVERYTHING = dict(slots="param:rw grad:r a:rw b:r",
                       a = a ** 2 * 0.5 + b ** 0.5 * 0 + abs(a) ** 1.5 * 0.1 + sign(grad)
                       param = param - u * t
                   """)
+# per-tensor sums: LARS (norms of the old values) and LAMB (the norm of a direction computed
+# from the new moments by the lines before the first use of a sum)
+LARS = dict(slots="param:rw grad:r momentum_buffer:rw",
+            hyper=dict(lr=None, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
+                       eps=0.0),
+            sums={"p2": "param * param", "g2": "grad * grad"},
+            finish="""
+                p_norm = sqrt(p2)
+                g_norm = sqrt(g2)
+                ratio = trust_coefficient * p_norm / (g_norm + weight_decay * p_norm + eps)
+                local_lr = where(p_norm > 0, where(g_norm > 0, lr * ratio, lr), lr)
+            """,
+            update="""
+                momentum_buffer = momentum * momentum_buffer + local_lr * (grad + weight_decay * param)
+                param = param - momentum_buffer
+            """)
+LAMB = dict(slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
+            hyper=dict(lr=None, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01),
+            sums={"p2": "param * param", "u2": "u * u"},
+            update="""
+                exp_avg = exp_avg * beta1 + (1 - beta1) * grad
+                exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+                u = (exp_avg / (1 - beta1 ** step)) / (sqrt(exp_avg_sq / (1 - beta2 ** step)) + eps)
+                u = u + weight_decay * param
+                ratio = where(p2 > 0, where(u2 > 0, sqrt(p2) / sqrt(u2), 1), 1)
+                param = param - lr * ratio * u
+            """)
 SHAPES = [(10,), (3, 4), (0,), (1,), (257,)]
 
 
@@ -213,8 +240,8 @@ def test_cuda_source_is_readable():
 ARCHS = ("sm_80", "sm_90")
 
 
-@pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING], ids=["lion", "adagrad",
-                                                                          "everything"])
+@pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING, LARS, LAMB],
+                         ids=["lion", "adagrad", "everything", "lars", "lamb"])
 @pytest.mark.parametrize("dtypes", ["float32", "bfloat16", "float64", "master"])
 def test_generated_kernels_compile(definition, dtypes):
     pytest.importorskip("cuda.bindings")
@@ -229,7 +256,9 @@ def test_generated_kernels_compile(definition, dtypes):
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         cubins = list(pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS))
     for cubin in cubins:
-        assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+        assert cubin[:4] == b"\x7fELF"
+        for k in range(len(spec.functors)):
+            assert _source.entry_name(k).encode() in cubin
 
 
 def _shipped():
@@ -269,3 +298,55 @@ def test_rules_compile_in_the_optax_param_modes(mode):
     source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
     assert f"#define MTA_{'DELTA' if mode == 'delta' else 'ZERO_PARAM'} 1" in source
     assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_sums_lars_follows_the_reference():
+    from mtapply import reference
+
+    rule = mtapply.rule("lars", **LARS)
+    assert rule.program.prefix == 0 and len(rule.spec().functors) == 2
+    rng = np.random.default_rng(8)
+    params, _, buffers = _lists(rng, 3)
+    want = [(p.astype(np.float64), b.astype(np.float64)) for p, b in zip(params, buffers)]
+    for _ in range(4):
+        grads = _lists(rng, 1)[0]
+        rule.step(params, grads, buffers, lr=0.5, weight_decay=0.01, trust_coefficient=0.02,
+                  eps=1e-6)
+        want = [reference.lars(p, g.astype(np.float64), b, lr=0.5, momentum=0.9,
+                               weight_decay=0.01, trust_coefficient=0.02, eps=1e-6, adapt=True)
+                for (p, b), g in zip(want, grads)]
+    for got, (expected, _) in zip(params, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sums_read_the_values_of_the_lines_before_their_first_use():
+    from mtapply import reference
+
+    rule = mtapply.rule("lamb", **LAMB)
+    assert rule.program.prefix == 4  # exp_avg, exp_avg_sq and u twice
+    rng = np.random.default_rng(9)
+    params, _, m, v = _lists(rng, 4, positive=(3,))
+    want = [tuple(x.astype(np.float64) for x in t) for t in zip(params, m, v)]
+    for step in range(1, 4):
+        grads = _lists(rng, 1)[0]
+        rule.step(params, grads, m, v, lr=1e-2, step=step)
+        want = [reference.lamb(p, g.astype(np.float64), mm, vv, lr=1e-2, step=step,
+                               weight_decay=0.01) for (p, mm, vv), g in zip(want, grads)]
+    for got, (expected, _, _) in zip(params, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(finish="local_lr = sqrt(p2) * param"), ValueError, r"finish line 1 .*no slots"),
+    (dict(finish="x = sqrt(p2)", sums=None), ValueError, "give sums too"),
+    (dict(sums={"lr": "param"}), ValueError, r"sums: 'lr' is already"),
+    (dict(sums={"p2": "param * param", "q": "p2 * 2"}), ValueError, r"sum 'q' .*not known yet"),
+    (dict(sums={"p2": "param > 0"}), TypeError, r"sum 'p2' .*not a comparison"),
+    (dict(sums={"p2": "param.real"}), ValueError, r"sum 'p2' .*Attribute"),
+])
+def test_bad_sums_and_finish_lines(change, error, match):
+    definition = {**LARS, "finish": "local_lr = lr", **change}
+    if definition["sums"] is None:
+        definition["update"] = "momentum_buffer = grad\nparam = param - lr * grad"
+    with pytest.raises(error, match=match):
+        mtapply.rule("bad", **definition)

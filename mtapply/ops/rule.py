@@ -26,11 +26,18 @@ class RuleSpec(OpSpec):
         _source.register_generated(self.kernel_file,
                                    '#include "walker.cuh"\n' + self.functor_text)
         self.functor = f"mta::{struct}"
+        self._functors = _cuda.functor_names(program, struct)
+        self.n_sums = len(program.sums)
         self.slots = tuple(list_name(s.name) for s in program.slots)
         self.written = frozenset(list_name(s.name) for s in program.slots if s.written)
         self.arg_fields = _cuda.arg_fields(program)
         self.device_scalars = (*program.hyper, STEP)
         self._use_master_weights(master_weights)
+
+    @property
+    def functors(self) -> tuple:
+        """With sums, the summing pass, then the update."""
+        return self._functors
 
     def arguments(self, **hyper) -> dict:
         """Each hyperparameter (its default where it has one) and the step, checked."""

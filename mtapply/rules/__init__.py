@@ -27,12 +27,14 @@ from ._language import check_hyper, parse, parse_slots
 class Rule:
     """A user-written optimizer: `step` and `plan` over lists in slot order."""
 
-    def __init__(self, name: str, slots: str, hyper: dict, update: str):
+    def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
+                 finish: str = ""):
         if not isinstance(name, str) or not name:
             raise TypeError("name must be a non-empty string")
         self.name = name
         parsed = parse_slots(slots)
-        self.program = parse(parsed, check_hyper(hyper, parsed), textwrap.dedent(update))
+        self.program = parse(parsed, check_hyper(hyper, parsed), textwrap.dedent(update), sums,
+                             textwrap.dedent(finish or ""))
         self._specs: dict = {}
 
     @property
@@ -90,7 +92,7 @@ class Rule:
         return f"mtapply.rule({self.name!r}, slots={' '.join(self.slots)!r})"
 
 
-def rule(name: str, *, slots: str, hyper: dict, update: str) -> Rule:
+def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: str = "") -> Rule:
     """A fused multi-tensor optimizer from a few lines (see the module docstring).
 
     Args:
@@ -101,13 +103,19 @@ def rule(name: str, *, slots: str, hyper: dict, update: str) -> Rule:
             number or a one-element float32 device array at step time; `step` (the 1-based
             step count) is always available too.
         update: one assignment per line (see `mtapply.rules._language`).
+        sums: name -> expression of per-tensor sums (e.g. {"p2": "param * param"}), computed
+            by a first pass over the values the update's lines leave before the first line
+            that reads a sum; each is then a per-tensor number in the update (this is how LARS
+            and LAMB trust ratios are written). Deterministic: fixed summation order.
+        finish: lines of per-tensor values computed from the sums (no slots), run before the
+            update's first line that reads a sum or a finish value.
 
     Raises:
         ValueError, TypeError: at once, naming the line, for unknown names, a write to a
         read-only slot, an rw slot never written, a comparison used as a number, a call
         outside the rule functions, division by a literal 0.
     """
-    return Rule(name, slots, hyper, update)
+    return Rule(name, slots, hyper, update, sums, finish)
 
 
 __all__ = ["Rule", "rule"]

@@ -24,9 +24,20 @@ _COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "=="
 
 
 def functor_source(program: Program, struct: str) -> str:
-    """C++ of `struct` (and `structArgs`), in namespace mta, for kernels that include
-    walker.cuh first."""
-    return _Writer(program, struct).source()
+    """C++ of the rule's functors (`functor_names`) and their Args, in namespace mta, for
+    kernels that include walker.cuh first."""
+    fields = [f"  {'const float*' if f.endswith('_ptr') else 'double'} {f};"
+              for f in arg_fields(program)]
+    parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
+    if program.sums:
+        parts.append(_Writer(program, f"{struct}Sums", f"{struct}Args", first_pass=True).functor())
+    parts.append(_Writer(program, struct, f"{struct}Args", first_pass=False).functor())
+    return "\n".join(parts + ["}  // namespace mta"]) + "\n"
+
+
+def functor_names(program: Program, struct: str) -> tuple:
+    """The C++ functor of each pass: with sums, the summing pass and then the update."""
+    return ((f"mta::{struct}Sums",) if program.sums else ()) + (f"mta::{struct}",)
 
 
 def arg_fields(program: Program) -> tuple:
@@ -35,36 +46,53 @@ def arg_fields(program: Program) -> tuple:
 
 
 class _Writer:
-    def __init__(self, program: Program, struct: str):
-        self.program, self.struct = program, struct
+    """One functor: the update, or (first_pass) the lines before the first use of a sum and
+    the sums themselves, with nothing stored."""
+
+    def __init__(self, program: Program, struct: str, args: str, first_pass: bool):
+        self.program, self.struct, self.args, self.first_pass = program, struct, args, first_pass
         self.slot_index = {s.name: k for k, s in enumerate(program.slots)}
         self.members: list = []  # (C type, name)
         self.setup: list = []  # constructor statements
         self.body: list = []  # operator() statements
-        self.names: dict = {}  # temporary -> its latest C name
+        self.names: dict = {}  # temporary -> its latest C name; sums -> theirs
         self.versions: dict = {}
 
-    def source(self) -> str:
-        for line in self.program.lines:
-            self._line(line)
-        slots, s = self.program.slots, self.struct
-        enum = ", ".join(self._slot(slot.name) for slot in slots)
-        written = " | ".join(f"(1u << {self._slot(slot.name)})" for slot in slots if slot.written)
-        fields = [f"  {'const float*' if f.endswith('_ptr') else 'double'} {f};"
-                  for f in arg_fields(self.program)]
+    def functor(self) -> str:
+        program, n_sums = self.program, len(self.program.sums)
         reads = [f"    const double h_{name} = scalar_arg(a.{name}_ptr, a.{name});"
-                 for name in (*self.program.hyper, STEP)]
-        lines = ["namespace mta {", HELPERS, f"struct {s}Args {{", *fields, "};", "",
-                 f"struct {s} {{", f"  enum Slot {{ {enum} }};",
-                 f"  static constexpr int N_SLOTS = {len(slots)}, N_SUMS = 0;",
+                 for name in (*program.hyper, STEP)]
+        if self.first_pass:
+            for line in program.lines[:program.prefix]:
+                self._line(line)
+            self.body += [f"sums[{k}] += static_cast<float>({self.element(total.expr)});  "
+                          f"// {total.name} = sum({total.text})"
+                          for k, total in enumerate(program.sums)]
+            call = "operator()(acc_t (&x)[N_SLOTS], float (&sums)[N_SUMS]) const {"
+            written, counted = "0u", n_sums
+        else:
+            for k, total in enumerate(program.sums):
+                self.names[total.name] = f"q_{total.name}"
+                reads.append(f"    const double q_{total.name} = "
+                             f"static_cast<double>(sums[{n_sums} * tensor + {k}]);")
+            for line in program.lines:
+                self._line(line)
+            call = "operator()(acc_t (&x)[N_SLOTS]) const {"
+            written = " | ".join(f"(1u << {self._slot(slot.name)})"
+                                 for slot in program.slots if slot.written)
+            counted = 0
+        enum = ", ".join(self._slot(slot.name) for slot in program.slots)
+        s = self.struct
+        lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
+                 f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
-                 f"  using Args = {s}Args;",
+                 f"  using Args = {self.args};",
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
-                 f"  __device__ {s}(const Args& a, int /*tensor*/, const float* /*sums*/) {{",
-                 *reads, *(f"    {line}" for line in self.setup), "  }", "",
-                 "  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS]) const {",
-                 *(f"    {line}" for line in self.body), "  }", "};", "", "}  // namespace mta"]
-        return "\n".join(lines) + "\n"
+                 f"  __device__ {s}(const Args& a, int tensor, const float* sums) {{",
+                 "    (void)tensor; (void)sums;", *reads, *(f"    {line}" for line in self.setup),
+                 "  }", "", f"  __device__ __forceinline__ void {call}",
+                 *(f"    {line}" for line in self.body), "  }", "};", ""]
+        return "\n".join(lines)
 
     @staticmethod
     def _slot(name: str) -> str:

@@ -51,15 +51,31 @@ class Kind:
     boolean: bool = False
 
 
+@dataclass(frozen=True)
+class Sum:
+    """A per-tensor reduction: the sum over a tensor's elements of `expr`."""
+
+    name: str
+    expr: ast.expr
+    text: str
+
+
 @dataclass
 class Program:
     """A checked rule: its slots, hyperparameters (name -> default, None for required), and
-    update lines, with the kind of every expression node (`kinds`, by node id)."""
+    update lines, with the kind of every expression node (`kinds`, by node id).
+
+    With sums, a first pass runs the first `prefix` lines (those before the first line that
+    uses a sum; nothing is stored) and adds up each sum's expression per tensor on the values
+    they leave; the second pass runs every line, the finish lines among them (per-tensor
+    values of the sums, placed after the prefix), with each sum a per-tensor number."""
 
     slots: tuple
     hyper: dict
     lines: tuple
     kinds: dict = field(default_factory=dict)
+    sums: tuple = ()
+    prefix: int = 0
 
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
@@ -113,19 +129,28 @@ def check_hyper(hyper: dict, slots: tuple) -> dict:
     return out
 
 
-def parse(slots: tuple, hyper: dict, update: str) -> Program:
-    """The checked program of an update text; ValueError or TypeError naming the line."""
-    if not isinstance(update, str):
-        raise TypeError(f"update must be a string of assignments, got {type(update).__name__}")
+def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "") -> Program:
+    """The checked program of an update text (with its sums and finish lines, see Program);
+    ValueError or TypeError naming the line."""
+    if not isinstance(update, str) or not isinstance(finish or "", str):
+        raise TypeError("update and finish must be strings of assignments")
+    sums = _check_sums(sums, slots, hyper)
     program = Program(slots, hyper, ())
-    checker = _Checker(program)
-    lines = []
-    for number, text in enumerate(update.splitlines(), 1):
-        text = text.split("#", 1)[0].strip()
-        if text:
-            lines.append(checker.line(number, text))
-    if not lines:
+    checker = _Checker(program, set(sums))
+    texts = _texts(update, "update")
+    if not texts:
         raise ValueError("update has no assignments")
+    finish_texts = _texts(finish or "", "finish")
+    prefix = _prefix(texts, set(sums) | {_target(t) for _, t, _ in finish_texts})
+    if finish_texts and not sums:
+        raise ValueError("finish lines compute per-tensor values of sums: give sums too")
+    lines = [checker.line(number, text, where) for number, text, where in texts[:prefix]]
+    program.sums = tuple(checker.sum(name, text) for name, text in sums.items())
+    checker.defined_sums = True
+    lines += [checker.line(number, text, where, per_tensor=True)
+              for number, text, where in finish_texts]
+    lines += [checker.line(number, text, where) for number, text, where in texts[prefix:]]
+    program.prefix = prefix if sums else 0
     never = [s.name for s in slots if s.written and s.name not in checker.assigned]
     if never:
         raise ValueError(f"slot {never[0]!r} is declared rw but no line assigns it: declare it "
@@ -134,15 +159,73 @@ def parse(slots: tuple, hyper: dict, update: str) -> Program:
     return program
 
 
+def _check_sums(sums, slots: tuple, hyper: dict) -> dict:
+    """name -> expression text of each sum."""
+    if sums is None:
+        return {}
+    if not isinstance(sums, dict):
+        raise TypeError(f"sums must be a dict of name -> expression, got {type(sums).__name__}")
+    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP}
+    for name, text in sums.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"sums: {name!r} is not a valid name")
+        if name in taken:
+            raise ValueError(f"sums: {name!r} is already a slot, a hyperparameter or reserved")
+        if not isinstance(text, str):
+            raise TypeError(f"sums: the expression of {name!r} must be a string")
+    return dict(sums)
+
+
+def _texts(text: str, what: str) -> list:
+    """(number, line, where) of each non-empty line, comments dropped."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out.append((number, line, what))
+    return out
+
+
+def _target(text: str) -> str:
+    return text.split("=", 1)[0].strip()
+
+
+def _prefix(texts: list, per_tensor: set) -> int:
+    """How many lines come before the first that reads a sum or a finish value (only lines
+    from there on can depend on one)."""
+    for k, (_, text, _) in enumerate(texts):
+        try:
+            statement = ast.parse(text).body[0]
+        except (SyntaxError, IndexError):
+            return k  # the checker reports it
+        value = getattr(statement, "value", statement)
+        if any(isinstance(n, ast.Name) and n.id in per_tensor for n in ast.walk(value)):
+            return k
+    return len(texts)
+
+
 class _Checker:
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, sum_names: set = frozenset()):
         self.program = program
         self.slots = {s.name: s for s in program.slots}
         self.temporaries: dict = {}  # name -> Kind of its latest value
         self.assigned: set = set()
+        self.sum_names, self.defined_sums, self.per_tensor = set(sum_names), False, False
 
-    def line(self, number: int, text: str) -> Line:
-        self.where, self.text = f"update line {number} ({text!r})", text
+    def sum(self, name: str, text: str) -> Sum:
+        self.where, self.text = f"sum {name!r} ({text!r})", text
+        try:
+            expr = ast.parse(text, mode="eval").body
+        except SyntaxError as error:
+            raise ValueError(f"{self.where}: {error.msg}") from None
+        kind = self.expr(expr)
+        if kind.boolean:
+            raise TypeError(f"{self.where}: a sum adds numbers, not a comparison")
+        return Sum(name, expr, text)
+
+    def line(self, number: int, text: str, what: str = "update", per_tensor=False) -> Line:
+        self.where, self.text = f"{what} line {number} ({text!r})", text
+        self.per_tensor = per_tensor
         try:
             tree = ast.parse(text, mode="exec")
         except SyntaxError as error:
@@ -156,12 +239,16 @@ class _Checker:
         if kind.boolean:
             raise TypeError(f"{self.where}: a comparison is only a where() condition, not a "
                             f"value to assign")
+        if self.per_tensor and (not kind.uniform or target in self.slots):
+            raise ValueError(f"{self.where}: finish lines compute per-tensor values from sums, "
+                             f"hyperparameters and step: no slots")
         if target in self.slots:
             if not self.slots[target].written:
                 raise ValueError(f"{self.where}: slot {target!r} is read-only (declared "
                                  f"{target}:r)")
             self.assigned.add(target)
-        elif target in self.program.hyper or target == STEP or target in FUNCTIONS:
+        elif (target in self.program.hyper or target == STEP or target in FUNCTIONS
+              or target in self.sum_names):
             raise ValueError(f"{self.where}: {target!r} is a hyperparameter or reserved name "
                              f"and cannot be assigned")
         else:
@@ -203,6 +290,11 @@ class _Checker:
                          f"{', '.join(f for f in FUNCTIONS if f != 'where')})")
 
     def _name(self, name: str) -> Kind:
+        if name in self.sum_names:
+            if not self.defined_sums:
+                raise ValueError(f"{self.where}: sum {name!r} is not known yet (a sum reads "
+                                 f"the values before the first line that uses a sum)")
+            return Kind(uniform=True)
         if name in self.slots:
             return Kind(uniform=False)
         if name in self.program.hyper or name == STEP:

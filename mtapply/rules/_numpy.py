@@ -24,6 +24,15 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype) -> dict:
     env = {name: np.float64(value) for name, value in scalars.items()}
     env.update(arrays)
     with np.errstate(all="ignore"):
+        if program.sums:  # the first pass: its lines on copies, then each tensor's sums
+            first = dict(env)
+            for line in program.lines[:program.prefix]:
+                first[line.target] = _Evaluator(program, first, dtype).value(line.expr)
+            for total in program.sums:
+                value = _Evaluator(program, first, dtype).element(total.expr)
+                # the kernel adds in float32 in a fixed order; here in float64, rounded once
+                env[total.name] = np.float64(np.float32(
+                    np.sum(np.broadcast_to(np.asarray(value, np.float64), shape))))
         for line in program.lines:
             env[line.target] = _Evaluator(program, env, dtype).value(line.expr)
     return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()

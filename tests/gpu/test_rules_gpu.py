@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import mtapply.torch as mt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' rules
-from test_rules import ADAGRAD, EVERYTHING, LION  # noqa: E402
+from test_rules import ADAGRAD, EVERYTHING, LAMB, LARS, LION  # noqa: E402
 
 SHAPES = [(10,), (3, 4), (0,), (1,), (257,), (1 << 20 | 3,)]
 
@@ -39,6 +39,8 @@ def _host(lists):
     ("lion", LION, dict(lr=0.01, weight_decay=0.1), ()),
     ("adagrad", ADAGRAD, dict(lr=0.1, lr_decay=0.01, weight_decay=0.05), (2,)),
     ("everything", EVERYTHING, dict(lr=0.1), (3,)),
+    ("lars", LARS, dict(lr=0.5, weight_decay=0.01, trust_coefficient=0.02, eps=1e-6), ()),
+    ("lamb", LAMB, dict(lr=1e-2), (3,)),
 ])
 def test_gpu_steps_match_the_cpu_path(name, definition, hyper, positive):
     rule = mtapply.rule(name, **definition)
