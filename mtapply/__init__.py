@@ -6,6 +6,7 @@
 updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
 with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
 List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `zero_`.
+`mtapply.rule(...)` makes a fused optimizer of a few lines of update (see `mtapply.rules`).
 """
 from .adam import adam_plan, adam_step
 from .engine import Plan

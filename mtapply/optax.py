@@ -14,8 +14,9 @@
         return opt.step(params, grads, state)                  # -> (params, state), in place
 
 A rule written with `mtapply.rule` becomes one too: `transformation(rule, learning_rate,
-**hyper)` and `fused(rule, learning_rate, **hyper)`; `lion`, `adan` (and their fused forms) are the shipped
-rules of `mtapply.rules.library` with optax's arguments.
+**hyper)` and `fused(rule, learning_rate, **hyper)`; `lion`, `adan`, `adagrad` and `rmsprop`
+(and their fused forms) are the shipped rules of `mtapply.rules.library` with optax's arguments
+and semantics.
 
 `adam`, `adamw`, `sgd`, `lars` and `lamb` take optax's arguments and return
 `optax.GradientTransformation`s whose `update` returns updates (new params - params, computed by
@@ -201,6 +202,7 @@ class _Rule:
     plan_slots: tuple = ()
     reads_params = True  # False: the update ignores the params' values
     global_norm = False  # the step takes the gradients' global L2 norm
+    initial: dict = {}  # state field -> its initial value where not 0
 
     def statics(self, params, treedef) -> tuple:
         return ()
@@ -299,10 +301,10 @@ class _UserRule(_Rule):
     state, zero at first; learning_rate drives its `lr`, the other hyperparameters are fixed
     numbers given here."""
 
-    def __init__(self, rule, hyper: dict):
+    def __init__(self, rule, hyper: dict, initial: dict | None = None):
         from .ops.rule import list_name
 
-        self.user, self.name = rule, rule.name
+        self.user, self.name, self.initial = rule, rule.name, dict(initial or {})
         if "lr" not in rule.hyper:
             raise TypeError(f"rule {rule.name!r} has no lr: mtapply.optax passes learning_rate "
                             f"as the rule's lr hyperparameter")
@@ -386,13 +388,16 @@ class _Engine:
         self._lock = threading.Lock()  # XLA may run callbacks from several threads
 
     def init(self, params):
-        """The rule's state: count 0 and zero buffers like params (optax's initial state)."""
+        """The rule's state: count 0 and buffers like params, zero unless the rule starts a
+        slot at another value (optax's initial state)."""
+        values = [self.rule.initial.get(field, 0.0) for field in self.rule.slots]
         if self.flat:
             layout = _FlatLayout(jax.tree.leaves(params))
-            zeros = [layout.zeros() for _ in self.rule.slots]
+            slots = [layout.full(value) for value in values]
         else:
-            zeros = [jax.tree.map(jnp.zeros_like, params) for _ in self.rule.slots]
-        return self.rule.state_type(jnp.zeros([], jnp.int32), *zeros)
+            slots = [jax.tree.map(lambda p, v=value: jnp.full_like(p, v), params)
+                     for value in values]
+        return self.rule.state_type(jnp.zeros([], jnp.int32), *slots)
 
     def apply(self, params, grads, state, mode: str = "inplace"):
         """(new params, new state) after one step, or (updates, new state) in the "delta" and
@@ -692,8 +697,8 @@ class _FlatLayout:
         part.offsets = self.offsets[leaves]
         return part
 
-    def zeros(self) -> dict:
-        return {name: jnp.zeros(max(self.sizes[name], 1), name) for name in self.names}
+    def full(self, value: float = 0.0) -> dict:
+        return {name: jnp.full(max(self.sizes[name], 1), value, name) for name in self.names}
 
     def buffers_of(self, slot: dict, field: str) -> list:
         """The slot's buffers in layout order, checked against the layout."""
@@ -1061,6 +1066,59 @@ def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
     return _fused(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask), learning_rate)
 
 
+def _adagrad_rule(initial_accumulator_value, eps) -> _UserRule:
+    from .rules import library
+
+    return _UserRule(library.adagrad_optax(), dict(eps=eps),
+                     initial={"sum_of_squares": check_number("initial_accumulator_value",
+                                                             initial_accumulator_value, low=0.0)})
+
+
+def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7, *,
+            flat_state=True) -> optax.GradientTransformation:
+    """optax.adagrad on the rule `mtapply.rules.library.adagrad_optax`: s += g^2;
+    p -= lr * g / sqrt(s + eps) (no step where s is 0). State `AdagradOptaxState(count,
+    sum_of_squares)`."""
+    return _transformation(_adagrad_rule(initial_accumulator_value, eps), learning_rate,
+                           flat_state)
+
+
+def fused_adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7) -> FusedOptimizer:
+    """`adagrad` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_adagrad_rule(initial_accumulator_value, eps), learning_rate)
+
+
+def _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov,
+                  bias_correction) -> _UserRule:
+    from .rules import library
+
+    _refuse("rmsprop", bias_correction=(bias_correction, False))
+    if nesterov and momentum is None:
+        raise ValueError("mtapply.optax.rmsprop: nesterov=True needs a momentum")
+    rule = library.rmsprop_optax(bool(centered), momentum is not None, bool(nesterov),
+                                 bool(eps_in_sqrt))
+    hyper = dict(decay=decay, eps=eps) | ({} if momentum is None else dict(momentum=momentum))
+    return _UserRule(rule, hyper, initial={"nu": check_number("initial_scale", initial_scale)})
+
+
+def rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
+            centered=False, momentum=None, nesterov=False, bias_correction=False, *,
+            flat_state=True) -> optax.GradientTransformation:
+    """optax.rmsprop on the rule `mtapply.rules.library.rmsprop_optax`, with optax's arguments
+    (bias_correction only takes its default)."""
+    return _transformation(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered,
+                                         momentum, nesterov, bias_correction),
+                           learning_rate, flat_state)
+
+
+def fused_rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
+                  centered=False, momentum=None, nesterov=False,
+                  bias_correction=False) -> FusedOptimizer:
+    """`rmsprop` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum,
+                                nesterov, bias_correction), learning_rate)
+
+
 def transformation(rule, learning_rate, *, flat_state=True,
                    **hyper) -> optax.GradientTransformation:
     """A user-written rule (`mtapply.rule`) as an optax transformation, like `adam`:
@@ -1075,7 +1133,7 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
     return _fused(_UserRule(rule, hyper), learning_rate)
 
 
-__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adam", "adamw",
-           "adan", "flat_state", "fused", "fused_adam", "fused_adamw", "fused_adan", "fused_lamb",
-           "fused_lars", "fused_lion", "fused_sgd", "lamb", "lars", "lion", "sgd", "transformation",
-           "tree_state"]
+__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adagrad", "adam",
+           "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
+           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_rmsprop", "fused_sgd",
+           "lamb", "lars", "lion", "rmsprop", "sgd", "transformation", "tree_state"]

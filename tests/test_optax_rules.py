@@ -135,3 +135,35 @@ def test_shipped_adan_follows_optax_adan(fused, hyper):
                                  jax.tree.leaves(getattr(their_state[0], field))):
             np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5,
                                        atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+@pytest.mark.parametrize("name,ours,theirs", [
+    ("adagrad", lambda m: m.adagrad(0.1), lambda: optax.adagrad(0.1)),
+    ("adagrad-set", lambda m: m.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-5),
+     lambda: optax.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-5)),
+    ("rmsprop", lambda m: m.rmsprop(1e-2), lambda: optax.rmsprop(1e-2)),
+    ("rmsprop-all", lambda m: m.rmsprop(1e-2, decay=0.8, initial_scale=0.5, centered=True,
+                                        momentum=0.9, nesterov=True),
+     lambda: optax.rmsprop(1e-2, decay=0.8, initial_scale=0.5, centered=True, momentum=0.9,
+                           nesterov=True)),
+    ("rmsprop-torch-eps", lambda m: m.rmsprop(1e-2, eps_in_sqrt=False, momentum=0.5),
+     lambda: optax.rmsprop(1e-2, eps_in_sqrt=False, momentum=0.5)),
+])
+def test_shipped_adagrad_and_rmsprop_follow_optax(fused, name, ours, theirs):
+    rng = np.random.default_rng(4)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    reference = theirs()
+    want, _ = _run(jax.jit(_applying(reference)), params, reference.init(params), grads_seq)
+
+    class Fused:  # the fused forms take the same constructor arguments
+        def __getattr__(self, attr):
+            return getattr(mtx, f"fused_{attr}")
+
+    opt = ours(Fused() if fused else mtx)
+    step = jax.jit(lambda p, s, g: opt.step(p, g, s)) if fused else jax.jit(_applying(opt))
+    mine, _ = _run(step, params, opt.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6,
+                                   err_msg=name)

@@ -47,7 +47,8 @@ LARS = dict(slots="param:rw grad:r momentum_buffer:rw",
                 local_lr = where(p_norm > 0, where(g_norm > 0, lr * ratio, lr), lr)
             """,
             update="""
-                momentum_buffer = momentum * momentum_buffer + local_lr * (grad + weight_decay * param)
+                d = local_lr * (grad + weight_decay * param)
+                momentum_buffer = momentum * momentum_buffer + d
                 param = param - momentum_buffer
             """)
 LAMB = dict(slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
@@ -273,6 +274,13 @@ def _shipped():
             for maximize in (False, True):
                 yield (f"rmsprop-c{int(centered)}-m{int(momentum)}-max{int(maximize)}",
                        library.rmsprop(centered, momentum, maximize))
+    yield "adagrad-optax", library.adagrad_optax()
+    for centered, momentum, nesterov, eps_in_sqrt in [(False, False, False, True),
+                                                      (True, True, True, True),
+                                                      (False, True, False, False)]:
+        yield (f"rmsprop-optax-c{int(centered)}-m{int(momentum)}-n{int(nesterov)}"
+               f"-s{int(eps_in_sqrt)}",
+               library.rmsprop_optax(centered, momentum, nesterov, eps_in_sqrt))
 
 
 @pytest.mark.parametrize("name,rule", list(_shipped()), ids=[n for n, _ in _shipped()])

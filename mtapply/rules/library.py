@@ -91,4 +91,45 @@ def adan() -> Rule:
                 """)
 
 
-__all__ = ["adagrad", "adan", "lion", "rmsprop"]
+@functools.lru_cache(maxsize=None)
+def adagrad_optax() -> Rule:
+    """Adagrad as optax.adagrad (optax.scale_by_rss): eps inside the root, no step where the
+    sum is still 0. The sum starts at optax's initial_accumulator_value, which
+    mtapply.optax.adagrad sets."""
+    return rule("adagrad_optax", slots="param:rw grad:r sum_of_squares:rw",
+                hyper=dict(lr=None, eps=1e-7),
+                update="""
+                    sum_of_squares = grad * grad + sum_of_squares
+                    scale = where(sum_of_squares > 0, rsqrt(sum_of_squares + eps), 0)
+                    param = param - lr * (scale * grad)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def rmsprop_optax(centered: bool = False, momentum: bool = False, nesterov: bool = False,
+                  eps_in_sqrt: bool = True) -> Rule:
+    """RMSprop as optax.rmsprop (without bias correction): eps inside the root by default;
+    `centered` as optax.scale_by_stddev; `momentum` as optax.trace after the learning rate,
+    `nesterov` likewise. nu starts at optax's initial_scale, which mtapply.optax sets."""
+    slots = "param:rw grad:r nu:rw"
+    lines = ["nu = (1 - decay) * (grad * grad) + decay * nu"]
+    variance = "nu"
+    if centered:
+        slots += " mu:rw"
+        lines += ["mu = (1 - decay) * grad + decay * mu"]
+        variance = "nu - mu * mu"
+    lines += [f"u = grad * rsqrt({variance} + eps)" if eps_in_sqrt
+              else f"u = grad * (1 / (sqrt({variance}) + eps))"]
+    hyper = dict(lr=None, decay=0.9, eps=1e-8)
+    if momentum:
+        slots += " trace:rw"
+        hyper["momentum"] = None
+        lines += ["trace = momentum * trace - lr * u",
+                  "param = param + (momentum * trace - lr * u)" if nesterov
+                  else "param = param + trace"]
+    else:
+        lines += ["param = param - lr * u"]
+    return rule("rmsprop_optax", slots=slots, hyper=hyper, update="\n".join(lines))
+
+
+__all__ = ["adagrad", "adagrad_optax", "adan", "lion", "rmsprop", "rmsprop_optax"]
