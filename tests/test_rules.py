@@ -4,6 +4,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mtapply
 from mtapply import _source
@@ -358,3 +360,28 @@ def test_bad_sums_and_finish_lines(change, error, match):
         definition["update"] = "momentum_buffer = grad\nparam = param - lr * grad"
     with pytest.raises(error, match=match):
         mtapply.rule("bad", **definition)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), max_size=6), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from(["float32", "float64", "float16"]),
+       lr=st.floats(1e-4, 1.0), beta1=st.floats(0.0, 0.99), weight_decay=st.floats(0.0, 0.5))
+def test_lion_over_drawn_lists_follows_its_definition(sizes, seed, dtype, lr, beta1,
+                                                      weight_decay):
+    """Any list lengths, tensor sizes (0 included) and storage dtypes: each element as the
+    definition computes it in the math type, rounded once to storage."""
+    rng = np.random.default_rng(seed)
+    lion = mtapply.rule("lion", **LION)
+    params, grads, moments = ([rng.standard_normal(n).astype(dtype) for n in sizes]
+                              for _ in range(3))
+    math = np.float64 if dtype == "float64" else np.float32
+    want = []
+    for p, g, m in zip(params, grads, moments):
+        p, g, m = (x.astype(math) for x in (p, g, m))
+        c = math(beta1) * m + math(1 - beta1) * g
+        want.append(((p * math(1 - lr * weight_decay) - math(lr) * np.sign(c)).astype(dtype),
+                     (math(0.99) * m + math(1 - 0.99) * g).astype(dtype)))
+    lion.step(params, grads, moments, lr=lr, beta1=beta1, weight_decay=weight_decay)
+    for got_p, got_m, (want_p, want_m) in zip(params, moments, want):
+        np.testing.assert_array_equal(got_p, want_p)
+        np.testing.assert_array_equal(got_m, want_m)
