@@ -11,6 +11,9 @@
     lion.step(params, grads, exp_avgs, lr=1e-4)        # one launch per dtype group, in place
     plan = lion.plan(params, grads, exp_avgs)          # bound once: plan.step(lr=1e-4)
 
+Per-tensor reductions (`sums=`, as LARS and LAMB need) add a first pass; `library` holds the
+optimizers shipped as rules (Lion, Adan, Adagrad, RMSprop).
+
 The update is checked when the rule is made (`_language`), then generated twice from the same
 checked program: a CUDA functor on mtapply's chunk walker (`_cuda`, compiled by NVRTC like the
 built-in ops) and a NumPy path for the CPU (`_numpy`). Steps have the built-in ops' semantics:

@@ -12,7 +12,9 @@ Names are the rule's slots (per-element values of its tensors), its hyperparamet
 The text is parsed with Python's `ast` and only the node types named here are accepted: nothing
 from it is ever executed. Each value is classed once: *uniform* (the same for every element of
 a launch: numbers, hyperparameters, step, and what is computed from them alone) or *element*,
-and boolean (a comparison) or numeric. Both code generators walk the same checked `Program`.
+and boolean (a comparison) or numeric. Per-tensor sums (and finish lines computed from them)
+are uniform too: the kernel's functor computes uniform values once per block of one tensor.
+Both code generators walk the same checked `Program`.
 """
 from __future__ import annotations
 
