@@ -10,10 +10,10 @@ fp32 workloads only. A new op adds such a module and one entry here.
 """
 from __future__ import annotations
 
-from . import adam, lars, sgd
+from . import adam, lars, lion, sgd
 from .workloads import FP32, dtypes
 
-OPS = {op.NAME: op for op in (adam, sgd, lars)}
+OPS = {op.NAME: op for op in (adam, sgd, lars, lion)}
 
 
 def all_competitors() -> list:

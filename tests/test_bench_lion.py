@@ -1,0 +1,21 @@
+"""The Lion benchmark's CPU-capable competitors step the same data alike: the rows it times
+compute the same update (the GPU, JAX and graph rows run only in the benchmark)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mtapply.bench import lion  # noqa: E402
+
+
+def test_lion_competitors_agree_on_the_cpu():
+    shapes = [(10,), (3, 4), (0,), (257,)]
+    results = {}
+    for name in ("mtapply", "mtapply-torch", "torch-loop", "torch-foreach"):
+        data = lion.make_data(shapes, torch.device("cpu"), seed=0)
+        stepper = lion.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[name] = [t.detach().clone() for t in data.params + data.exp_avgs]
+    for name, tensors in results.items():
+        for got, want in zip(tensors, results["torch-loop"]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
