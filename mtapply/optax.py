@@ -326,16 +326,23 @@ class _UserRule(_Rule):
         self.plan_slots = ("params", *map(list_name, self.slots), "grads")
         self.reads_params = any(isinstance(node, ast.Name) and node.id == "param"
                                 for line in rule.program.lines for node in ast.walk(line.expr))
-        title = "".join(part.title() for part in rule.name.replace("-", "_").split("_"))
-        self.state_type = NamedTuple(f"{title or 'Rule'}State",
-                                     [("count", Any)] + [(name, Any) for name in self.slots])
-        _STATES.append(self.state_type)
+        self.state_type = _rule_state_type(rule.name, self.slots)
 
     def spec(self, statics):
         return self.user.spec()
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, **self.hyper)
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_state_type(name: str, slots: tuple) -> type:
+    """The state class of a rule (one per name and slots, so that every transformation of one
+    rule keeps states of one pytree type): `count`, then each state slot."""
+    title = "".join(part.title() for part in name.replace("-", "_").split("_")) or "Rule"
+    state_type = NamedTuple(f"{title}State", [("count", Any)] + [(s, Any) for s in slots])
+    _STATES.append(state_type)
+    return state_type
 
 
 def _check(arguments: Callable, **hyper) -> None:

@@ -167,3 +167,10 @@ def test_shipped_adagrad_and_rmsprop_follow_optax(fused, name, ours, theirs):
     for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6,
                                    err_msg=name)
+
+
+def test_one_state_type_per_rule():
+    params = _tree(np.random.default_rng(5))
+    first, second = mtx.lion(1e-3), mtx.fused_lion(1e-2)
+    assert type(first.init(params)) is type(second.init(params))
+    assert jax.tree.structure(first.init(params)) == jax.tree.structure(second.init(params))
