@@ -131,3 +131,43 @@ def test_trees_stepped_a_few_leaves_per_call(make, flat, monkeypatch):
 
 
 _MASK = {"a": True, "e": True, "h": False, "s": False, "z": True}
+
+
+_COMPOSITIONS = {
+    "multi_steps": lambda m: optax.MultiSteps(m.adam(1e-2), 2),
+    "masked": lambda m: optax.masked(m.adam(1e-2), {"a": True, "e": False, "h": False,
+                                                   "s": True, "z": False}),
+    "multi_transform": lambda m: optax.multi_transform(
+        {"x": m.adam(1e-2), "y": m.sgd(0.1, momentum=0.9)},
+        {"a": "x", "e": "y", "h": "y", "s": "x", "z": "y"}),
+    "apply_if_finite": lambda m: optax.apply_if_finite(m.adam(1e-2), 3),
+    "inject_lr": lambda m: optax.inject_hyperparams(m.adamw, static_args=(
+        "b1", "b2", "eps", "eps_root", "weight_decay"))(learning_rate=1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(_COMPOSITIONS))
+def test_optax_compositions_hold_the_flat_state(name):
+    """optax's wrappers keep mtapply's flat state as they keep any state, in jit."""
+    rng = np.random.default_rng(5)
+    params = _mixed(rng)
+    grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype),
+                              params) for _ in range(5)]
+    results = []
+    for module in (mtx, optax):
+        tx = _COMPOSITIONS[name](module)
+
+        @jax.jit
+        def step(p, s, g, tx=tx):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s = params, tx.init(params)
+        for grads in grads_seq:
+            p, s = step(p, s, grads)
+        results.append(p)
+    for got, want in zip(*map(jax.tree.leaves, results)):
+        # float16: optax rounds every operation to float16, mtapply once, after fp32 math
+        half = got.dtype == jnp.float16
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   rtol=5e-3 if half else 1e-5, atol=2e-3 if half else 1e-6)
