@@ -161,8 +161,9 @@ def _convert_states(state, params, convert):
     def one(node):
         if not isinstance(node, tuple(_STATES)):
             return node
+        fields = getattr(type(node), "slot_fields", node._fields[1:])
         return node._replace(**{field: convert(layout, treedef, getattr(node, field), field)
-                                for field in node._fields[1:] if getattr(node, field) is not None})
+                                for field in fields if getattr(node, field) is not None})
 
     return jax.tree.map(one, state, is_leaf=lambda node: isinstance(node, tuple(_STATES)))
 
@@ -202,7 +203,17 @@ class _Rule:
     plan_slots: tuple = ()
     reads_params = True  # False: the update ignores the params' values
     global_norm = False  # the step takes the gradients' global L2 norm
-    initial: dict = {}  # state field -> its initial value where not 0
+    initial: dict = {}  # state field -> its initial value where not 0 ("params": a copy)
+    scalar_fields: tuple = ()  # state fields after the slots: per-step scalars (see per_step)
+
+    def scalar_init(self) -> list:
+        """The initial values of `scalar_fields`."""
+        return []
+
+    def per_step(self, learning_rate, count, state) -> tuple:
+        """(extra step arguments after lr, step and the norm, new values of `scalar_fields`):
+        for rules whose step takes scalars computed from earlier steps."""
+        return [], []
 
     def statics(self, params, treedef) -> tuple:
         return ()
@@ -335,12 +346,52 @@ class _UserRule(_Rule):
         return dict(lr=lr, step=step, **self.hyper)
 
 
+class _ScheduleFree(_UserRule):
+    """Schedule-free AdamW's rule with optax.contrib's per-step scalars: the running maximum
+    of the schedule's lr and the running sum of its weights (max_lr ** weight_lr_power), whose
+    share this step is `ck`. The schedule is read at the step count (from 1) for the weights,
+    and at the steps taken for the base step's lr, as optax does."""
+
+    scalar_fields = ("weight_sum", "max_lr", "b1")
+
+    def __init__(self, b1, b2, eps, weight_decay, weight_lr_power):
+        from .rules import library
+
+        rule = library.schedule_free_adamw()
+        if not 0.0 < check_number("b1", b1) < 1.0:
+            raise ValueError(f"b1 must be in (0, 1) for schedule-free AdamW, got {b1}")
+        self.weight_lr_power = check_number("weight_lr_power", weight_lr_power)
+        self.b1 = float(b1)
+        super().__init__(rule, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, ck=0.0),
+                         initial={"z": "params"})
+        del self.hyper["ck"]  # a step argument, computed per step
+        self.state_type = _rule_state_type(rule.name, self.slots, self.scalar_fields)
+
+    def scalar_init(self) -> list:
+        return [jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32),
+                jnp.asarray(self.b1, jnp.float32)]
+
+    def per_step(self, learning_rate, count, state) -> tuple:
+        lr = learning_rate(count + 1) if callable(learning_rate) else learning_rate
+        max_lr = jnp.maximum(state.max_lr, jnp.asarray(lr, jnp.float32))
+        weight = max_lr ** self.weight_lr_power
+        total = state.weight_sum + weight
+        ck = jnp.where(jnp.isnan(weight) | jnp.isnan(total), jnp.nan,
+                       jnp.nan_to_num(weight / total, nan=0.0, posinf=jnp.inf))
+        return [ck], [total, max_lr, state.b1]
+
+    def step_args(self, lr, step, ck=None) -> dict:
+        return dict(lr=lr, step=step, ck=ck, **self.hyper)
+
+
 @functools.lru_cache(maxsize=None)
-def _rule_state_type(name: str, slots: tuple) -> type:
-    """The state class of a rule (one per name and slots, so that every transformation of one
-    rule keeps states of one pytree type): `count`, then each state slot."""
+def _rule_state_type(name: str, slots: tuple, scalars: tuple = ()) -> type:
+    """The state class of a rule (one per name and fields, so that every transformation of one
+    rule keeps states of one pytree type): `count`, each state slot, then per-step scalars."""
     title = "".join(part.title() for part in name.replace("-", "_").split("_")) or "Rule"
-    state_type = NamedTuple(f"{title}State", [("count", Any)] + [(s, Any) for s in slots])
+    state_type = NamedTuple(f"{title}State",
+                            [("count", Any)] + [(s, Any) for s in (*slots, *scalars)])
+    state_type.slot_fields = slots  # what tree_state and flat_state convert
     _STATES.append(state_type)
     return state_type
 
@@ -398,13 +449,9 @@ class _Engine:
         """The rule's state: count 0 and buffers like params, zero unless the rule starts a
         slot at another value (optax's initial state)."""
         values = [self.rule.initial.get(field, 0.0) for field in self.rule.slots]
-        if self.flat:
-            layout = _FlatLayout(jax.tree.leaves(params))
-            slots = [layout.full(value) for value in values]
-        else:
-            slots = [jax.tree.map(lambda p, v=value: jnp.full_like(p, v), params)
-                     for value in values]
-        return self.rule.state_type(jnp.zeros([], jnp.int32), *slots)
+        layout = _FlatLayout(jax.tree.leaves(params)) if self.flat else None
+        slots = [_initial_slot(value, params, layout) for value in values]
+        return self.rule.state_type(jnp.zeros([], jnp.int32), *slots, *self.rule.scalar_init())
 
     def apply(self, params, grads, state, mode: str = "inplace"):
         """(new params, new state) after one step, or (updates, new state) in the "delta" and
@@ -419,8 +466,11 @@ class _Engine:
         slots = {name: self._slot_values(state, field, treedef, layout)
                  for name, field in zip(state_names, self.rule.slots)}
         statics = self.rule.statics(grads if params is None else params, treedef) if leaves else ()
-        step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads),
-                                 self._scalars(state.count, grads), statics, layout, mode)
+        extra, scalar_state = self.rule.per_step(self.learning_rate, state.count, state)
+        scalars = self._scalars(state.count, grads) + [
+            jnp.asarray(x, jnp.float32).reshape(1) for x in extra]
+        step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
+                                 statics, layout, mode)
         firsts, per_leaf = [], {name: [] for name in state_names}
         per_call = self._leaves_per_call(mode)
         for start in range(0, len(leaves), per_call):
@@ -436,7 +486,8 @@ class _Engine:
         new_slots = [dict(zip(layout.names, slots[name])) if layout else
                      treedef.unflatten(per_leaf[name]) for name in state_names]
         return (treedef.unflatten(firsts),
-                self.rule.state_type(optax.safe_increment(state.count), *new_slots))
+                self.rule.state_type(optax.safe_increment(state.count), *new_slots,
+                                     *scalar_state))
 
     def _step_part(self, leaves, grad_leaves, scalars, statics, layout, mode, part: slice,
                    state_part: list) -> dict:
@@ -780,6 +831,18 @@ class _FlatLayout:
 
     def byte_offsets(self) -> np.ndarray:
         return np.array([o * d.itemsize for o, d in zip(self.offsets, self.dtypes)], np.int64)
+
+
+def _initial_slot(value, params, layout):
+    """A state slot's first value: a number everywhere, or ("params") a copy of the params."""
+    if value == "params":
+        leaves = jax.tree.leaves(params)
+        if layout is None:
+            return jax.tree.map(jnp.copy, params)
+        return dict(zip(layout.names, layout.join(leaves)))
+    if layout is None:
+        return jax.tree.map(lambda p: jnp.full_like(p, value), params)
+    return layout.full(value)
 
 
 def _size(shape) -> int:
@@ -1126,6 +1189,46 @@ def fused_rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_
                                 nesterov, bias_correction), learning_rate)
 
 
+def _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps, weight_decay,
+                        weight_lr_power, state_dtype):
+    _refuse("schedule_free_adamw", state_dtype=(state_dtype, None))
+    if warmup_steps is not None:
+        learning_rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
+    return _ScheduleFree(b1, b2, eps, weight_decay, weight_lr_power), learning_rate
+
+
+def schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
+                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None,
+                        flat_state=True) -> optax.GradientTransformation:
+    """optax.contrib.schedule_free_adamw on the rule `mtapply.rules.library.schedule_free_adamw`
+    (optax's arguments; state_dtype only takes its default). The params are schedule-free's y;
+    evaluate with `schedule_free_eval_params(state, params)`. State
+    `ScheduleFreeAdamwState(count, z, nu, weight_sum, max_lr, b1)`."""
+    rule, learning_rate = _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps,
+                                              weight_decay, weight_lr_power, state_dtype)
+    return _transformation(rule, learning_rate, flat_state)
+
+
+def fused_schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999,
+                              eps=1e-8, weight_decay=0.0, weight_lr_power=2.0,
+                              state_dtype=None) -> FusedOptimizer:
+    """`schedule_free_adamw` as a fused step: `opt.step(params, grads, state)`."""
+    rule, learning_rate = _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps,
+                                              weight_decay, weight_lr_power, state_dtype)
+    return _fused(rule, learning_rate)
+
+
+def schedule_free_eval_params(state, params):
+    """The params to evaluate with (schedule-free's x) from a `schedule_free_adamw` state (or a
+    chain's holding one) and the trained params y: (y - (1 - b1) z) / b1."""
+    found = [node for node in jax.tree.leaves(state, is_leaf=lambda n: hasattr(n, "max_lr"))
+             if hasattr(node, "max_lr")]
+    if not found:
+        raise ValueError("schedule_free_eval_params needs the state of schedule_free_adamw")
+    z, b1 = tree_state(found[0], params).z, found[0].b1
+    return jax.tree.map(lambda y, zi: (y - (1.0 - b1) * zi) / b1, params, z)
+
+
 def transformation(rule, learning_rate, *, flat_state=True,
                    **hyper) -> optax.GradientTransformation:
     """A user-written rule (`mtapply.rule`) as an optax transformation, like `adam`:
@@ -1142,5 +1245,7 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adagrad", "adam",
            "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
-           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_rmsprop", "fused_sgd",
-           "lamb", "lars", "lion", "rmsprop", "sgd", "transformation", "tree_state"]
+           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_rmsprop",
+           "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "rmsprop",
+           "schedule_free_adamw", "schedule_free_eval_params", "sgd", "transformation",
+           "tree_state"]

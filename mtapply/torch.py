@@ -1,5 +1,6 @@
 """Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
-Adagrad, RMSprop, Lion, Adan, and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
+Adagrad, RMSprop, Lion, Adan, ScheduleFreeAdamW, and any user-written rule
+(`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
@@ -48,7 +49,7 @@ from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "AdamW", "Adan", "Lion", "RMSprop",
-           "RuleOptimizer", "optimizer"]
+           "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -575,6 +576,79 @@ class Adan(_RuleBased):
         beta1, beta2, beta3 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
                     eps_root=0.0, weight_decay=group["weight_decay"])
+
+
+class ScheduleFreeAdamW(_RuleBased):
+    """Schedule-free AdamW (`mtapply.rules.library.schedule_free_adamw`) with the update of
+    optax.contrib.schedule_free_adamw and the arguments and train()/eval() of the authors'
+    AdamWScheduleFree: the params hold y while training; `eval()` puts the average x in them
+    and `train()` puts y back. Per group, the running max lr, the sum of the averaging weights
+    and the steps taken are host numbers in the group (saved with state_dict); each param's
+    state holds `z` (a copy of the param at first), `nu` and `step`. lr is a number (the weights
+    are computed on the host); a step skipped by GradScaler still advances them."""
+
+    def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 warmup_steps=0, weight_lr_power=2.0, *, flat_grads=False):
+        _check_options(lr=lr, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        if not 0.0 < betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid betas: {betas} (beta1 in (0, 1), beta2 in [0, 1))")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        warmup_steps=warmup_steps, weight_lr_power=weight_lr_power,
+                        lr_max=0.0, weight_sum=0.0, k=0, train_mode=True)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        from .rules import library
+
+        return library.schedule_free_adamw()
+
+    def _initial(self, group, p, name: str):
+        return p.detach().clone() if name == "z" else super()._initial(group, p, name)
+
+    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+        if not group["train_mode"]:
+            raise RuntimeError("ScheduleFreeAdamW.step() in eval mode: call optimizer.train() "
+                               "first (eval() put the averaged params in place)")
+        k = group["k"]
+        group["_lr"] = self._scheduled(group, k)  # the base step's, as optax's count
+        lr_max = group["lr_max"] = max(group["lr_max"], self._scheduled(group, k + 1))
+        weight = lr_max ** group["weight_lr_power"]
+        group["weight_sum"] += weight
+        group["_ck"] = weight / group["weight_sum"] if group["weight_sum"] > 0 else 0.0
+        group["k"] = k + 1
+        super()._step_group(index, group, grad_scale, found_inf)
+
+    @staticmethod
+    def _scheduled(group, step: int) -> float:
+        """optax.warmup_constant_schedule(0, lr, warmup_steps) at `step`."""
+        warmup = group["warmup_steps"]
+        return float(group["lr"]) * (min(step, warmup) / warmup if warmup > 0 else 1.0)
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["_lr"], b1=beta1, b2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], ck=group["_ck"])
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Puts x, the average to evaluate, in the params."""
+        self._swap(to_train=False)
+
+    @torch.no_grad()
+    def train(self) -> None:
+        """Puts y, the point the gradients are taken at, back in the params."""
+        self._swap(to_train=True)
+
+    def _swap(self, to_train: bool) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] == to_train:
+                continue
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                z = self.state[p].get("z")
+                if z is not None:  # y = b1 x + (1 - b1) z, both ways as a lerp towards z
+                    p.lerp_(z, 1 - beta1 if to_train else 1 - 1 / beta1)
+            group["train_mode"] = to_train
 
 
 class Adagrad(_RuleBased):

@@ -174,3 +174,30 @@ def test_one_state_type_per_rule():
     first, second = mtx.lion(1e-3), mtx.fused_lion(1e-2)
     assert type(first.init(params)) is type(second.init(params))
     assert jax.tree.structure(first.init(params)) == jax.tree.structure(second.init(params))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+@pytest.mark.parametrize("hyper", [dict(learning_rate=1e-2),
+                                   dict(learning_rate=3e-2, warmup_steps=3, b1=0.8, b2=0.99,
+                                        weight_decay=0.05, weight_lr_power=1.0)],
+                         ids=["constant", "warmup"])
+def test_schedule_free_adamw_follows_optax_contrib(fused, hyper):
+    rng = np.random.default_rng(6)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    theirs = optax.contrib.schedule_free_adamw(**hyper)
+    want, their_state = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
+    if fused:
+        ours = mtx.fused_schedule_free_adamw(**hyper)
+        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
+    else:
+        ours = mtx.schedule_free_adamw(**hyper)
+        step = jax.jit(_applying(ours))
+    mine, state = _run(step, params, ours.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+    evaluated = mtx.schedule_free_eval_params(state, mine)
+    their_eval = optax.contrib.schedule_free_eval_params(their_state, want)
+    for got, expected in zip(jax.tree.leaves(evaluated), jax.tree.leaves(their_eval)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(float(state.weight_sum), float(their_state.weight_sum), rtol=1e-6)

@@ -277,6 +277,7 @@ def _shipped():
                 yield (f"rmsprop-c{int(centered)}-m{int(momentum)}-max{int(maximize)}",
                        library.rmsprop(centered, momentum, maximize))
     yield "adagrad-optax", library.adagrad_optax()
+    yield "schedule-free-adamw", library.schedule_free_adamw()
     for centered, momentum, nesterov, eps_in_sqrt in [(False, False, False, True),
                                                       (True, True, True, True),
                                                       (False, True, False, False)]:

@@ -12,7 +12,7 @@
     plan = lion.plan(params, grads, exp_avgs)          # bound once: plan.step(lr=1e-4)
 
 Per-tensor reductions (`sums=`, as LARS and LAMB need) add a first pass; `library` holds the
-optimizers shipped as rules (Lion, Adan, Adagrad, RMSprop).
+optimizers shipped as rules (Lion, Adan, Adagrad, RMSprop, schedule-free AdamW).
 
 The update is checked when the rule is made (`_language`), then generated twice from the same
 checked program: a CUDA functor on mtapply's chunk walker (`_cuda`, compiled by NVRTC like the

@@ -132,4 +132,24 @@ def rmsprop_optax(centered: bool = False, momentum: bool = False, nesterov: bool
     return rule("rmsprop_optax", slots=slots, hyper=hyper, update="\n".join(lines))
 
 
-__all__ = ["adagrad", "adagrad_optax", "adan", "lion", "rmsprop", "rmsprop_optax"]
+@functools.lru_cache(maxsize=None)
+def schedule_free_adamw() -> Rule:
+    """Schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled"), as
+    optax.contrib.schedule_free_adamw: the params hold y, `z` the base sequence (a copy of the
+    params at first); x, the average, is recomputed from them. `ck` is the averaging weight of
+    this step (from the running sum of max_lr**weight_lr_power), which the adapter computes;
+    lr is the base step's learning rate."""
+    return rule("schedule_free_adamw", slots="param:rw grad:r z:rw nu:rw",
+                hyper=dict(lr=None, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, ck=None),
+                update="""
+                    nu = (1 - b2) * (grad * grad) + b2 * nu
+                    u = grad * (1 / (sqrt(nu / (1 - b2 ** step)) + eps)) + weight_decay * param
+                    x = (param - (1 - b1) * z) / b1
+                    z = z - lr * u
+                    x = (1 - ck) * x + ck * z
+                    param = b1 * x + (1 - b1) * z
+                """)
+
+
+__all__ = ["adagrad", "adagrad_optax", "adan", "lion", "rmsprop", "rmsprop_optax",
+           "schedule_free_adamw"]
