@@ -100,8 +100,21 @@ def test_bf16_params_with_fp32_master_weights():
         torch.testing.assert_close(p16, master.to(torch.bfloat16), rtol=0, atol=0)
 
 
+JAX_TWINS = {  # name -> (our constructor name, its arguments, optax's twin)
+    "lion": ("lion", dict(learning_rate=1e-3, weight_decay=0.1),
+             lambda optax: optax.lion(1e-3, weight_decay=0.1)),
+    "adan": ("adan", dict(learning_rate=1e-3, weight_decay=0.01),
+             lambda optax: optax.adan(1e-3, weight_decay=0.01)),
+    "rmsprop": ("rmsprop", dict(learning_rate=1e-3, centered=True, momentum=0.9),
+                lambda optax: optax.rmsprop(1e-3, centered=True, momentum=0.9)),
+    "schedule_free": ("schedule_free_adamw", dict(learning_rate=1e-2, warmup_steps=3),
+                      lambda optax: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(JAX_TWINS))
 @pytest.mark.parametrize("form", ["transformation", "fused"])
-def test_jax_steps_through_the_ffi_call_follow_optax_lion(form):
+def test_jax_steps_through_the_ffi_call_follow_optax(form, name):
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     import mtapply.optax as mtx
@@ -113,13 +126,13 @@ def test_jax_steps_through_the_ffi_call_follow_optax_lion(form):
     tree = lambda: {f"p{i}": jax.device_put(rng.standard_normal(s).astype(np.float32), gpus[0])  # noqa: E731
                     for i, s in enumerate(SHAPES)}
     params, grads_seq = tree(), [tree() for _ in range(10)]
-    rule = mtapply.rule("lion", **LION)
-    theirs = optax.lion(1e-3, weight_decay=0.1)
+    constructor, hyper, twin = JAX_TWINS[name]
+    theirs = twin(optax)
     if form == "fused":
-        ours = mtx.fused(rule, 1e-3, weight_decay=0.1)
+        ours = getattr(mtx, f"fused_{constructor}")(**hyper)
         step = jax.jit(lambda p, s, g: ours.step(p, g, s), donate_argnums=(0, 1))
     else:
-        ours = mtx.transformation(rule, 1e-3, weight_decay=0.1)
+        ours = getattr(mtx, constructor)(**hyper)
         step = jax.jit(lambda p, s, g: _apply(ours, optax, p, s, g), donate_argnums=(0, 1))
     their_step = jax.jit(lambda p, s, g: _apply(theirs, optax, p, s, g))
     mine, state = jax.tree.map(lambda x: x.copy(), params), ours.init(params)
@@ -129,7 +142,8 @@ def test_jax_steps_through_the_ffi_call_follow_optax_lion(form):
         mine, state = step(mine, state, g)
         want, their_state = their_step(want, their_state, g)
     for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6,
+                                   err_msg=name)
 
 
 def _apply(tx, optax, params, state, grads):
