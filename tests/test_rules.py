@@ -278,6 +278,7 @@ def _shipped():
                        library.rmsprop(centered, momentum, maximize))
     yield "adagrad-optax", library.adagrad_optax()
     yield "schedule-free-adamw", library.schedule_free_adamw()
+    yield "adamw", library.adam(True)
     for centered, momentum, nesterov, eps_in_sqrt in [(False, False, False, True),
                                                       (True, True, True, True),
                                                       (False, True, False, False)]:
@@ -386,3 +387,24 @@ def test_lion_over_drawn_lists_follows_its_definition(sizes, seed, dtype, lr, be
     for got_p, got_m, (want_p, want_m) in zip(params, moments, want):
         np.testing.assert_array_equal(got_p, want_p)
         np.testing.assert_array_equal(got_m, want_m)
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_adam_as_a_rule_follows_the_built_in_op(decoupled, maximize):
+    """The built-in Adam written as a rule (to compare the generated kernel with the
+    hand-written one) takes the same steps as `mtapply.adam_step`."""
+    from mtapply.rules import library
+
+    rule = library.adam(decoupled, maximize)
+    rng = np.random.default_rng(10)
+    ours = _lists(rng, 4, positive=(3,))
+    theirs = [[x.copy() for x in column] for column in ours]
+    hyper = dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1)
+    for step in range(1, 6):
+        grads = _lists(rng, 1)[0]
+        rule.step(ours[0], grads, ours[2], ours[3], step=step, **hyper)
+        mtapply.adam_step(theirs[0], grads, theirs[2], theirs[3], step=step, maximize=maximize,
+                          decoupled_weight_decay=decoupled, **hyper)
+    for got, want in zip(ours[0] + ours[2] + ours[3], theirs[0] + theirs[2] + theirs[3]):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -111,6 +111,20 @@ def mtapply_plan(data: AdamData, table_mode: str) -> Stepper:
     return Stepper(step, plan, data, note=MASTER_NOTE if "master_params" in options else None)
 
 
+def mtapply_rule(data: AdamData) -> Stepper:
+    """The same Adam written as a rule (`mtapply.rules.library.adam`): the generated kernel
+    beside the hand-written one."""
+    from mtapply.rules import library
+
+    plan = library.adam().plan(data.params, data.grads, data.exp_avgs, data.exp_avg_sqs)
+    counter = itertools.count(1)
+
+    def step():
+        plan.step(lr=LR, step=next(counter), eps=EPS)
+
+    return Stepper(step, plan, data)
+
+
 def mtapply_call(data: AdamData) -> Stepper:
     """mtapply as the one-call API is used: `mtapply.adam_step(...)` on the same lists every
     step (each call checks the lists, then reuses the tables of the last call)."""
@@ -211,6 +225,8 @@ COMPETITORS = {
                                   "mtapply.adam_plan(..., table_mode='unified')"),
     "mtapply-call": Competitor(mtapply_call, "mtapply.adam_step(...) every step on the same "
                                              "lists (the one-call API)"),
+    "mtapply-rule": Competitor(mtapply_rule, "Adam written as an mtapply.rule, plan bound once",
+                               fp32_only=True),
     "torch-fused": Competitor(torch_fused, "torch.optim.Adam(fused=True); moments in the "
                                            "params' dtype"),
     "torch-fused-fp32": Competitor(torch_fused_fp32, "torch.optim.Adam(fused=True) on fp32 "

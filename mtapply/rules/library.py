@@ -151,5 +151,25 @@ def schedule_free_adamw() -> Rule:
                 """)
 
 
-__all__ = ["adagrad", "adagrad_optax", "adan", "lion", "rmsprop", "rmsprop_optax",
+@functools.lru_cache(maxsize=None)
+def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
+    """Adam / AdamW as the built-in `mtapply.AdamSpec` (torch.optim's semantics, its two-sided
+    lerp for the first moment), written as a rule: the built-in op's twin, for comparing the
+    generated kernel with the hand-written one."""
+    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
+             else "g = g + weight_decay * param")
+    return rule("adam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
+                hyper=dict(lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"}
+                    {decay}
+                    d = g - exp_avg
+                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
+                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    denom = sqrt(exp_avg_sq) / sqrt(1 - beta2 ** step) + eps
+                    param = param + (-lr / (1 - beta1 ** step)) * (exp_avg / denom)
+                """)
+
+
+__all__ = ["adagrad", "adagrad_optax", "adam", "adan", "lion", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw"]
