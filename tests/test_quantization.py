@@ -1,0 +1,87 @@
+"""Blockwise dynamic quantization (the 8-bit optimizer states' format): the maps, and
+properties of quantize/dequantize over hypothesis-drawn tensors."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from mtapply.quantization import (BLOCK, block_absmax, dequantize_blockwise, dynamic_map,
+                                  nearest_code, quantize_blockwise)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_maps_follow_the_dynamic_tree(signed):
+    table = dynamic_map(signed)
+    assert table.dtype == np.float32 and table.size == 256
+    assert np.all(np.diff(table) > 0), "ascending and distinct"
+    assert table[-1] == 1.0 and 0.0 in table
+    assert (table.min() < 0) == signed
+    magnitudes = np.abs(table[table != 0])
+    # each decade 10**-E holds 2**(7 - E) magnitudes (2**(6 - E) of each sign when signed),
+    # all but the 1.0 strictly inside [0.1, 1) * 10**-E
+    for exponent in range(7):
+        low, high = 0.1 * 10.0 ** -exponent, 10.0 ** -exponent
+        inside = np.sum((magnitudes > low * (1 - 1e-6)) & (magnitudes < high))
+        assert inside == 2 ** (7 - exponent), exponent
+    # the smallest: the midpoint of the lowest bin of the last decade
+    assert magnitudes.min() == pytest.approx(1e-6 * (0.1 + 0.9 / (2 if signed else 4)), rel=1e-5)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_map_values_survive_a_round_trip(signed):
+    table = dynamic_map(signed)
+    codes = nearest_code(table, signed)
+    np.testing.assert_array_equal(codes, np.arange(256, dtype=np.uint8))
+
+
+_VALUES = hnp.arrays(np.float32, st.integers(0, 3 * BLOCK + 7),
+                     elements=st.floats(-1e4, 1e4, width=32, allow_nan=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=_VALUES, signed=st.booleans(), block=st.sampled_from([64, 256, 2048]))
+def test_each_element_gets_the_nearest_value_of_its_blocks_scale(values, signed, block):
+    if not signed:
+        values = np.abs(values)
+    codes, absmax = quantize_blockwise(values, signed, block)
+    assert codes.dtype == np.uint8 and codes.size == values.size
+    assert absmax.size == -(-values.size // block)
+    np.testing.assert_array_equal(absmax, block_absmax(values, block))
+    got = dequantize_blockwise(codes, absmax, signed, block)
+    table = dynamic_map(signed)
+    scale = np.repeat(absmax, block)[:values.size]
+    for x, s, q in zip(values, scale, got):
+        if s == 0:
+            assert q == 0
+            continue
+        best = np.min(np.abs(table * s - x))
+        assert abs(q - x) <= best * (1 + 1e-5) + 1e-30 * s
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=_VALUES, signed=st.booleans())
+def test_error_is_within_half_a_gap_of_the_map(values, signed):
+    """|x - dequantized| <= absmax * (half the map's largest gap) everywhere; the block's
+    maximum itself is exact when positive (1.0 is in both maps)."""
+    if not signed:
+        values = np.abs(values)
+    codes, absmax = quantize_blockwise(values, signed)
+    got = dequantize_blockwise(codes, absmax, signed)
+    half_gap = np.max(np.diff(dynamic_map(signed))) / 2
+    scale = np.repeat(absmax, BLOCK)[:values.size]
+    assert np.all(np.abs(got - values) <= scale * half_gap * (1 + 1e-5) + 1e-30)
+    for k, top in enumerate(absmax):
+        block = values[k * BLOCK:(k + 1) * BLOCK]
+        if top > 0 and block.max() == top:
+            assert got[k * BLOCK + int(np.argmax(block))] == top
+
+
+def test_blocks_do_not_straddle_tensors():
+    """Two tensors quantized one after the other keep their own scales: a large value in one
+    leaves the other's precision alone."""
+    small = np.full(100, 1e-3, np.float32)
+    large = np.full(100, 1e3, np.float32)
+    for tensor in (small, large):
+        codes, absmax = quantize_blockwise(tensor, signed=True)
+        np.testing.assert_array_equal(dequantize_blockwise(codes, absmax, True), tensor)
