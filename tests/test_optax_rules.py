@@ -34,6 +34,21 @@ def _run(step, params, state, grads_seq):
     return params, state
 
 
+def _against_optax(ours, theirs, seed, rtol=2e-5, atol=2e-6):
+    """Jitted steps of `ours` (a transformation or a fused form) and optax's `theirs` on the
+    same tree and grads; asserts equal params; returns (params, our state, their state)."""
+    rng = np.random.default_rng(seed)
+    params = _tree(rng)
+    grads_seq = [_tree(rng) for _ in range(STEPS)]
+    want, their_state = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
+    fused = isinstance(ours, mtx.FusedOptimizer)
+    step = jax.jit(lambda p, s, g: ours.step(p, g, s)) if fused else jax.jit(_applying(ours))
+    mine, state = _run(step, params, ours.init(params), grads_seq)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=rtol, atol=atol)
+    return params, (mine, state), (want, their_state)
+
+
 @pytest.mark.parametrize("form", ["transformation", "tree-state", "fused"])
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_lion_rule_follows_optax_lion(form, jit):
@@ -92,21 +107,9 @@ def test_bad_uses_are_refused():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
 def test_shipped_lion_takes_optax_lions_arguments(fused):
-    rng = np.random.default_rng(2)
-    params = _tree(rng)
-    grads_seq = [_tree(rng) for _ in range(STEPS)]
     hyper = dict(b1=0.8, b2=0.95, weight_decay=0.05)
-    theirs = optax.lion(3e-3, **hyper)
-    want, _ = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
-    if fused:
-        ours = mtx.fused_lion(3e-3, **hyper)
-        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
-    else:
-        ours = mtx.lion(3e-3, **hyper)
-        step = jax.jit(_applying(ours))
-    mine, _ = _run(step, params, ours.init(params), grads_seq)
-    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    _against_optax((mtx.fused_lion if fused else mtx.lion)(3e-3, **hyper),
+                   optax.lion(3e-3, **hyper), seed=2, rtol=1e-5, atol=1e-6)
     with pytest.raises(NotImplementedError, match="mu_dtype"):
         mtx.lion(1e-3, mu_dtype=jnp.bfloat16)
 
@@ -115,20 +118,8 @@ def test_shipped_lion_takes_optax_lions_arguments(fused):
 @pytest.mark.parametrize("hyper", [dict(), dict(b1=0.9, b2=0.8, b3=0.95, eps=1e-6,
                                                  weight_decay=0.02)], ids=["defaults", "set"])
 def test_shipped_adan_follows_optax_adan(fused, hyper):
-    rng = np.random.default_rng(3)
-    params = _tree(rng)
-    grads_seq = [_tree(rng) for _ in range(STEPS)]
-    theirs = optax.adan(1e-2, **hyper)
-    want, their_state = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
-    if fused:
-        ours = mtx.fused_adan(1e-2, **hyper)
-        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
-    else:
-        ours = mtx.adan(1e-2, **hyper)
-        step = jax.jit(_applying(ours))
-    mine, state = _run(step, params, ours.init(params), grads_seq)
-    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+    params, (_, state), (_, their_state) = _against_optax(
+        (mtx.fused_adan if fused else mtx.adan)(1e-2, **hyper), optax.adan(1e-2, **hyper), seed=3)
     state = mtx.tree_state(state, params)
     for field in ("m", "v", "n"):
         for got, expected in zip(jax.tree.leaves(getattr(state, field)),
@@ -151,22 +142,11 @@ def test_shipped_adan_follows_optax_adan(fused, hyper):
      lambda: optax.rmsprop(1e-2, eps_in_sqrt=False, momentum=0.5)),
 ])
 def test_shipped_adagrad_and_rmsprop_follow_optax(fused, name, ours, theirs):
-    rng = np.random.default_rng(4)
-    params = _tree(rng)
-    grads_seq = [_tree(rng) for _ in range(STEPS)]
-    reference = theirs()
-    want, _ = _run(jax.jit(_applying(reference)), params, reference.init(params), grads_seq)
-
     class Fused:  # the fused forms take the same constructor arguments
         def __getattr__(self, attr):
             return getattr(mtx, f"fused_{attr}")
 
-    opt = ours(Fused() if fused else mtx)
-    step = jax.jit(lambda p, s, g: opt.step(p, g, s)) if fused else jax.jit(_applying(opt))
-    mine, _ = _run(step, params, opt.init(params), grads_seq)
-    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6,
-                                   err_msg=name)
+    _against_optax(ours(Fused() if fused else mtx), theirs(), seed=4)
 
 
 def test_one_state_type_per_rule():
@@ -182,20 +162,9 @@ def test_one_state_type_per_rule():
                                         weight_decay=0.05, weight_lr_power=1.0)],
                          ids=["constant", "warmup"])
 def test_schedule_free_adamw_follows_optax_contrib(fused, hyper):
-    rng = np.random.default_rng(6)
-    params = _tree(rng)
-    grads_seq = [_tree(rng) for _ in range(STEPS)]
-    theirs = optax.contrib.schedule_free_adamw(**hyper)
-    want, their_state = _run(jax.jit(_applying(theirs)), params, theirs.init(params), grads_seq)
-    if fused:
-        ours = mtx.fused_schedule_free_adamw(**hyper)
-        step = jax.jit(lambda p, s, g: ours.step(p, g, s))
-    else:
-        ours = mtx.schedule_free_adamw(**hyper)
-        step = jax.jit(_applying(ours))
-    mine, state = _run(step, params, ours.init(params), grads_seq)
-    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+    make = mtx.fused_schedule_free_adamw if fused else mtx.schedule_free_adamw
+    params, (mine, state), (want, their_state) = _against_optax(
+        make(**hyper), optax.contrib.schedule_free_adamw(**hyper), seed=6)
     evaluated = mtx.schedule_free_eval_params(state, mine)
     their_eval = optax.contrib.schedule_free_eval_params(their_state, want)
     for got, expected in zip(jax.tree.leaves(evaluated), jax.tree.leaves(their_eval)):

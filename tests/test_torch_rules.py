@@ -155,18 +155,17 @@ def test_lion_follows_its_float64_definition():
         torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-5, atol=1e-7)
 
 
-def test_adan_class_follows_the_optax_rule_through_torch():
-    """mtapply.torch.Adan and mtapply.optax.adan run one rule: equal steps on equal data."""
+def _torch_beside_optax(make_opt, tx, seed):
+    """Steps a torch optimizer (`make_opt(params)`) and an optax transformation `tx` on the
+    same params and grads, six steps; asserts equal params; returns (opt, its params, tx's
+    state, tx's params)."""
     jax = pytest.importorskip("jax")
-    import mtapply.optax as mtx
-
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng(seed)
     params = [rng.standard_normal(s).astype(np.float32) for s in [(5, 3), (7,)]]
     grads_seq = [[rng.standard_normal(p.shape).astype(np.float32) for p in params]
                  for _ in range(6)]
     ours = [torch.tensor(p, requires_grad=True) for p in params]
-    opt = mt.Adan(ours, lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.02)
-    tx = mtx.adan(1e-2, b1=0.9, b2=0.8, b3=0.95, weight_decay=0.02)
+    opt = make_opt(ours)
     jparams = [jax.numpy.asarray(p) for p in params]
     state = tx.init(jparams)
     for grads in grads_seq:
@@ -177,6 +176,14 @@ def test_adan_class_follows_the_optax_rule_through_torch():
         jparams = [p + u for p, u in zip(jparams, updates)]
     for p, q in zip(ours, jparams):
         np.testing.assert_allclose(p.detach().numpy(), np.asarray(q), rtol=1e-5, atol=1e-6)
+    return opt, ours, state, jparams
+
+
+def test_adan_class_follows_the_optax_rule_through_torch():
+    """mtapply.torch.Adan and mtapply.optax.adan run one rule: equal steps on equal data."""
+    mtx = pytest.importorskip("mtapply.optax")
+    _torch_beside_optax(lambda p: mt.Adan(p, lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.02),
+                        mtx.adan(1e-2, b1=0.9, b2=0.8, b3=0.95, weight_decay=0.02), seed=6)
 
 
 @pytest.mark.parametrize("hyper", [dict(lr=1e-2),
@@ -187,29 +194,13 @@ def test_schedule_free_adamw_follows_mtapply_optax_and_swaps_for_eval(hyper):
     """mtapply.torch.ScheduleFreeAdamW and mtapply.optax.schedule_free_adamw (which follows
     optax.contrib's) step alike; eval() puts the average in the params and train() takes
     them back."""
-    jax = pytest.importorskip("jax")
-    import mtapply.optax as mtx
-
-    rng = np.random.default_rng(7)
-    params = [rng.standard_normal(s).astype(np.float32) for s in [(5, 3), (7,)]]
-    grads_seq = [[rng.standard_normal(p.shape).astype(np.float32) for p in params]
-                 for _ in range(6)]
-    ours = [torch.tensor(p, requires_grad=True) for p in params]
-    opt = mt.ScheduleFreeAdamW(ours, **hyper)
+    mtx = pytest.importorskip("mtapply.optax")
     b1, b2 = hyper.get("betas", (0.9, 0.999))
     tx = mtx.schedule_free_adamw(hyper["lr"], warmup_steps=hyper.get("warmup_steps"), b1=b1,
                                  b2=b2, weight_decay=hyper.get("weight_decay", 0.0),
                                  weight_lr_power=hyper.get("weight_lr_power", 2.0))
-    jparams = [jax.numpy.asarray(p) for p in params]
-    state = tx.init(jparams)
-    for grads in grads_seq:
-        for p, g in zip(ours, grads):
-            p.grad = torch.tensor(g)
-        opt.step()
-        updates, state = tx.update([jax.numpy.asarray(g) for g in grads], state, jparams)
-        jparams = [p + u for p, u in zip(jparams, updates)]
-    for p, q in zip(ours, jparams):
-        np.testing.assert_allclose(p.detach().numpy(), np.asarray(q), rtol=1e-5, atol=1e-6)
+    opt, ours, state, jparams = _torch_beside_optax(
+        lambda p: mt.ScheduleFreeAdamW(p, **hyper), tx, seed=7)
     trained = [p.detach().clone() for p in ours]
     opt.eval()
     for p, q in zip(ours, mtx.schedule_free_eval_params(state, jparams)):
