@@ -40,6 +40,22 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, bet
     return p, m, v, vmax
 
 
+def adam8bit(param, grad, exp_avg, exp_avg_sq, *, lr, step, block=256, dtype=np.float32,
+             **options):
+    """One Adam/AdamW step with 8-bit blockwise states (`mtapply.quantization`): each moment is
+    (codes uint8, absmax float32 per block); dequantized, stepped as `adam` steps fp32 moments
+    (`options` as `adam` takes them, amsgrad excepted), then quantized again with each block's
+    fresh absmax. Returns (param, (m codes, m absmax), (v codes, v absmax))."""
+    from .quantization import dequantize_blockwise, quantize_blockwise
+
+    shape = np.shape(param)
+    m = dequantize_blockwise(*exp_avg, signed=True, block=block).reshape(shape)
+    v = dequantize_blockwise(*exp_avg_sq, signed=False, block=block).reshape(shape)
+    p, m, v, _ = adam(param, grad, m, v, lr=lr, step=step, dtype=dtype, **options)
+    return (p, quantize_blockwise(m, signed=True, block=block),
+            quantize_blockwise(v, signed=False, block=block))
+
+
 def sgd(param, grad, momentum_buffer=None, *, lr, step, momentum=0.0, dampening=0.0,
         weight_decay=0.0, nesterov=False, maximize=False, dtype=np.float64):
     """One SGD step as torch.optim.SGD defines it; on step 1 the buffer takes the gradient.
