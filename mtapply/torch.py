@@ -609,6 +609,8 @@ class ScheduleFreeAdamW(_RuleBased):
         if not group["train_mode"]:
             raise RuntimeError("ScheduleFreeAdamW.step() in eval mode: call optimizer.train() "
                                "first (eval() put the averaged params in place)")
+        if all(map(operator.is_, map(_GRAD, group["params"]), repeat(None))):
+            return  # no step for this group: its averaging weights stay as they are
         k = group["k"]
         group["_lr"] = self._scheduled(group, k)  # the base step's, as optax's count
         lr_max = group["lr_max"] = max(group["lr_max"], self._scheduled(group, k + 1))

@@ -210,3 +210,14 @@ def test_schedule_free_adamw_follows_mtapply_optax_and_swaps_for_eval(hyper):
     opt.train()
     for p, q in zip(ours, trained):
         torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-5)
+
+
+def test_schedule_free_groups_without_grads_keep_their_weights():
+    model = _model(8)
+    opt = mt.ScheduleFreeAdamW([{"params": model[0].parameters()},
+                                {"params": model[2].parameters()}], lr=1e-2)
+    for p in model[2].parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.param_groups[1]["k"] == 1 and opt.param_groups[1]["weight_sum"] > 0
+    assert opt.param_groups[0]["k"] == 0 and opt.param_groups[0]["weight_sum"] == 0

@@ -26,15 +26,17 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype) -> dict:
     with np.errstate(all="ignore"):
         if program.sums:  # the first pass: its lines on copies, then each tensor's sums
             first = dict(env)
+            evaluator = _Evaluator(program, first, dtype)
             for line in program.lines[:program.prefix]:
-                first[line.target] = _Evaluator(program, first, dtype).value(line.expr)
+                first[line.target] = evaluator.value(line.expr)
             for total in program.sums:
-                value = _Evaluator(program, first, dtype).element(total.expr)
+                value = evaluator.element(total.expr)
                 # the kernel adds in float32 in a fixed order; here in float64, rounded once
                 env[total.name] = np.float64(np.float32(
                     np.sum(np.broadcast_to(np.asarray(value, np.float64), shape))))
+        evaluator = _Evaluator(program, env, dtype)
         for line in program.lines:
-            env[line.target] = _Evaluator(program, env, dtype).value(line.expr)
+            env[line.target] = evaluator.value(line.expr)
     return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()
             for s in program.slots if s.written}
 
