@@ -8,7 +8,8 @@ then is stepped again: O(1) Python work besides the description. When only addre
 (fresh grads, say) and nothing else, the plan is rebound to them after the aliasing checks,
 which are the only checks the new addresses need. Anything else (a first call, another shape,
 a bad tensor, lists of CPU tensors or of other DLPack producers) is ingested in full, which
-also gives the precise error.
+also gives the precise error. CuPy arrays need not even be described: when a call passes the
+very arrays of the latest call, with their shapes unchanged, its plan is stepped as it is.
 
 Plans kept here hold no tensor: the caller's lists keep their memory alive while they are used.
 """
@@ -21,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._describe import describe, device_of, shape_hashes
+from ._describe import describe, device_of
 from ._dlpack import framework_of
 from ._launch import order_after_producer, stream_pointer
 from ._validate import check_lists
@@ -33,17 +34,20 @@ _recent: OrderedDict = OrderedDict()  # (op, table mode, framework, n) -> [_Rece
 _frozen: list = []  # plans captured in CUDA graphs, never freed: a graph may replay any time
 _lock = threading.Lock()
 _DEREF = weakref.ref.__call__
+_SHAPE = operator.attrgetter("shape")
 
 
 class _Recent:
     """A plan and the description of the tensors it is bound to. A plan that a CUDA graph
     captured is frozen: its tables stay as the graph saw them, and it is kept for good.
-    `arrays` holds weak references to CuPy arrays described last (see `_known`)."""
+    `arrays` holds weak references to the CuPy arrays described last and `shapes` their
+    shapes (see `_unchanged_latest`)."""
 
-    __slots__ = ("plan", "description", "frozen", "arrays")
+    __slots__ = ("plan", "description", "frozen", "arrays", "shapes")
 
     def __init__(self, plan: Plan, description: np.ndarray):
-        self.plan, self.description, self.frozen, self.arrays = plan, description, False, None
+        self.plan, self.description, self.frozen = plan, description, False
+        self.arrays = self.shapes = None
 
 
 def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> Plan:
@@ -55,22 +59,19 @@ def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> P
     n = check_lists(slots)
     framework = framework_of(slots[spec.slots[0]][0]) if n else None
     key = (spec.call_key(n), table_mode, framework, n)
-    known = _known(key, slots) if n else None
-    description = known if known is not None else (_description(slots, framework) if n else None)
+    with _lock:
+        latest = _unchanged_latest(key, slots) if framework == "cupy" else None
+        if latest is not None:
+            _recent.move_to_end(key)
+            return _step_recent(latest, framework, stream, arguments)
+    description = _description(slots, framework) if n else None
     if description is None:
         return _fresh(spec, tensors, table_mode, stream, arguments)
     with _lock:
         recent = _reuse(key, description, stream)
         if recent is not None:
-            if stream is not None:
-                _order_after_producer(framework, description, stream)
-            recent.plan.step(stream=stream, **arguments)
-            if not recent.frozen and _capturing(framework, description, stream):
-                recent.frozen = True
-                _frozen.append(recent)
-            if known is None:
-                _note_arrays(recent, framework, slots)
-            return recent.plan
+            _note_arrays(recent, framework, slots)
+            return _step_recent(recent, framework, stream, arguments)
     plan = _fresh(spec, tensors, table_mode, stream, arguments)
     for name in spec.slots:
         plan.release(name)  # the cached plan must not keep the caller's tensors alive
@@ -82,27 +83,36 @@ def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> P
     return plan
 
 
-def _known(key, slots: dict) -> np.ndarray | None:
-    """The description of CuPy arrays that are the very arrays of the latest call with this
-    key: a CuPy array never changes its memory, dtype or size, so only its shape (which may be
-    assigned) is read again."""
+def _step_recent(recent: _Recent, framework: str, stream, arguments: dict) -> Plan:
+    if stream is not None:
+        _order_after_producer(framework, recent.description, stream)
+    recent.plan.step(stream=stream, **arguments)
+    if not recent.frozen and _capturing(framework, recent.description, stream):
+        recent.frozen = True
+        _frozen.append(recent)
+    return recent.plan
+
+
+def _unchanged_latest(key, slots: dict) -> _Recent | None:
+    """The latest call with this key when it was on these very CuPy arrays, with the same
+    shapes: a CuPy array never changes its memory, dtype or size, only its shape (which may be
+    assigned), so its description, and every check made on it, still holds."""
     candidates = _recent.get(key)
-    if key[2] != "cupy" or not candidates or candidates[-1].arrays is None:
+    if not candidates or candidates[-1].arrays is None:
         return None
     latest = candidates[-1]
-    for tensors, refs in zip(slots.values(), latest.arrays):
-        if not all(map(operator.is_, tensors, map(_DEREF, refs))):
+    for tensors, refs, shapes in zip(slots.values(), latest.arrays, latest.shapes):
+        if not (all(map(operator.is_, tensors, map(_DEREF, refs)))
+                and all(map(operator.eq, map(_SHAPE, tensors), shapes))):
             return None
-    description = latest.description.copy()
-    for row, tensors in zip(description, slots.values()):
-        row[3] = shape_hashes(tensors)
-    return description
+    return latest
 
 
 def _note_arrays(recent: _Recent, framework: str, slots: dict) -> None:
-    """Remembers which CuPy arrays `recent` was last stepped on, for `_known`."""
+    """Remembers which CuPy arrays, of which shapes, `recent` was last stepped on."""
     if framework == "cupy":
         recent.arrays = [list(map(weakref.ref, tensors)) for tensors in slots.values()]
+        recent.shapes = [list(map(_SHAPE, tensors)) for tensors in slots.values()]
 
 
 def _fresh(spec, tensors, table_mode, stream, arguments) -> Plan:

@@ -32,6 +32,9 @@ class RuleSpec(OpSpec):
         self.written = frozenset(list_name(s.name) for s in program.slots if s.written)
         self.arg_fields = _cuda.arg_fields(program)
         self.device_scalars = (*program.hyper, STEP)
+        self._names = frozenset(self.device_scalars)
+        # a rule that never reads the step does not need one
+        self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
         self._use_master_weights(master_weights)
 
     @property
@@ -41,19 +44,16 @@ class RuleSpec(OpSpec):
 
     def arguments(self, **hyper) -> dict:
         """Each hyperparameter (its default where it has one) and the step, checked."""
-        unknown = sorted(set(hyper) - set(self.device_scalars))
-        if unknown:
+        if not hyper.keys() <= self._names:
+            unknown = sorted(set(hyper) - self._names)
             raise TypeError(f"rule {self.rule_name!r} has no hyperparameter {unknown[0]!r} "
                             f"(it takes {', '.join(self.device_scalars)})")
         args = {}
-        for name, default in (*self.program.hyper.items(), (STEP, None)):
+        for name, default in self._defaults:
             value = hyper.get(name, default)
             if value is None:
-                if name == STEP and not self.program.uses_step:
-                    value = 1.0
-                else:
-                    raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
-                                    f"one-element float32 device array")
+                raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
+                                f"one-element float32 device array")
             args[name] = number_or_device_scalar(name, value, low=float("-inf"))
         return args
 
