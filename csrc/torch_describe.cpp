@@ -11,13 +11,15 @@
 
 namespace {
 
-// The codes of mtapply/_describe.py: 1 float32, 2 float16, 3 bfloat16, 4 float64; 0 other.
+// The codes of mtapply/_describe.py: 1 float32, 2 float16, 3 bfloat16, 4 float64, 5 uint8;
+// 0 other.
 int64_t dtype_code(c10::ScalarType type) {
   switch (type) {
     case c10::ScalarType::Float: return 1;
     case c10::ScalarType::Half: return 2;
     case c10::ScalarType::BFloat16: return 3;
     case c10::ScalarType::Double: return 4;
+    case c10::ScalarType::Byte: return 5;
     default: return 0;
   }
 }

@@ -13,7 +13,9 @@
 // of the slots it stores), GRAD (the slot the walker unscales, -1 for none), N_SUMS (per-tensor
 // sums it accumulates for a later pass) and Args; optionally READ (slots it loads, default all)
 // and GLOBAL (a static finish(args, all_sums, positions, n) run once per launch, after every
-// tensor's sums are known, by the block that finishes last).
+// tensor's sums are known, by the block that finishes last). An op whose elements are not
+// independent (blockwise-quantized states) sets OWN_WALK and a static walk(launch) that takes
+// the block's chunk from chunk_of, as walk does.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -43,6 +45,8 @@ template <class Op, class = void> struct ReadMask { static constexpr unsigned va
 template <class Op> struct ReadMask<Op, decltype(void(Op::READ))> { static constexpr unsigned value = Op::READ; };
 template <class Op, class = void> struct IsGlobal { static constexpr bool value = false; };
 template <class Op> struct IsGlobal<Op, decltype(void(Op::GLOBAL))> { static constexpr bool value = Op::GLOBAL; };
+template <class Op, class = void> struct OwnWalk { static constexpr bool value = false; };
+template <class Op> struct OwnWalk<Op, decltype(void(Op::OWN_WALK))> { static constexpr bool value = Op::OWN_WALK; };
 
 // A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
 // tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
@@ -243,33 +247,49 @@ __device__ void finish_sums(const Launch<typename Op::Args>& launch, const float
   if constexpr (IsGlobal<Op>::value) finish_global<Op>(launch);
 }
 
+// The block's chunk: its tensor, the tensor's size and slot addresses, and the chunk's
+// [begin, end) element range.
+struct Chunk {
+  int tensor, index;
+  long long numel, begin, end;
+  const long long* addresses;  // slot s at addresses[s]
+};
+
+template <class Args>
+__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
+  const int2 job = launch.blocks[blockIdx.x];
+  const long long* rec = launch.records + static_cast<long long>(job.x) * (MTA_SLOTS + 1);
+  const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
+  return Chunk{job.x, job.y, rec[0], begin, min(begin + static_cast<long long>(MTA_CHUNK), rec[0]),
+               rec + 1};
+}
+
+// Applies the op's functor to every element of the block's chunk.
 template <class Op>
-__device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
+__device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
   constexpr int N = Op::N_SLOTS;
   if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
-  const int2 job = launch.blocks[blockIdx.x];
-  const long long* rec = launch.records + static_cast<long long>(job.x) * (MTA_SLOTS + 1);
-  const long long numel = rec[0];
+  const Chunk job = chunk_of(launch);
+  const long long numel = job.numel;
   char* ptr[N];  // an op may use only the first slots of the records (e.g. a norms pass)
   unsigned long long address_bits = 0;
 #pragma unroll
   for (int s = 0; s < N; ++s) {
-    ptr[s] = reinterpret_cast<char*>(rec[1 + s]);
-    address_bits |= static_cast<unsigned long long>(rec[1 + s]);
+    ptr[s] = reinterpret_cast<char*>(job.addresses[s]);
+    address_bits |= static_cast<unsigned long long>(job.addresses[s]);
   }
   char* param_copy = nullptr;
 #if MTA_MASTER
   param_copy = ptr[0];
-  ptr[0] = reinterpret_cast<char*>(rec[MTA_SLOTS]);  // the fp32 master is the op's param
-  address_bits |= static_cast<unsigned long long>(rec[MTA_SLOTS]);
+  ptr[0] = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the fp32 master is the op's param
+  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
 #elif MTA_DELTA
-  param_copy = reinterpret_cast<char*>(rec[MTA_SLOTS]);  // the updates
-  address_bits |= static_cast<unsigned long long>(rec[MTA_SLOTS]);
+  param_copy = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the updates
+  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
 #endif
-  const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
-  const long long end = min(begin + static_cast<long long>(MTA_CHUNK), numel);
-  const Op op(launch.args, job.x, launch.sums);
+  const long long begin = job.begin, end = job.end;
+  const Op op(launch.args, job.tensor, launch.sums);
   float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   long long scalar_from = begin;
   // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
@@ -280,7 +300,13 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
   }
   for (long long i = scalar_from + threadIdx.x; i < end; i += MTA_BLOCK)
     apply<Op, 1>(op, grad_scale, ptr, param_copy, i, acc);
-  if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.x, job.y, numel);
+  if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.tensor, job.index, numel);
+}
+
+template <class Op>
+__device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
+  if constexpr (OwnWalk<Op>::value) Op::walk(launch);
+  else walk_elements<Op>(launch);
 }
 
 }  // namespace mta

@@ -6,9 +6,11 @@
 updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
 with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
 List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `zero_`.
+`mtapply.adam8bit_step(...)` keeps Adam's moments in 8 bits (`mtapply.adam8bit_state`).
 `mtapply.rule(...)` makes a fused optimizer of a few lines of update (see `mtapply.rules`).
 """
 from .adam import adam_plan, adam_step
+from .adam8bit import Adam8bitState, adam8bit_plan, adam8bit_state, adam8bit_step
 from .engine import Plan
 from .lamb import lamb_plan, lamb_step
 from .lars import lars_plan, lars_step
@@ -20,6 +22,6 @@ from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec", "adam_plan",
-           "adam_step", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
+__all__ = ["Adam8bitState", "AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec",
+           "adam8bit_plan", "adam8bit_state", "adam8bit_step", "adam_plan", "adam_step", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
            "lars_step", "rule", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]

@@ -9,7 +9,8 @@ import ctypes
 
 import numpy as np
 
-_STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16}
+_STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16,
+            "uint8": np.uint8}
 
 
 def view(ref) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 from . import _native
 
 ROWS = 5  # address, numel, code, shape hash, strides hash
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "uint8": 5}
 _CONTIGUOUS = 1 << 24
 
 

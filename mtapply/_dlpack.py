@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 _DEVICE_CPU, _DEVICE_CUDA, _DEVICE_CUDA_HOST, _DEVICE_CUDA_MANAGED = 1, 2, 3, 13
 _FLAG_READ_ONLY, _FLAG_IS_COPIED = 1, 2
-_FLOAT, _BFLOAT = 2, 4
+_UINT, _FLOAT, _BFLOAT = 1, 2, 4
 _DTYPES = {(_FLOAT, 16): "float16", (_FLOAT, 32): "float32", (_FLOAT, 64): "float64",
-           (_BFLOAT, 16): "bfloat16"}
+           (_BFLOAT, 16): "bfloat16", (_UINT, 8): "uint8"}  # uint8: codes of 8-bit states
 _CODE_NAMES = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 5: "complex", 6: "bool"}
 
 
@@ -48,7 +48,7 @@ _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
-ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+ITEMSIZES = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 @dataclass(eq=False, slots=True)

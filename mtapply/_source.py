@@ -18,8 +18,9 @@ import re
 from pathlib import Path
 
 # CUDA storage type of each supported dtype, and its size in bytes.
-CUDA_TYPES = {"float32": "float", "float64": "double", "float16": "mta::f16", "bfloat16": "mta::bf16"}
-ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+CUDA_TYPES = {"float32": "float", "float64": "double", "float16": "mta::f16", "bfloat16": "mta::bf16",
+              "uint8": "unsigned char"}
+ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "uint8": 1}
 
 BLOCK_THREADS = 256
 CHUNK_ELEMENTS = 4096

@@ -23,7 +23,8 @@ def torch_ref(tensor) -> TensorRef | None:
         return None  # subclasses (DTensor, ...) may not own the memory they describe
     if not _dtype_names:
         _dtype_names.update({torch.float32: "float32", torch.float16: "float16",
-                             torch.bfloat16: "bfloat16", torch.float64: "float64"})
+                             torch.bfloat16: "bfloat16", torch.float64: "float64",
+                             torch.uint8: "uint8"})
     dtype = _dtype_names.get(tensor.dtype)  # complex dtypes, the only ones with a conjugate bit, miss
     if dtype is None or tensor.layout is not torch.strided or tensor.is_neg():
         return None

@@ -35,11 +35,15 @@ def check_lists(slots: dict) -> int:
     return n
 
 
-def ingest(slots: dict, written: frozenset, launch_stream) -> dict[str, list[TensorRef]]:
+def ingest(slots: dict, written: frozenset, launch_stream,
+           formats: dict | None = None) -> dict[str, list[TensorRef]]:
     """TensorRefs of every slot, checked one against another. Raises before anything is written.
 
     `launch_stream(device)` gives the stream handle mtapply will launch on for a CUDA device.
+    `formats` (slot -> (dtypes, shaped like the param)) names slots of other dtypes than the
+    floating ones, or of other shapes (the op checks those).
     """
+    formats = formats or {}
     n = check_lists(slots)
     names = list(slots)
     refs = {name: [None] * n for name in names}
@@ -55,8 +59,9 @@ def ingest(slots: dict, written: frozenset, launch_stream) -> dict[str, list[Ten
                 expected, other = _param_device(ref, call_device), f"{names[0]}[0]"
             else:
                 expected, other = refs[names[0]][i].device, f"{names[0]}[{i}]"
-            _check_tensor(ref, where, name in written, expected, other)
-            if name != names[0]:
+            dtypes, like_param = formats.get(name, (SUPPORTED_DTYPES, True))
+            _check_tensor(ref, where, name in written, expected, other, dtypes)
+            if name != names[0] and like_param:
                 _check_against_param(ref, refs[names[0]][i], where, f"{names[0]}[{i}]")
             refs[name][i] = ref
     check_no_overlap(refs, written)
@@ -85,7 +90,7 @@ def ingest_slot(slot: str, tensors, current: list[TensorRef], writable: bool,
                              f"the plan has {old.dtype} {old.shape} on {_device_name(old.device)}: "
                              f"rebind tensors of the same dtype, shape, layout and device, or build "
                              f"a new plan")
-        _check_tensor(ref, where, writable, old.device, "the plan")
+        _check_tensor(ref, where, writable, old.device, "the plan", (old.dtype,))
         fresh.append(ref)
     return fresh
 
@@ -123,10 +128,13 @@ def _reader(launch_stream):
     return read
 
 
-def _check_tensor(ref: TensorRef, where: str, writable: bool, call_device: tuple, first: str) -> None:
-    if ref.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{where} has dtype {ref.dtype}; mtapply updates floating tensors of "
-                        f"{', '.join(SUPPORTED_DTYPES)}: cast it to one of those")
+def _check_tensor(ref: TensorRef, where: str, writable: bool, call_device: tuple, first: str,
+                  dtypes: tuple = SUPPORTED_DTYPES) -> None:
+    if ref.dtype not in dtypes:
+        what = ("mtapply updates floating tensors of" if dtypes is SUPPORTED_DTYPES
+                else "this slot takes")
+        raise TypeError(f"{where} has dtype {ref.dtype}; {what} {', '.join(dtypes)}: cast it "
+                        f"to one of those")
     if ref.device != call_device:
         raise ValueError(f"{where} is on {_device_name(ref.device)} but {first} is on "
                          f"{_device_name(call_device)}: put every tensor of one call on one device")

@@ -46,7 +46,8 @@ class Plan:
         slots = {name: tensors[name] for name in spec.slots}
         first = spec.slots[0]
         self._framework = framework_of(slots[first][0]) if check_lists(slots) else "none"
-        self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream))
+        self._refs = ingest(slots, spec.written, lambda device: self._stream_for(device[1], stream),
+                            spec.slot_formats)
         spec.check_tensors(self._refs)  # per-tensor options (e.g. LARS exclude), master dtypes
         self._n = len(self._refs[first])
         self._addresses = {name: np.fromiter((r.ptr for r in refs), np.uint64, self._n)
@@ -321,8 +322,9 @@ class _Launcher:
         self.launches, self.tables, self._memory = [], [], []
         self.all_sums = None
         for group in self.groups:
-            source = _source.variant_source(spec.kernel_file, spec.functors, group.dtypes, spec.flags)
-            functions = _source.kernel_functions(source, device_id, len(spec.functors))
+            functors = spec.functors_for(group.dtypes)
+            source = _source.variant_source(spec.kernel_file, functors, group.dtypes, spec.flags)
+            functions = _source.kernel_functions(source, device_id, len(functors))
             self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
                                                spec.arg_fields) for f in functions])
             self.tables.append(None)

@@ -41,9 +41,10 @@ def quantize_blockwise(values: np.ndarray, signed: bool, block: int = BLOCK):
     """(codes uint8 like values.reshape(-1), absmax float32 per block) of one tensor."""
     flat = np.asarray(values, np.float32).reshape(-1)
     absmax = block_absmax(flat, block)
-    scale = np.repeat(absmax, block)[:flat.size]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        normalized = np.where(scale > 0, flat / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    # times the float32 reciprocal of the block's absmax (one division a block, as the kernel)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(absmax > 0, np.float32(1) / np.where(absmax > 0, absmax, 1), 0)
+    normalized = flat * np.repeat(inverse.astype(np.float32), block)[:flat.size]
     return nearest_code(normalized, signed), absmax
 
 
@@ -57,18 +58,50 @@ def dequantize_blockwise(codes: np.ndarray, absmax: np.ndarray, signed: bool,
 
 def block_absmax(flat: np.ndarray, block: int = BLOCK) -> np.ndarray:
     """The absolute maximum of each block of a flat tensor (float32)."""
-    n_blocks = -(-flat.size // block)
-    padded = np.zeros(n_blocks * block, np.float32)
+    count = n_blocks(flat.size, block)
+    padded = np.zeros(count * block, np.float32)
     padded[:flat.size] = np.abs(flat)
-    return padded.reshape(n_blocks, block).max(axis=1) if n_blocks else np.zeros(0, np.float32)
+    return padded.reshape(count, block).max(axis=1) if count else np.zeros(0, np.float32)
+
+
+def n_blocks(numel: int, block: int = BLOCK) -> int:
+    """Blocks (and scales) of a tensor of numel elements."""
+    return -(-numel // block)
+
+
+@functools.lru_cache(maxsize=None)
+def midpoints(signed: bool) -> np.ndarray:
+    """The 255 float32 midpoints between neighbouring map values (read-only)."""
+    table = dynamic_map(signed)
+    middle = (table[:-1] + table[1:]) / 2
+    middle.setflags(write=False)
+    return middle
+
+
+@functools.lru_cache(maxsize=None)
+def search_tree(signed: bool) -> np.ndarray:
+    """The midpoints in breadth-first order of the balanced search tree over them (node i has
+    children 2i + 1 and 2i + 2): the kernel's search reads each level from consecutive
+    addresses, so a warp's lanes rarely wait on one another for a shared-memory bank."""
+    ordered = midpoints(signed)
+    tree = np.empty_like(ordered)
+    ranks = iter(ordered)
+
+    def place(node: int) -> None:  # in order: the left subtree, the node, the right subtree
+        if node < ordered.size:
+            place(2 * node + 1)
+            tree[node] = next(ranks)
+            place(2 * node + 2)
+
+    place(0)
+    tree.setflags(write=False)
+    return tree
 
 
 def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
     """The index of the map value nearest to each value in [-1, 1] (ties to the lower)."""
-    table = dynamic_map(signed)
-    midpoints = (table[:-1] + table[1:]) / 2
-    return np.searchsorted(midpoints, normalized, side="left").astype(np.uint8)
+    return np.searchsorted(midpoints(signed), normalized, side="left").astype(np.uint8)
 
 
-__all__ = ["BLOCK", "block_absmax", "dequantize_blockwise", "dynamic_map", "nearest_code",
-           "quantize_blockwise"]
+__all__ = ["BLOCK", "block_absmax", "dequantize_blockwise", "dynamic_map", "midpoints",
+           "n_blocks", "nearest_code", "quantize_blockwise", "search_tree"]

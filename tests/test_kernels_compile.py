@@ -88,6 +88,25 @@ def test_variant_compiles(spec, dtypes):
     assert cubins["sm_80"] != cubins["sm_90"]
 
 
+ADAM8BIT_GROUPS = {"8bit": ("float32", "float32", "uint8", "uint8", "float32", "float32"),
+                   "fp32-moments": ("float32",) * 6}
+
+
+@pytest.mark.parametrize("group", list(ADAM8BIT_GROUPS))
+@pytest.mark.parametrize("decoupled,maximize", [(False, False), (True, False), (True, True)])
+def test_adam8bit_groups_compile(group, decoupled, maximize):
+    from mtapply.ops import Adam8bitSpec
+
+    spec = Adam8bitSpec(decoupled_weight_decay=decoupled, maximize=maximize)
+    dtypes = ADAM8BIT_GROUPS[group]
+    functors = spec.functors_for(dtypes)
+    assert functors == (("mta::Adam8bit",) if group == "8bit" else ("mta::Adam",))
+    source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
+    assert "#include" not in source and "SIGNED_TREE[255]" in source
+    cubin = _source.compile_offline(source, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+
+
 def test_variant_sources_differ_by_key_and_are_memoised():
     spec_cls = REGISTRY["adam"]
     sources = {}

@@ -1,5 +1,6 @@
 """Op specifications: one module per optimizer, one row per op in REGISTRY."""
 from .adam import AdamSpec
+from .adam8bit import Adam8bitSpec
 from .lamb import LAMBSpec
 from .lars import LARSSpec
 from .norms import ClipGradNormSpec, L2NormSpec
@@ -11,5 +12,5 @@ REGISTRY = {"adam": AdamSpec, "sgd": SGDSpec, "lars": LARSSpec, "lamb": LAMBSpec
 UTILITIES = {"l2norm": L2NormSpec, "clip_grad_norm": ClipGradNormSpec, "scale": ScaleSpec,
              "unscale": UnscaleSpec, "zero": ZeroSpec}
 
-__all__ = ["AdamSpec", "ClipGradNormSpec", "L2NormSpec", "LAMBSpec", "LARSSpec", "REGISTRY",
+__all__ = ["Adam8bitSpec", "AdamSpec", "ClipGradNormSpec", "L2NormSpec", "LAMBSpec", "LARSSpec", "REGISTRY",
            "SGDSpec", "ScaleSpec", "UTILITIES", "UnscaleSpec", "ZeroSpec"]

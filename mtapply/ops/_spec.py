@@ -46,6 +46,9 @@ class OpSpec:
     device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
     n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
     master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
+    # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
+    # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
+    slot_formats: dict = {}
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
 
     def _use_master_weights(self, enabled: bool) -> None:
@@ -94,6 +97,11 @@ class OpSpec:
     def functors(self) -> tuple:
         """C++ functor of each pass, in launch order; most ops have one pass."""
         return (self.functor,)
+
+    def functors_for(self, dtypes: tuple) -> tuple:
+        """The functors of a group whose slots have these storage dtypes (an op may run some
+        storage formats with other functors, as 8-bit states do)."""
+        return self.functors
 
     def tensor_arrays(self, n_tensors: int) -> dict:
         """name -> NumPy array of one value per tensor, for `*_array` kernel arguments."""

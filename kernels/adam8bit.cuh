@@ -1,0 +1,157 @@
+// Adam / AdamW with 8-bit blockwise-quantized moments (mtapply/quantization.py defines the format).
+//
+// Slots: params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax. A group whose
+// moments are uint8 codes runs Adam8bit: each warp takes whole blocks of QBLOCK elements (a chunk
+// holds MTA_CHUNK / QBLOCK of them, so no block straddles chunks or tensors), dequantizes both
+// moments with the block's scale, applies the Adam functor in registers, takes the block's fresh
+// absolute maxima across the warp and stores the moments as the nearest codes of the dynamic
+// maps. A group whose moments are float32 (small tensors) runs the plain Adam functor.
+// The maps, and the midpoints between their values in search-tree order, come from the
+// generated dynamic_maps.cuh.
+#pragma once
+#include "adam.cuh"
+#include "dynamic_maps.cuh"
+
+namespace mta {
+
+constexpr int QBLOCK = 256;           // elements per quantization block
+constexpr int PER_LANE = QBLOCK / 32;  // consecutive elements each lane of a warp holds
+static_assert(MTA_CHUNK % QBLOCK == 0, "a chunk must hold whole quantization blocks");
+
+struct Maps {
+  float value[2][256];  // [signed, unsigned] map values, ascending
+  float tree[2][256];   // the 255 midpoints between neighbours, node i's children at 2i+1, 2i+2
+};
+
+// Index of the map value nearest to x (ties to the lower one): the number of midpoints below
+// x, which is the leaf that a descent of the complete search tree of the midpoints ends in.
+__device__ __forceinline__ unsigned nearest_code(const float (&tree)[256], float x) {
+  if (x != x) return 255u;  // NaN sorts last, as in NumPy
+  unsigned node = 0;
+#pragma unroll
+  for (int level = 0; level < 8; ++level) node = 2 * node + 1 + (tree[node] < x ? 1u : 0u);
+  return node - 255u;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// A lane's PER_LANE elements move as 16-byte words (floats) or one 8-byte word (codes).
+template <int BYTES> struct WordOf { typedef uint4 type; };
+template <> struct WordOf<8> { typedef unsigned long long type; };
+
+// Loads PER_LANE elements of type T at i: whole words when `vector`, else those below numel.
+template <class T>
+__device__ __forceinline__ void load_lane(const T* base, long long i, long long numel, bool vector,
+                                          T (&out)[PER_LANE]) {
+  typedef typename WordOf<PER_LANE * sizeof(T) == 8 ? 8 : 16>::type Word;
+  constexpr int WORDS = PER_LANE * sizeof(T) / sizeof(Word);
+  if (vector) {
+    union { Word words[WORDS]; T vals[PER_LANE]; } u;
+    const Word* src = reinterpret_cast<const Word*>(base + i);
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) u.words[w] = src[w];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) out[k] = u.vals[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) out[k] = i + k < numel ? base[i + k] : T(0);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void store_lane(T* base, long long i, long long numel, bool vector,
+                                           const T (&in)[PER_LANE]) {
+  typedef typename WordOf<PER_LANE * sizeof(T) == 8 ? 8 : 16>::type Word;
+  constexpr int WORDS = PER_LANE * sizeof(T) / sizeof(Word);
+  if (vector) {
+    union { Word words[WORDS]; T vals[PER_LANE]; } u;
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) u.vals[k] = in[k];
+    Word* dst = reinterpret_cast<Word*>(base + i);
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) dst[w] = u.words[w];
+  } else {
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k)
+      if (i + k < numel) base[i + k] = in[k];
+  }
+}
+
+struct Adam8bit {
+  static constexpr bool OWN_WALK = true;
+  using Args = AdamArgs;
+  enum Slot { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX };
+
+  static __device__ void walk(const Launch<Args>& launch) {
+    __shared__ Maps maps;
+    for (int i = threadIdx.x; i < 256; i += MTA_BLOCK) {
+      maps.value[0][i] = SIGNED_MAP[i];
+      maps.value[1][i] = UNSIGNED_MAP[i];
+      maps.tree[0][i] = i < 255 ? SIGNED_TREE[i] : 0.0f;  // entry 255 is never read
+      maps.tree[1][i] = i < 255 ? UNSIGNED_TREE[i] : 0.0f;
+    }
+    __syncthreads();
+    if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
+    const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
+    const Chunk job = chunk_of(launch);
+    float* param = reinterpret_cast<float*>(job.addresses[PARAM]);
+    const float* grad = reinterpret_cast<const float*>(job.addresses[GRAD]);
+    unsigned char* m_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG]);
+    unsigned char* v_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG_SQ]);
+    float* m_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_ABSMAX]);
+    float* v_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_SQ_ABSMAX]);
+    // 8-byte words of codes and 16-byte words of floats, when every base allows them
+    const bool aligned = (((job.addresses[PARAM] | job.addresses[GRAD]) & 15) |
+                          ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
+    const Adam op(launch.args, job.tensor, nullptr);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (long long start = job.begin + static_cast<long long>(warp) * QBLOCK; start < job.end;
+         start += (MTA_BLOCK / 32) * QBLOCK) {
+      const long long block = start / QBLOCK, i = start + lane * PER_LANE;
+      const bool vector = aligned && i + PER_LANE <= job.numel;
+      float p[PER_LANE], g[PER_LANE];
+      unsigned char mc[PER_LANE], vc[PER_LANE];
+      load_lane(param, i, job.numel, vector, p);
+      load_lane(grad, i, job.numel, vector, g);
+      load_lane(m_codes, i, job.numel, vector, mc);
+      load_lane(v_codes, i, job.numel, vector, vc);
+      const float m_scale = m_absmax[block], v_scale = v_absmax[block];
+      float m[PER_LANE], v[PER_LANE], m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k) {
+        acc_t x[4] = {p[k], grad_scale != 1.0f ? g[k] / grad_scale : g[k],
+                      maps.value[0][mc[k]] * m_scale, maps.value[1][vc[k]] * v_scale};
+        op(x);
+        p[k] = x[PARAM];
+        m[k] = x[EXP_AVG];
+        v[k] = x[EXP_AVG_SQ];
+        if (i + k < job.numel) {  // elements past the tensor's end weigh nothing in the maxima
+          m_max = fmaxf(m_max, fabsf(m[k]));
+          v_max = fmaxf(v_max, fabsf(v[k]));
+        }
+      }
+      m_max = warp_max(m_max);
+      v_max = warp_max(v_max);
+      const float m_inverse = m_max > 0.0f ? 1.0f / m_max : 0.0f;  // as quantize_blockwise
+      const float v_inverse = v_max > 0.0f ? 1.0f / v_max : 0.0f;
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k) {
+        mc[k] = nearest_code(maps.tree[0], m[k] * m_inverse);
+        vc[k] = nearest_code(maps.tree[1], v[k] * v_inverse);
+      }
+      store_lane(param, i, job.numel, vector, p);
+      store_lane(m_codes, i, job.numel, vector, mc);
+      store_lane(v_codes, i, job.numel, vector, vc);
+      if (lane == 0) {
+        m_absmax[block] = m_max;
+        v_absmax[block] = v_max;
+      }
+    }
+  }
+};
+
+}  // namespace mta

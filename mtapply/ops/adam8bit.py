@@ -1,0 +1,90 @@
+"""Adam/AdamW with 8-bit blockwise-quantized moments (`mtapply.quantization`'s format)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _source, quantization, reference
+from .adam import AdamSpec
+
+MOMENTS = ("exp_avgs", "exp_avg_sqs")
+SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+def dynamic_maps_source() -> str:
+    """The CUDA arrays of both dynamic maps and of their midpoints' search trees, as exact hex
+    literals: the kernel rounds to the very values the NumPy format uses."""
+    def array(name: str, values: np.ndarray) -> str:
+        literals = ", ".join(f"{float(x).hex()}f" for x in values)
+        return f"__device__ const float {name}[{len(values)}] = {{{literals}}};"
+
+    lines = ["namespace mta {"]
+    for signed, prefix in ((True, "SIGNED"), (False, "UNSIGNED")):
+        table = quantization.dynamic_map(signed)
+        lines.append(array(f"{prefix}_MAP", table))
+        lines.append(array(f"{prefix}_TREE", quantization.search_tree(signed)))
+    return "\n".join(lines + ["}  // namespace mta"]) + "\n"
+
+
+class Adam8bitSpec(AdamSpec):
+    """Adam/AdamW (AdamSpec's update and arguments) on moments kept as 8-bit codes with one
+    float32 scale (absmax) per block of `quantization.BLOCK` elements: each step dequantizes a
+    block, updates it in fp32 and quantizes it again with its fresh absmax.
+
+    A param's moments are either both uint8 codes (shaped as the param, with scales of
+    ceil(numel / BLOCK) elements) or both float32 (with empty scales): small tensors keep fp32
+    moments and form their own launch group.
+    """
+
+    name = "adam8bit"
+    kernel_file = "adam8bit.cuh"
+    functor = "mta::Adam"
+    slot_formats = {"exp_avgs": (("uint8", "float32"), True),
+                    "exp_avg_sqs": (("uint8", "float32"), True),
+                    "exp_avg_absmax": (("float32",), False),
+                    "exp_avg_sq_absmax": (("float32",), False)}
+
+    def __init__(self, *, decoupled_weight_decay: bool = False, maximize: bool = False):
+        super().__init__(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+        self.slots = self.slots + SCALES
+        self.written = self.written | set(SCALES)
+        _source.register_generated("dynamic_maps.cuh", dynamic_maps_source())
+
+    def functors_for(self, dtypes: tuple) -> tuple:
+        return ("mta::Adam8bit",) if dtypes[2] == "uint8" else ("mta::Adam",)
+
+    def check_tensors(self, refs: dict) -> None:
+        super().check_tensors(refs)
+        columns = zip(refs["params"], refs["grads"], *(refs[name] for name in MOMENTS + SCALES))
+        for i, (param, grad, m, v, m_scale, v_scale) in enumerate(columns):
+            if m.dtype != v.dtype:
+                raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}: "
+                                f"a param's moments are both uint8 codes or both float32")
+            quantized = m.dtype == "uint8"
+            if quantized and (param.dtype, grad.dtype) != ("float32", "float32"):
+                raise TypeError(f"params[{i}] and grads[{i}] are {param.dtype} and {grad.dtype}: "
+                                f"8-bit moments are for float32 params and grads")
+            blocks = quantization.n_blocks(param.numel) if quantized else 0
+            for name, scale in ((SCALES[0], m_scale), (SCALES[1], v_scale)):
+                if scale.numel != blocks or (scale.numel > 1 and not scale.row_major):
+                    what = (f"{blocks} elements (ceil({param.numel} / {quantization.BLOCK})) for "
+                            f"uint8 moments" if quantized else "0 elements for float32 moments")
+                    raise ValueError(f"{name}[{i}] has shape {scale.shape}, but it must be a "
+                                     f"contiguous float32 array of {what}; "
+                                     f"mtapply.adam8bit_state makes them")
+
+    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
+        options = dict(lr=args["lr"], step=args["step"], beta1=args["beta1"], beta2=args["beta2"],
+                       eps=args["eps"], weight_decay=args["weight_decay"],
+                       decoupled_weight_decay=self.decoupled_weight_decay, maximize=self.maximize,
+                       dtype=dtype)
+        p, g = arrays["params"], arrays["grads"]
+        if arrays["exp_avg_absmax"].size == 0:  # float32 moments
+            p, m, v, _ = reference.adam(p, g, arrays["exp_avgs"], arrays["exp_avg_sqs"], **options)
+            return {"params": p, "exp_avgs": m, "exp_avg_sqs": v}
+        codes = [(arrays[m].astype(np.uint8), arrays[s]) for m, s in zip(MOMENTS, SCALES)]
+        p, (m, m_scale), (v, v_scale) = reference.adam8bit(p, g, *codes, **options)
+        return {"params": p, "exp_avgs": m, "exp_avg_sqs": v, "exp_avg_absmax": m_scale,
+                "exp_avg_sq_absmax": v_scale}
+
+
+__all__ = ["Adam8bitSpec", "MOMENTS", "SCALES"]

@@ -1,0 +1,138 @@
+"""8-bit Adam on the GPU: the kernel against the NumPy path (which equals reference.adam8bit),
+over a list with a big tensor (first and last elements checked), partial last blocks, fp32
+moments for small tensors, empty tensors, AMP, device scalars in a CUDA graph and the one-call
+path."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mtapply
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
+from test_adam8bit import _draw, _quantized_state  # noqa: E402
+
+SHAPES = [(1 << 20 | 3,), (5000,), (70, 80), (10,), (256 * 20 + 7,), (0,), (4096,), (4095,), (3, 999)]
+
+
+def _to_cuda(arrays):
+    return [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in arrays]
+
+
+def _assert_close_states(gpu, host, where, lr):
+    """Codes equal but for rare neighbours: fma contractions in the kernel may move a value
+    across a midpoint. A param then differs by about lr times a code step."""
+    params, state = gpu
+    want_params, want_state = host
+    for k, (p, w) in enumerate(zip(params, want_params)):
+        got = p.cpu().numpy()
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=lr * 0.2, err_msg=f"{where} params[{k}]")
+        if got.size:
+            close = np.isclose(got, w, rtol=1e-5, atol=1e-6)
+            assert close.mean() >= 0.999, f"{where} params[{k}]: {close.mean()}"
+            for end in (0, -1):
+                assert got.reshape(-1)[end] == pytest.approx(w.reshape(-1)[end], rel=1e-5, abs=lr * 0.2)
+    for name, column, want_column in zip(("m", "v", "m scale", "v scale"), state, want_state):
+        for k, (x, w) in enumerate(zip(column, want_column)):
+            got = x.cpu().numpy()
+            if got.dtype == np.uint8:
+                diff = np.abs(got.astype(int) - w.astype(int))
+                assert diff.max(initial=0) <= 1, (name, k)
+                assert got.size == 0 or (diff == 0).mean() >= 0.999, (name, k)
+            else:
+                np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-7, err_msg=f"{name}[{k}]")
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_kernel_matches_the_numpy_path(decoupled):
+    rng = np.random.default_rng(0)
+    params = _draw(rng, SHAPES)
+    state = _quantized_state(rng, params)
+    gpu_params = _to_cuda(params)
+    gpu_state = [_to_cuda(column) for column in state.lists()]
+    before = gpu_params[0].clone()
+    plan = mtapply.adam8bit_plan(gpu_params, _to_cuda(params), *gpu_state,
+                                 decoupled_weight_decay=decoupled)
+    for t in range(1, 6):
+        grads = _draw(rng, SHAPES)
+        plan.rebind("grads", _to_cuda(grads))
+        plan.step(lr=1e-3, step=t, weight_decay=0.01)
+        mtapply.adam8bit_step(params, grads, *state.lists(), lr=1e-3, step=t, weight_decay=0.01,
+                              decoupled_weight_decay=decoupled)
+    torch.cuda.synchronize()
+    assert gpu_state[0][0].dtype == torch.uint8 and gpu_state[0][3].dtype == torch.float32
+    assert (gpu_params[0][[0, -1]] != before[[0, -1]]).all()
+    _assert_close_states((gpu_params, gpu_state), (params, state.lists()), "plan", 1e-3)
+
+
+def test_unaligned_tensors_take_the_scalar_path():
+    rng = np.random.default_rng(1)
+    n = 256 * 30 + 5
+    params = _draw(rng, [(n,)])
+    state = _quantized_state(rng, params)
+    grads = _draw(rng, [(n,)])
+    storage = torch.zeros(n + 1, device="cuda")
+    storage[1:] = torch.from_numpy(params[0]).cuda()
+    p = storage[1:]  # 4 bytes past a 16-byte boundary
+    codes = torch.zeros(n + 1, dtype=torch.uint8, device="cuda")
+    codes[1:] = torch.from_numpy(state.exp_avgs[0]).cuda()
+    gpu_state = [[codes[1:]]] + [_to_cuda(column) for column in state.lists()[1:]]
+    mtapply.adam8bit_step([p], _to_cuda(grads), *gpu_state, lr=1e-3, step=1)
+    mtapply.adam8bit_step(params, grads, *state.lists(), lr=1e-3, step=1)
+    torch.cuda.synchronize()
+    _assert_close_states(([p], gpu_state), (params, state.lists()), "unaligned", 1e-3)
+
+
+def test_amp_skip_and_unscale_and_a_graph_with_device_scalars():
+    rng = np.random.default_rng(2)
+    shapes = [(8192,), (300,)]
+    params = _draw(rng, shapes)
+    state = _quantized_state(rng, params)
+    gpu_params = _to_cuda(params)
+    gpu_state = [_to_cuda(column) for column in state.lists()]
+    grads = _draw(rng, shapes)
+    scaled = _to_cuda([g * 1024 for g in grads])
+    plan = mtapply.adam8bit_plan(gpu_params, scaled, *gpu_state)
+    saved = [x.clone() for x in gpu_params + [y for c in gpu_state for y in c]]
+    plan.step(lr=1e-3, step=1, grad_scale=1024.0, found_inf=torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+    for x, y in zip(gpu_params + [y for c in gpu_state for y in c], saved):
+        assert torch.equal(x, y)  # found_inf: nothing written
+    lr, step = torch.full((1,), 1e-3, device="cuda"), torch.ones(1, device="cuda")
+    scale = torch.full((1,), 1024.0, device="cuda")
+    plan.step(lr=lr, step=step, grad_scale=scale)  # warm up outside the capture
+    mtapply.adam8bit_step(params, grads, *state.lists(), lr=1e-3, step=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.step(lr=lr, step=step, grad_scale=scale)
+    for t, value in ((2, 2e-3), (3, 5e-4)):
+        lr.fill_(value)
+        step.fill_(t)
+        graph.replay()
+        mtapply.adam8bit_step(params, grads, *state.lists(), lr=value, step=t)
+    torch.cuda.synchronize()
+    _assert_close_states((gpu_params, gpu_state), (params, state.lists()), "graph", 2e-3)
+
+
+def test_one_call_reuses_its_plan_on_the_same_tensors():
+    from mtapply import _calls
+
+    rng = np.random.default_rng(3)
+    params = _draw(rng, [(9000,), (12,)])
+    state = _quantized_state(rng, params)
+    gpu_params = _to_cuda(params)
+    gpu_state = [_to_cuda(column) for column in state.lists()]
+    grads = _to_cuda(_draw(rng, [(9000,), (12,)]))
+    _calls.forget()
+    for t in range(1, 4):
+        mtapply.adam8bit_step(gpu_params, grads, *gpu_state, lr=1e-3, step=t)
+        mtapply.adam8bit_step(params, [g.cpu().numpy() for g in grads], *state.lists(), lr=1e-3,
+                              step=t)
+    torch.cuda.synchronize()
+    assert sum(len(v) for v in _calls._recent.values()) == 1
+    _assert_close_states((gpu_params, gpu_state), (params, state.lists()), "one-call", 1e-3)
