@@ -6,8 +6,8 @@
 // moments with the block's scale, applies the Adam functor in registers, takes the block's fresh
 // absolute maxima across the warp and stores the moments as the nearest codes of the dynamic
 // maps. A group whose moments are float32 (small tensors) runs the plain Adam functor.
-// The maps, and the midpoints between their values in search-tree order, come from the
-// generated dynamic_maps.cuh.
+// The maps, the midpoints between their values and the guides that find a code in a few
+// comparisons (mtapply.quantization.code_guide) come from the generated dynamic_maps.cuh.
 #pragma once
 #include "adam.cuh"
 #include "dynamic_maps.cuh"
@@ -18,19 +18,29 @@ constexpr int QBLOCK = 256;           // elements per quantization block
 constexpr int PER_LANE = QBLOCK / 32;  // consecutive elements each lane of a warp holds
 static_assert(MTA_CHUNK % QBLOCK == 0, "a chunk must hold whole quantization blocks");
 
+constexpr unsigned GUIDE_LOW = (127u - 23u) << GUIDE_BITS, GUIDE_HIGH = 127u << GUIDE_BITS;
+constexpr unsigned GUIDE_CELLS = GUIDE_HIGH - GUIDE_LOW + 1;  // per sign
+constexpr int MAX_STEPS = SIGNED_STEPS > UNSIGNED_STEPS ? SIGNED_STEPS : UNSIGNED_STEPS;
+
 struct Maps {
-  float value[2][256];  // [signed, unsigned] map values, ascending
-  float tree[2][256];   // the 255 midpoints between neighbours, node i's children at 2i+1, 2i+2
+  float value[2][256];              // [signed, unsigned] map values, ascending
+  float mid[2][256 + MAX_STEPS];    // midpoints between neighbours, then +inf
+  unsigned char guide[2][2 * GUIDE_CELLS];
 };
 
-// Index of the map value nearest to x (ties to the lower one): the number of midpoints below
-// x, which is the leaf that a descent of the complete search tree of the midpoints ends in.
-__device__ __forceinline__ unsigned nearest_code(const float (&tree)[256], float x) {
+// Index of the map value nearest to x (ties to the lower one), i.e. the number of midpoints
+// below x: the guide gives those below x's cell (sign, exponent, top mantissa bits), and the
+// at most STEPS midpoints inside the cell are compared.
+template <int STEPS>
+__device__ __forceinline__ unsigned nearest_code(const unsigned char* guide, const float* mid, float x) {
   if (x != x) return 255u;  // NaN sorts last, as in NumPy
-  unsigned node = 0;
+  const unsigned bits = __float_as_uint(x);
+  const unsigned cell = min(max((bits & 0x7fffffffu) >> (23 - GUIDE_BITS), GUIDE_LOW), GUIDE_HIGH) - GUIDE_LOW;
+  const unsigned first = guide[(bits >> 31) * GUIDE_CELLS + cell];
+  unsigned code = first;
 #pragma unroll
-  for (int level = 0; level < 8; ++level) node = 2 * node + 1 + (tree[node] < x ? 1u : 0u);
-  return node - 255u;
+  for (int j = 0; j < STEPS; ++j) code += mid[first + j] < x ? 1u : 0u;
+  return code;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -83,16 +93,23 @@ __device__ __forceinline__ void store_lane(T* base, long long i, long long numel
 
 struct Adam8bit {
   static constexpr bool OWN_WALK = true;
+  static constexpr int MIN_BLOCKS = 4;  // per SM: caps registers at 64 (occupancy over spills)
   using Args = AdamArgs;
   enum Slot { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX };
 
   static __device__ void walk(const Launch<Args>& launch) {
     __shared__ Maps maps;
-    for (int i = threadIdx.x; i < 256; i += MTA_BLOCK) {
-      maps.value[0][i] = SIGNED_MAP[i];
-      maps.value[1][i] = UNSIGNED_MAP[i];
-      maps.tree[0][i] = i < 255 ? SIGNED_TREE[i] : 0.0f;  // entry 255 is never read
-      maps.tree[1][i] = i < 255 ? UNSIGNED_TREE[i] : 0.0f;
+    for (int i = threadIdx.x; i < 256 + MAX_STEPS; i += MTA_BLOCK) {
+      if (i < 256) {
+        maps.value[0][i] = SIGNED_MAP[i];
+        maps.value[1][i] = UNSIGNED_MAP[i];
+      }
+      maps.mid[0][i] = i < 255 ? SIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
+      maps.mid[1][i] = i < 255 ? UNSIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
+    }
+    for (int i = threadIdx.x; i < 2 * GUIDE_CELLS; i += MTA_BLOCK) {
+      maps.guide[0][i] = SIGNED_GUIDE[i];
+      maps.guide[1][i] = UNSIGNED_GUIDE[i];
     }
     __syncthreads();
     if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
@@ -140,8 +157,8 @@ struct Adam8bit {
       const float v_inverse = v_max > 0.0f ? 1.0f / v_max : 0.0f;
 #pragma unroll
       for (int k = 0; k < PER_LANE; ++k) {
-        mc[k] = nearest_code(maps.tree[0], m[k] * m_inverse);
-        vc[k] = nearest_code(maps.tree[1], v[k] * v_inverse);
+        mc[k] = nearest_code<SIGNED_STEPS>(maps.guide[0], maps.mid[0], m[k] * m_inverse);
+        vc[k] = nearest_code<UNSIGNED_STEPS>(maps.guide[1], maps.mid[1], v[k] * v_inverse);
       }
       store_lane(param, i, job.numel, vector, p);
       store_lane(m_codes, i, job.numel, vector, mc);

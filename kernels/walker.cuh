@@ -15,7 +15,8 @@
 // and GLOBAL (a static finish(args, all_sums, positions, n) run once per launch, after every
 // tensor's sums are known, by the block that finishes last). An op whose elements are not
 // independent (blockwise-quantized states) sets OWN_WALK and a static walk(launch) that takes
-// the block's chunk from chunk_of, as walk does.
+// the block's chunk from chunk_of, as walk does; MIN_BLOCKS (optional) asks the compiler for
+// that many resident blocks per SM.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -47,6 +48,8 @@ template <class Op, class = void> struct IsGlobal { static constexpr bool value 
 template <class Op> struct IsGlobal<Op, decltype(void(Op::GLOBAL))> { static constexpr bool value = Op::GLOBAL; };
 template <class Op, class = void> struct OwnWalk { static constexpr bool value = false; };
 template <class Op> struct OwnWalk<Op, decltype(void(Op::OWN_WALK))> { static constexpr bool value = Op::OWN_WALK; };
+template <class Op, class = void> struct MinBlocks { static constexpr int value = 1; };
+template <class Op> struct MinBlocks<Op, decltype(void(Op::MIN_BLOCKS))> { static constexpr int value = Op::MIN_BLOCKS; };
 
 // A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
 // tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
@@ -313,5 +316,5 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
 
 // Defines the kernel entry point NAME for functor OP (an op has one entry per pass).
 #define MTA_DEFINE_ENTRY(NAME, OP)                                                  \
-  extern "C" __global__ void __launch_bounds__(MTA_BLOCK)                            \
+  extern "C" __global__ void __launch_bounds__(MTA_BLOCK, mta::MinBlocks<OP>::value) \
   NAME(const mta::Launch<OP::Args> launch) { mta::walk<OP>(launch); }

@@ -78,24 +78,46 @@ def midpoints(signed: bool) -> np.ndarray:
     return middle
 
 
+# The kernel finds a code in a few steps: a guide table indexed by the sign, exponent and top
+# GUIDE_BITS mantissa bits of the normalized value (magnitudes clamped to [2**-23, 1]) gives the
+# number of midpoints below the cell; the few midpoints inside the cell are then compared.
+GUIDE_BITS = 5
+GUIDE_LOW, GUIDE_HIGH = (127 - 23) << GUIDE_BITS, 127 << GUIDE_BITS
+GUIDE_CELLS = GUIDE_HIGH - GUIDE_LOW + 1  # cells per sign
+
+
 @functools.lru_cache(maxsize=None)
-def search_tree(signed: bool) -> np.ndarray:
-    """The midpoints in breadth-first order of the balanced search tree over them (node i has
-    children 2i + 1 and 2i + 2): the kernel's search reads each level from consecutive
-    addresses, so a warp's lanes rarely wait on one another for a shared-memory bank."""
-    ordered = midpoints(signed)
-    tree = np.empty_like(ordered)
-    ranks = iter(ordered)
+def code_guide(signed: bool) -> tuple:
+    """(guide, steps): guide[sign * GUIDE_CELLS + cell] (uint8) is the number of midpoints
+    below every value of the cell, and no cell holds more than `steps` midpoints, so
+    guide + #{j < steps: midpoints[guide + j] < x} (midpoints past the last one being +inf)
+    is `nearest_code` of any x in the cell."""
+    middle = midpoints(signed).astype(np.float64)
+    first = np.arange(GUIDE_CELLS, dtype=np.uint32) + np.uint32(GUIDE_LOW)
+    starts = (first << np.uint32(23 - GUIDE_BITS)).view(np.float32).astype(np.float64)
+    low, high = starts.copy(), np.append(starts[1:], np.inf)
+    low[0] = 0.0  # the first cell holds every smaller magnitude, the last every larger one
+    guide, steps = [], 0
+    for lo, hi in ((low, high), (-high, -low)):  # positive values, then negative ones
+        below = np.searchsorted(middle, lo, side="left")
+        steps = max(steps, int((np.searchsorted(middle, hi, side="right") - below).max()))
+        guide.append(below)
+    table = np.concatenate(guide).astype(np.uint8)
+    table.setflags(write=False)
+    return table, steps
 
-    def place(node: int) -> None:  # in order: the left subtree, the node, the right subtree
-        if node < ordered.size:
-            place(2 * node + 1)
-            tree[node] = next(ranks)
-            place(2 * node + 2)
 
-    place(0)
-    tree.setflags(write=False)
-    return tree
+def guided_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
+    """`nearest_code` found as the kernel finds it (for tests of the guide)."""
+    guide, steps = code_guide(signed)
+    x = np.asarray(normalized, np.float32).reshape(-1)
+    bits = x.view(np.uint32)
+    magnitude = np.clip((bits & np.uint32(0x7FFFFFFF)) >> np.uint32(23 - GUIDE_BITS),
+                        GUIDE_LOW, GUIDE_HIGH) - GUIDE_LOW
+    code = guide[(bits >> np.uint32(31)) * GUIDE_CELLS + magnitude].astype(np.int64)
+    padded = np.append(midpoints(signed), np.full(steps, np.inf, np.float32))
+    found = code + sum((padded[code + j] < x) for j in range(steps))
+    return np.where(np.isnan(x), 255, found).astype(np.uint8)
 
 
 def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
@@ -103,5 +125,6 @@ def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
     return np.searchsorted(midpoints(signed), normalized, side="left").astype(np.uint8)
 
 
-__all__ = ["BLOCK", "block_absmax", "dequantize_blockwise", "dynamic_map", "midpoints",
-           "n_blocks", "nearest_code", "quantize_blockwise", "search_tree"]
+__all__ = ["BLOCK", "GUIDE_BITS", "GUIDE_CELLS", "block_absmax", "code_guide",
+           "dequantize_blockwise", "dynamic_map", "guided_code", "midpoints", "n_blocks",
+           "nearest_code", "quantize_blockwise"]

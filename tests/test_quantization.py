@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from mtapply import quantization
 from mtapply.quantization import (BLOCK, block_absmax, dequantize_blockwise, dynamic_map,
                                   nearest_code, quantize_blockwise)
 
@@ -114,3 +115,21 @@ def test_8bit_adamw_tracks_fp32_adamw_on_a_quadratic():
     assert loss(w32) < 1.05 * optimum  # both near the minimum: 0.5208 against 0.5139
     assert abs(loss(w8) - loss(w32)) <= 0.01 * loss(w32)  # 0.2% apart
     assert np.linalg.norm(w8 - w32) <= 0.08 * np.linalg.norm(w32)  # 4.7%: the states' rounding
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_kernels_guided_search_finds_the_nearest_code(signed):
+    """The kernel's guide (sign, exponent and top mantissa bits -> a few comparisons) gives
+    the same code as the sorted search, for any float32: random bit patterns (denormals, huge,
+    inf, NaN), values of [-1, 1], and each midpoint and its two neighbours."""
+    rng = np.random.default_rng(7)
+    middle = quantization.midpoints(signed)
+    values = np.concatenate([
+        rng.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        rng.uniform(-1, 1, 300_000).astype(np.float32),
+        middle, np.nextafter(middle, np.float32(2)), np.nextafter(middle, np.float32(-2)),
+        np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 2.0**-23, 2.0**-24], np.float32)])
+    guide, steps = quantization.code_guide(signed)
+    assert steps <= 3 and guide.size == 2 * quantization.GUIDE_CELLS
+    np.testing.assert_array_equal(quantization.guided_code(values, signed),
+                                  quantization.nearest_code(values, signed))

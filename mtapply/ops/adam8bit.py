@@ -11,17 +11,21 @@ SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 def dynamic_maps_source() -> str:
-    """The CUDA arrays of both dynamic maps and of their midpoints' search trees, as exact hex
-    literals: the kernel rounds to the very values the NumPy format uses."""
-    def array(name: str, values: np.ndarray) -> str:
-        literals = ", ".join(f"{float(x).hex()}f" for x in values)
-        return f"__device__ const float {name}[{len(values)}] = {{{literals}}};"
+    """The CUDA constants of both dynamic maps: values, midpoints and code guides
+    (`quantization.code_guide`), the floats as exact hex literals, so that the kernel rounds
+    to the very codes the NumPy format gives."""
+    def array(kind: str, name: str, values) -> str:
+        literals = ", ".join(f"{float(x).hex()}f" if kind == "float" else str(int(x))
+                             for x in values)
+        return f"__device__ const {kind} {name}[{len(values)}] = {{{literals}}};"
 
-    lines = ["namespace mta {"]
+    lines = ["namespace mta {", f"constexpr unsigned GUIDE_BITS = {quantization.GUIDE_BITS};"]
     for signed, prefix in ((True, "SIGNED"), (False, "UNSIGNED")):
-        table = quantization.dynamic_map(signed)
-        lines.append(array(f"{prefix}_MAP", table))
-        lines.append(array(f"{prefix}_TREE", quantization.search_tree(signed)))
+        guide, steps = quantization.code_guide(signed)
+        lines += [array("float", f"{prefix}_MAP", quantization.dynamic_map(signed)),
+                  array("float", f"{prefix}_MIDPOINTS", quantization.midpoints(signed)),
+                  array("unsigned char", f"{prefix}_GUIDE", guide),
+                  f"constexpr int {prefix}_STEPS = {steps};"]
     return "\n".join(lines + ["}  // namespace mta"]) + "\n"
 
 
