@@ -42,13 +42,15 @@ import numpy as np
 import torch
 
 from . import adam as _adam
+from . import adam8bit as _adam8bit
 from . import lamb as _lamb
 from . import lars as _lars
 from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 
-__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "AdamW", "Adan", "Lion", "RMSprop",
+__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
+           "Lion", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
@@ -402,6 +404,68 @@ class AdamW(Adam):
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), True, bool(group["maximize"]))
+
+
+class Adam8bit(Adam):
+    """Adam (AdamW with decoupled_weight_decay=True) whose moments are kept in 8 bits
+    (`mtapply.adam8bit_step`): per param, `exp_avg` and `exp_avg_sq` are uint8 codes with one
+    float32 scale per 256 elements (`exp_avg_absmax`, `exp_avg_sq_absmax`); params of fewer than
+    `min_8bit_size` elements keep float32 moments (and empty scales). Params and grads are
+    float32. About 2 bytes of state per param instead of 8."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 maximize=False, decoupled_weight_decay=False, min_8bit_size=_adam8bit.THRESHOLD,
+                 flat_grads=False):
+        _check_adam_args(lr, betas, eps, weight_decay)
+        if min_8bit_size < 1:
+            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size} (at least 1)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+                        min_8bit_size=min_8bit_size)
+        _FusedOptimizer.__init__(self, params, defaults, flat_grads)
+
+    def _init_state(self, group, p, state) -> None:
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            made = _adam8bit.adam8bit_state([p.detach()], threshold=group["min_8bit_size"])
+            for name, column in zip(_8BIT_STATE, made.lists()):
+                state[name] = column[0]
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch.optim's loading casts every state tensor of a float param to the param's
+        dtype; the 8-bit codes get their own dtype back."""
+        saved = {index: {key: value.dtype for key, value in entry.items()
+                         if key != "step" and isinstance(value, torch.Tensor)}
+                 for index, entry in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, p in zip(indices, params):
+            for key, dtype in saved.get(index, {}).items():
+                if self.state[p][key].dtype != dtype:
+                    self.state[p][key] = self.state[p][key].to(dtype)
+
+    def _make_plan(self, group, params, grads):
+        _, decoupled, maximize = self._compile_options(group)
+        return _adam8bit.adam8bit_plan(_aliases(params), grads,
+                                       *(self._states(params, name) for name in _8BIT_STATE),
+                                       decoupled_weight_decay=decoupled, maximize=maximize)
+
+
+_8BIT_STATE = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+class AdamW8bit(Adam8bit):
+    """AdamW (decoupled weight decay, default 1e-2) with 8-bit moments: see `Adam8bit`."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 maximize=False, min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         maximize=maximize, decoupled_weight_decay=True,
+                         min_8bit_size=min_8bit_size, flat_grads=flat_grads)
+
+    def _compile_options(self, group) -> tuple:
+        return (False, True, bool(group["maximize"]))
 
 
 class SGD(_FusedOptimizer):

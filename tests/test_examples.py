@@ -78,6 +78,12 @@ def test_digits_rule_example_on_cpu(tmp_path):
     assert "device=cpu epochs=2" in output
 
 
+def test_digits_8bit_example_on_cpu(tmp_path):
+    _needs_mtapply_torch()
+    output = run_example("digits_8bit.py", tmp_path, "--device", "cpu", "--epochs", "2")
+    assert "mtapply.torch.AdamW8bit" in output and "state bytes per param" in output, output
+
+
 def test_digits_jax_example_on_cpu(tmp_path):
     _needs_mtapply_optax()
     output = run_example("digits_jax.py", tmp_path, "--device", "cpu", "--epochs", "2")
@@ -88,6 +94,17 @@ def test_digits_jax_example_on_cpu(tmp_path):
 def test_digits_cupy_example_on_gpu(tmp_path):
     output = run_example("digits_cupy.py", tmp_path, "--device", "cuda")
     assert "device=cuda (cupy)" in output
+
+
+@pytest.mark.gpu
+def test_digits_8bit_example_on_gpu(tmp_path):
+    _needs_mtapply_torch()
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build sees no CUDA device")
+    output = run_example("digits_8bit.py", tmp_path, "--device", "cuda")
+    assert "device=cuda epochs=20" in output and "mtapply.torch.AdamW8bit" in output, output
 
 
 @pytest.mark.gpu

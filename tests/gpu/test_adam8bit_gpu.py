@@ -136,3 +136,24 @@ def test_one_call_reuses_its_plan_on_the_same_tensors():
     torch.cuda.synchronize()
     assert sum(len(v) for v in _calls._recent.values()) == 1
     _assert_close_states((gpu_params, gpu_state), (params, state.lists()), "one-call", 1e-3)
+
+
+def test_torch_adamw8bit_on_cuda_follows_the_cpu_class():
+    import copy
+
+    import mtapply.torch as mt
+
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(),
+                                    torch.nn.Linear(300, 10))
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    opts = [mt.AdamW8bit(m.parameters(), lr=1e-3) for m in (cpu_model, gpu_model)]
+    for k in range(6):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(k))
+        for model, opt in zip((cpu_model, gpu_model), opts):
+            opt.zero_grad()
+            model(x.to(next(model.parameters()).device)).square().mean().backward()
+            opt.step()
+    assert opts[1].state[gpu_model[0].weight]["exp_avg"].dtype == torch.uint8
+    for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=2e-4)
