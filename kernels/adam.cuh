@@ -16,6 +16,10 @@ struct AdamArgs {
   double beta2;
   double eps;
   double weight_decay;
+#if MTA_STOCHASTIC
+  double seed_lo, seed_hi;     // the 64-bit seed's words
+  const int* sr_tensor_array;  // the caller's index of each tensor of the group
+#endif
 };
 
 struct Adam {
@@ -27,11 +31,18 @@ struct Adam {
   using Args = AdamArgs;
 
   acc_t beta1_weight, beta2, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt;
+#if MTA_STOCHASTIC
+  StochasticRounding rounding;
+#endif
 
   // Per-launch scalars are derived in double, as torch does on the host.
-  __device__ Adam(const Args& a, int /*tensor*/, const float* /*sums*/) {
+  __device__ Adam(const Args& a, int tensor, const float* /*sums*/) {
     const double lr = scalar_arg(a.lr_ptr, a.lr);
     const double step = scalar_arg(a.step_ptr, a.step);
+#if MTA_STOCHASTIC
+    rounding.init(a.seed_lo, a.seed_hi, step, a.sr_tensor_array, tensor);
+#endif
+    (void)tensor;
     beta1_weight = acc_t(1.0 - a.beta1);
     beta2 = acc_t(a.beta2);
     one_minus_beta2 = acc_t(1.0 - a.beta2);

@@ -16,6 +16,10 @@ struct SgdArgs {
   double momentum;
   double dampening;
   double weight_decay;
+#if MTA_STOCHASTIC
+  double seed_lo, seed_hi;     // the 64-bit seed's words
+  const int* sr_tensor_array;  // the caller's index of each tensor of the group
+#endif
 };
 
 struct Sgd {
@@ -27,10 +31,17 @@ struct Sgd {
 
   acc_t lr, momentum, one_minus_dampening, weight_decay;
   bool first_step;
+#if MTA_STOCHASTIC
+  StochasticRounding rounding;
+#endif
 
-  __device__ Sgd(const Args& a, int /*tensor*/, const float* /*sums*/) {
+  __device__ Sgd(const Args& a, int tensor, const float* /*sums*/) {
     lr = acc_t(scalar_arg(a.lr_ptr, a.lr));
     first_step = scalar_arg(a.step_ptr, a.step) < 1.5;
+#if MTA_STOCHASTIC
+    rounding.init(a.seed_lo, a.seed_hi, scalar_arg(a.step_ptr, a.step), a.sr_tensor_array, tensor);
+#endif
+    (void)tensor;
     momentum = acc_t(a.momentum);
     one_minus_dampening = acc_t(1.0 - a.dampening);
     weight_decay = acc_t(a.weight_decay);

@@ -25,10 +25,13 @@
 // Updates instead of params (for optax's contract, which returns updates):
 //   MTA_DELTA       the op's new param minus the old goes to the record's last slot (of type
 //                   last_t); the param itself is only read.
+// Stochastic rounding (MTA_STOCHASTIC): bfloat16 params without masters are stored rounded
+// stochastically (rounding.cuh), with the op's member `rounding` giving the random bits.
 //   MTA_ZERO_PARAM  the param is not read but taken as zero, so the new "param" the op writes to
 //                   slot 0 is the update itself (ops whose update does not depend on the param).
 #pragma once
 #include "dtypes.cuh"
+#include "rounding.cuh"
 
 #ifndef MTA_MASTER
 #define MTA_MASTER 0
@@ -146,7 +149,7 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
                                       float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   constexpr int N = Op::N_SLOTS;
   constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
-  constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA ? ~1u : ~0u);
+  constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA || MTA_STOCHASTIC ? ~1u : ~0u);
   acc_t v[N][W];
   load_slots<0, N, READ, W>(ptr, i, v);
 #if MTA_DELTA
@@ -168,6 +171,10 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
   }
   if constexpr (STORED != 0u) store_slots<0, N, STORED, W>(ptr, i, v);
+#if MTA_STOCHASTIC
+  static_assert(!MTA_MASTER && !MTA_DELTA, "stochastic rounding stores the params themselves");
+  if constexpr ((Op::WRITTEN & 1u) != 0u) store_bf16_stochastic<W>(ptr[0], i, v[0], op.rounding);
+#endif
 #if MTA_DELTA
   if constexpr ((Op::WRITTEN & 1u) != 0u) {
     acc_t update[W];

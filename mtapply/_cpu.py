@@ -37,6 +37,14 @@ def store(ref, values: np.ndarray) -> None:
         raw[:] = values.astype(raw.dtype)
 
 
+def store_stochastic(ref, values: np.ndarray, args: dict, tensor: int) -> None:
+    """bfloat16 params rounded stochastically, with the bits the kernel draws for them."""
+    from .stochastic import round_to_bfloat16_stochastic
+
+    seed = int(args["seed_lo"]) | int(args["seed_hi"]) << 32
+    view(ref)[:] = round_to_bfloat16_stochastic(values, seed, int(args["step"]), tensor)
+
+
 def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     """float values rounded to bfloat16 (nearest, ties to even), as raw uint16 bits."""
     bits = np.asarray(values, dtype=np.float32).view(np.uint32)
@@ -68,6 +76,9 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
         for name, values in spec.cpu_update(dict(arrays), args, dtype, i).items():
             if name == "params" and spec.param_mode == "delta":
                 store(refs["updates"][i], values - arrays["params"])
+                continue
+            if name == "params" and spec.stochastic_rounding:
+                store_stochastic(refs[name][i], values, args, i)
                 continue
             store(refs[name][i], values)
             if name == "params" and spec.master_weights:

@@ -7,7 +7,7 @@ from .ops.sgd import SGDSpec
 
 
 def sgd_plan(params, grads, momentum_buffers=None, *, master_params=None, nesterov=False,
-             maximize=False, table_mode=None, stream=None) -> Plan:
+             maximize=False, stochastic_rounding=False, table_mode=None, stream=None) -> Plan:
     """Binds SGD's tensor lists once; `plan.step(lr=..., step=..., momentum=...)` then updates them.
 
     Args:
@@ -18,30 +18,38 @@ def sgd_plan(params, grads, momentum_buffers=None, *, master_params=None, nester
             kernel then updates the master (read in place of the param) and writes the param
             as the master rounded to nearest.
         nesterov, maximize: compile-time variants, as in torch.optim.SGD.
+        stochastic_rounding: bfloat16 params without master weights are stored rounded
+            stochastically (mtapply.stochastic: unbiased, so small updates are not lost), with
+            random bits from the step's `seed` argument (default 0), the step and each tensor's
+            index in the list: the same seed and steps give the same params.
         table_mode, stream: as for `mtapply.adam_plan`.
 
     Returns:
         A `Plan`. `plan.step(lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0,
-        grad_scale=None, found_inf=None, stream=None)`; lr, step, grad_scale and found_inf may be
-        one-element float32 device arrays.
+        seed=0, grad_scale=None, found_inf=None, stream=None)`; lr, step, grad_scale and
+        found_inf may be one-element float32 device arrays.
     """
     spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
-                   maximize=maximize, master_weights=master_params is not None)
+                   maximize=maximize, master_weights=master_params is not None,
+                   stochastic_rounding=stochastic_rounding)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}
     return Plan(spec, tensors, table_mode=table_mode, stream=stream)
 
 
 def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.0, dampening=0.0,
-             nesterov=False, weight_decay=0.0, maximize=False, master_params=None, grad_scale=None,
-             found_inf=None, stream=None, table_mode=None) -> None:
+             nesterov=False, weight_decay=0.0, maximize=False, master_params=None,
+             stochastic_rounding=False, seed=0, grad_scale=None, found_inf=None, stream=None,
+             table_mode=None) -> None:
     """One SGD step over whole lists, in place, matching torch.optim.SGD.
 
     `step` is the 1-based step count, required with momentum: on step 1 the buffers are set to
     the gradient (torch's first-step semantics), later steps blend into them. With momentum 0
     no buffers are needed. Everything is validated before anything is written. AMP: grads are
     divided by `grad_scale`, and a non-zero `found_inf` skips the step. `master_params`: fp32
-    copies of 16-bit params, updated in their place (see `sgd_plan`).
+    copies of 16-bit params, updated in their place (see `sgd_plan`). `stochastic_rounding`:
+    bfloat16 params rounded stochastically, the bits keyed by `seed`, step and tensor (step is
+    then required).
 
     Update rule (g the grad, b the buffer, t = step):
         g = -g if maximize;  g += weight_decay * p
@@ -49,9 +57,10 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.
         p -= lr * g
     """
     spec = SGDSpec(momentum_buffers=momentum_buffers is not None, nesterov=nesterov,
-                   maximize=maximize, master_weights=master_params is not None)
+                   maximize=maximize, master_weights=master_params is not None,
+                   stochastic_rounding=stochastic_rounding)
     hyper = dict(lr=lr, step=step, momentum=momentum, dampening=dampening,
-                 weight_decay=weight_decay)
+                 weight_decay=weight_decay, seed=seed)
     spec.arguments(**hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}

@@ -350,24 +350,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
 class Adam(_FusedOptimizer):
     """`torch.optim.Adam` (and, with decoupled_weight_decay=True, AdamW) on mtapply's fused
     kernel. Same arguments; `foreach`, `fused`, `capturable` and `differentiable` are accepted
-    for compatibility (the step is always fused, capturable and not differentiable)."""
+    for compatibility (the step is always fused, capturable and not differentiable).
+    `stochastic_rounding=True` stores bfloat16 params rounded stochastically (no master
+    weights needed), the random bits keyed by `seed`, the step and the param's place."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 flat_grads=False):
+                 flat_grads=False, stochastic_rounding=False, seed=0):
         _check_adam_args(lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError("differentiable=True is not supported by mtapply's fused step")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
-                        decoupled_weight_decay=decoupled_weight_decay)
+                        decoupled_weight_decay=decoupled_weight_decay,
+                        stochastic_rounding=stochastic_rounding, seed=seed)
         super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),
-                bool(group["maximize"]))
+                bool(group["maximize"]), bool(group.get("stochastic_rounding", False)))
 
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
@@ -378,17 +381,20 @@ class Adam(_FusedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
-        amsgrad, decoupled, maximize = self._compile_options(group)
+        amsgrad, decoupled, maximize, stochastic = self._compile_options(group)
         return _adam.adam_plan(_aliases(params), grads, self._states(params, "exp_avg"),
                                self._states(params, "exp_avg_sq"),
                                max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if amsgrad else None,
                                amsgrad=amsgrad, decoupled_weight_decay=decoupled,
-                               maximize=maximize)
+                               maximize=maximize, stochastic_rounding=stochastic)
 
     def _hyper(self, group, device) -> dict:
         beta1, beta2 = group["betas"]
-        return dict(lr=self._lr(group, device), beta1=float(beta1),
-                    beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"])
+        hyper = dict(lr=self._lr(group, device), beta1=float(beta1), beta2=float(beta2),
+                     eps=group["eps"], weight_decay=group["weight_decay"])
+        if group.get("stochastic_rounding", False):
+            hyper["seed"] = group.get("seed", 0)
+        return hyper
 
 
 class AdamW(Adam):
@@ -396,14 +402,17 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, flat_grads=False):
+                 differentiable=False, fused=None, flat_grads=False, stochastic_rounding=False,
+                 seed=0):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, flat_grads=flat_grads)
+                         decoupled_weight_decay=True, flat_grads=flat_grads,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _compile_options(self, group) -> tuple:
-        return (bool(group["amsgrad"]), True, bool(group["maximize"]))
+        return (bool(group["amsgrad"]), True, bool(group["maximize"]),
+                bool(group.get("stochastic_rounding", False)))
 
 
 class Adam8bit(Adam):
@@ -446,7 +455,7 @@ class Adam8bit(Adam):
                     self.state[p][key] = self.state[p][key].to(dtype)
 
     def _make_plan(self, group, params, grads):
-        _, decoupled, maximize = self._compile_options(group)
+        _, decoupled, maximize, _ = self._compile_options(group)
         return _adam8bit.adam8bit_plan(_aliases(params), grads,
                                        *(self._states(params, name) for name in _8BIT_STATE),
                                        decoupled_weight_decay=decoupled, maximize=maximize)
@@ -465,7 +474,7 @@ class AdamW8bit(Adam8bit):
                          min_8bit_size=min_8bit_size, flat_grads=flat_grads)
 
     def _compile_options(self, group) -> tuple:
-        return (False, True, bool(group["maximize"]))
+        return (False, True, bool(group["maximize"]), False)
 
 
 class SGD(_FusedOptimizer):

@@ -107,6 +107,19 @@ def test_adam8bit_groups_compile(group, decoupled, maximize):
     assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
 
 
+@pytest.mark.parametrize("name,flags", [("adam", {}), ("adam", {"decoupled_weight_decay": True}),
+                                        ("adam", {"amsgrad": True}), ("sgd", {}),
+                                        ("sgd", {"momentum_buffers": False})])
+@pytest.mark.parametrize("grads", ["bfloat16", "float32"])
+def test_stochastic_rounding_variants_compile(name, flags, grads):
+    spec = REGISTRY[name](stochastic_rounding=True, **flags)
+    dtypes = ("bfloat16", grads) + ("float32",) * (len(spec.slots) - 2)
+    source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
+    assert "#define MTA_STOCHASTIC 1" in source and "philox4x32_10" in source
+    cubin = _source.compile_offline(source, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+
+
 def test_variant_sources_differ_by_key_and_are_memoised():
     spec_cls = REGISTRY["adam"]
     sources = {}

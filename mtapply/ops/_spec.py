@@ -60,6 +60,20 @@ class OpSpec:
             self.slots = tuple(self.slots) + ("master_params",)
             self.written = self.written | {"master_params"}
 
+    stochastic_rounding: bool = False  # bfloat16 params rounded stochastically (Philox bits)
+
+    def _use_stochastic_rounding(self, enabled: bool) -> None:
+        """Adds the STOCHASTIC flag: the kernel stores bfloat16 params rounded stochastically
+        (mtapply.stochastic), with random bits keyed by the `seed` argument, the step and the
+        tensor's index in the caller's list."""
+        self.stochastic_rounding = bool(enabled)
+        self.flags = tuple(self.flags) + (("STOCHASTIC", self.stochastic_rounding),)
+        if self.stochastic_rounding:
+            if self.master_weights:
+                raise ValueError("stochastic_rounding rounds the bfloat16 params themselves: "
+                                 "pass no master_params with it")
+            self.arg_fields = tuple(self.arg_fields) + ("seed_lo", "seed_hi", "sr_tensor_array")
+
     param_mode: str = "inplace"  # or "delta", "zero": see with_param_mode
 
     def with_param_mode(self, mode: str) -> "OpSpec":
@@ -69,8 +83,8 @@ class OpSpec:
         depend on them), so that what it writes to `params` is the update."""
         if mode not in ("inplace", "delta", "zero"):
             raise ValueError(f"param mode {mode!r}; use inplace, delta or zero")
-        if mode != "inplace" and self.master_weights:
-            raise ValueError("updates are not taken with master weights")
+        if mode != "inplace" and (self.master_weights or self.stochastic_rounding):
+            raise ValueError("updates are not taken with master weights or stochastic rounding")
         spec = copy.copy(self)
         spec.param_mode = mode
         if mode == "delta":
@@ -83,6 +97,11 @@ class OpSpec:
     def check_tensors(self, refs: dict) -> None:
         """Checks that need the ingested tensors (before anything is written)."""
         self.tensor_arrays(len(refs[self.slots[0]]))
+        if self.stochastic_rounding:
+            for i, param in enumerate(refs["params"]):
+                if param.dtype != "bfloat16":
+                    raise TypeError(f"params[{i}] is {param.dtype}: stochastic_rounding is for "
+                                    f"bfloat16 params (float32 params round exactly enough)")
         if self.master_weights:
             for i, (param, master) in enumerate(zip(refs["params"], refs["master_params"])):
                 if master.dtype != "float32":
@@ -105,6 +124,8 @@ class OpSpec:
 
     def tensor_arrays(self, n_tensors: int) -> dict:
         """name -> NumPy array of one value per tensor, for `*_array` kernel arguments."""
+        if self.stochastic_rounding:  # each tensor's index in the caller's list
+            return {"sr_tensor_array": np.arange(n_tensors, dtype=np.int32)}
         return {}
 
     def output_numel(self, name: str, n_tensors: int) -> int:
@@ -125,6 +146,14 @@ class OpSpec:
         compile key and the per-tensor arrays (e.g. LARS's exclude flags)."""
         arrays = self.tensor_arrays(n_tensors)
         return (self.key, tuple((name, np.asarray(a).tobytes()) for name, a in arrays.items()))
+
+
+def seed_words(seed) -> dict:
+    """The 64-bit seed of stochastic rounding as the kernel arguments seed_lo and seed_hi."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    seed = int(seed)
+    return {"seed_lo": float(seed & 0xFFFFFFFF), "seed_hi": float(seed >> 32)}
 
 
 def check_number(name: str, value, *, low=None, high=None, high_open=False, low_open=False) -> float:

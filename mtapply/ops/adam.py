@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar
+from ._spec import OpSpec, check_number, number_or_device_scalar, seed_words
 
 
 class AdamSpec(OpSpec):
@@ -25,7 +25,8 @@ class AdamSpec(OpSpec):
     device_scalars = ("lr", "step")
 
     def __init__(self, *, amsgrad: bool = False, decoupled_weight_decay: bool = False,
-                 maximize: bool = False, master_weights: bool = False):
+                 maximize: bool = False, master_weights: bool = False,
+                 stochastic_rounding: bool = False):
         self.amsgrad = bool(amsgrad)
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.maximize = bool(maximize)
@@ -34,8 +35,10 @@ class AdamSpec(OpSpec):
         self.flags = (("AMSGRAD", self.amsgrad), ("DECOUPLED", self.decoupled_weight_decay),
                       ("MAXIMIZE", self.maximize))
         self._use_master_weights(master_weights)
+        self._use_stochastic_rounding(stochastic_rounding)
 
-    def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0) -> dict:
+    def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                  seed=0) -> dict:
         """Checked hyperparameters. lr and step are numbers or DeviceScalars (checked earlier)."""
         args = {"beta1": check_number("beta1", beta1, low=0.0, high=1.0, high_open=True),
                 "beta2": check_number("beta2", beta2, low=0.0, high=1.0, high_open=True),
@@ -43,6 +46,7 @@ class AdamSpec(OpSpec):
                 "weight_decay": check_number("weight_decay", weight_decay, low=0.0)}
         args["lr"] = number_or_device_scalar("lr", lr, low=0.0)
         args["step"] = number_or_device_scalar("step", step, low=1.0)
+        args.update(seed_words(seed))
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar
+from ._spec import OpSpec, check_number, number_or_device_scalar, seed_words
 
 
 class SGDSpec(OpSpec):
@@ -24,7 +24,8 @@ class SGDSpec(OpSpec):
     device_scalars = ("lr", "step")
 
     def __init__(self, *, momentum_buffers: bool = True, nesterov: bool = False,
-                 maximize: bool = False, master_weights: bool = False):
+                 maximize: bool = False, master_weights: bool = False,
+                 stochastic_rounding: bool = False):
         self.has_buffers = bool(momentum_buffers)
         self.nesterov = bool(nesterov)
         self.maximize = bool(maximize)
@@ -34,8 +35,10 @@ class SGDSpec(OpSpec):
         self.flags = (("MOMENTUM", self.has_buffers), ("NESTEROV", self.nesterov),
                       ("MAXIMIZE", self.maximize))
         self._use_master_weights(master_weights)
+        self._use_stochastic_rounding(stochastic_rounding)
 
-    def arguments(self, *, lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0) -> dict:
+    def arguments(self, *, lr, step=None, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                  seed=0) -> dict:
         """Checked hyperparameters; `step` is needed only with momentum (1 sets the buffers)."""
         args = {"momentum": check_number("momentum", momentum, low=0.0),
                 "dampening": check_number("dampening", dampening, low=0.0, high=1.0),
@@ -47,10 +50,14 @@ class SGDSpec(OpSpec):
         if self.nesterov and (args["momentum"] == 0 or args["dampening"] != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening == 0, as in "
                              "torch.optim.SGD")
+        if step is None and self.stochastic_rounding:
+            raise TypeError("step is required with stochastic_rounding: its random bits differ "
+                            "from step to step (pass the 1-based step count)")
         if step is None and args["momentum"] != 0:
             raise TypeError("step is required with momentum: pass the 1-based step count (step=1 "
                             "sets the buffers to the gradient, as torch.optim.SGD does)")
         args["step"] = 2.0 if step is None else number_or_device_scalar("step", step, low=1.0)
+        args.update(seed_words(seed))
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
