@@ -144,9 +144,32 @@ def gpt2(batch: int = 8, tokens: int = 512) -> Model:
     def loss(model):
         return model(input_ids=ids, labels=ids).loss
 
+    optimizers = {**_adamw_optimizers(3e-4, 0.1), **eight_bit_optimizers(3e-4, 0.1)}
     return Model("gpt2", f"GPT-2 124M (transformers config), AdamW, bf16 autocast, batch "
                          f"{batch} x {tokens}", "torch-fused",
-                 _torch_variants(_adamw_optimizers(3e-4, 0.1), build, loss))
+                 _torch_variants(optimizers, build, loss))
+
+
+def eight_bit_optimizers(lr: float, weight_decay: float) -> dict:
+    """AdamW with 8-bit moments: mtapply's, and bitsandbytes' and torchao's where installed."""
+    import importlib.util
+
+    import mtapply.torch as mt
+
+    made = {"mtapply-8bit": lambda m: mt.AdamW8bit(m.parameters(), lr, weight_decay=weight_decay)}
+    if importlib.util.find_spec("bitsandbytes"):
+        def bitsandbytes(m):
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(m.parameters(), lr, weight_decay=weight_decay)
+        made["bnb-8bit"] = bitsandbytes
+    if importlib.util.find_spec("torchao"):
+        def torchao(m):
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(m.parameters(), lr, weight_decay=weight_decay)
+        made["torchao-8bit"] = torchao
+    return made
 
 
 def resnet50(batch: int = 32) -> Model:
