@@ -1,6 +1,7 @@
 // Adam / AdamW with 8-bit blockwise-quantized moments (mtapply/quantization.py defines the format).
 //
-// Slots: params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax. A group whose
+// Slots: params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax (params and
+// grads float32 or 16-bit; bfloat16 params may be rounded stochastically). A group whose
 // moments are uint8 codes runs Adam8bit: each warp takes whole blocks of QBLOCK elements (a chunk
 // holds MTA_CHUNK / QBLOCK of them, so no block straddles chunks or tensors), dequantizes both
 // moments with the block's scale, applies the Adam functor in registers, takes the block's fresh
@@ -68,7 +69,7 @@ __device__ __forceinline__ void load_lane(const T* base, long long i, long long 
     for (int k = 0; k < PER_LANE; ++k) out[k] = u.vals[k];
   } else {
 #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) out[k] = i + k < numel ? base[i + k] : T(0);
+    for (int k = 0; k < PER_LANE; ++k) out[k] = i + k < numel ? base[i + k] : T{};
   }
 }
 
@@ -89,6 +90,30 @@ __device__ __forceinline__ void store_lane(T* base, long long i, long long numel
     for (int k = 0; k < PER_LANE; ++k)
       if (i + k < numel) base[i + k] = in[k];
   }
+}
+
+// The lane's new params, rounded to their storage: to nearest, or stochastically.
+template <class P>
+__device__ __forceinline__ void store_params(P* param, long long i, long long numel, bool vector,
+                                             const float (&p)[PER_LANE], const Adam& op) {
+#if MTA_STOCHASTIC
+  char* base = reinterpret_cast<char*>(param);
+  if (vector) {
+    store_bf16_stochastic<PER_LANE>(base, i, p, op.rounding);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < PER_LANE; ++k) {
+    const float one[1] = {p[k]};
+    if (i + k < numel) store_bf16_stochastic<1>(base, i + k, one, op.rounding);
+  }
+#else
+  (void)op;
+  P rounded[PER_LANE];
+#pragma unroll
+  for (int k = 0; k < PER_LANE; ++k) rounded[k] = from_acc<P>(p[k]);
+  store_lane(param, i, numel, vector, rounded);
+#endif
 }
 
 struct Adam8bit {
@@ -115,13 +140,15 @@ struct Adam8bit {
     if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
     const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
     const Chunk job = chunk_of(launch);
-    float* param = reinterpret_cast<float*>(job.addresses[PARAM]);
-    const float* grad = reinterpret_cast<const float*>(job.addresses[GRAD]);
+    typedef typename SlotType<PARAM>::type P;  // float, or 16-bit params (stochastic rounding)
+    typedef typename SlotType<GRAD>::type G;
+    P* param = reinterpret_cast<P*>(job.addresses[PARAM]);
+    const G* grad = reinterpret_cast<const G*>(job.addresses[GRAD]);
     unsigned char* m_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG]);
     unsigned char* v_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG_SQ]);
     float* m_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_ABSMAX]);
     float* v_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_SQ_ABSMAX]);
-    // 8-byte words of codes and 16-byte words of floats, when every base allows them
+    // 8-byte words of codes and 16-byte words of params and grads, when every base allows them
     const bool aligned = (((job.addresses[PARAM] | job.addresses[GRAD]) & 15) |
                           ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
     const Adam op(launch.args, job.tensor, nullptr);
@@ -130,17 +157,19 @@ struct Adam8bit {
          start += (MTA_BLOCK / 32) * QBLOCK) {
       const long long block = start / QBLOCK, i = start + lane * PER_LANE;
       const bool vector = aligned && i + PER_LANE <= job.numel;
-      float p[PER_LANE], g[PER_LANE];
+      P stored[PER_LANE];
+      G g[PER_LANE];
       unsigned char mc[PER_LANE], vc[PER_LANE];
-      load_lane(param, i, job.numel, vector, p);
+      load_lane(param, i, job.numel, vector, stored);
       load_lane(grad, i, job.numel, vector, g);
       load_lane(m_codes, i, job.numel, vector, mc);
       load_lane(v_codes, i, job.numel, vector, vc);
       const float m_scale = m_absmax[block], v_scale = v_absmax[block];
-      float m[PER_LANE], v[PER_LANE], m_max = 0.0f, v_max = 0.0f;
+      float p[PER_LANE], m[PER_LANE], v[PER_LANE], m_max = 0.0f, v_max = 0.0f;
 #pragma unroll
       for (int k = 0; k < PER_LANE; ++k) {
-        acc_t x[4] = {p[k], grad_scale != 1.0f ? g[k] / grad_scale : g[k],
+        const float gk = to_acc(g[k]);
+        acc_t x[4] = {to_acc(stored[k]), grad_scale != 1.0f ? gk / grad_scale : gk,
                       maps.value[0][mc[k]] * m_scale, maps.value[1][vc[k]] * v_scale};
         op(x);
         p[k] = x[PARAM];
@@ -160,7 +189,7 @@ struct Adam8bit {
         mc[k] = nearest_code<SIGNED_STEPS>(maps.guide[0], maps.mid[0], m[k] * m_inverse);
         vc[k] = nearest_code<UNSIGNED_STEPS>(maps.guide[1], maps.mid[1], v[k] * v_inverse);
       }
-      store_lane(param, i, job.numel, vector, p);
+      store_params(param, i, job.numel, vector, p, op);
       store_lane(m_codes, i, job.numel, vector, mc);
       store_lane(v_codes, i, job.numel, vector, vc);
       if (lane == 0) {

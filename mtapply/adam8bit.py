@@ -48,11 +48,12 @@ def adam8bit_state(params, *, threshold: int = THRESHOLD) -> Adam8bitState:
 
 
 def adam8bit_plan(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, *,
-                  decoupled_weight_decay=False, maximize=False, table_mode=None,
-                  stream=None) -> Plan:
+                  decoupled_weight_decay=False, maximize=False, stochastic_rounding=False,
+                  table_mode=None, stream=None) -> Plan:
     """Binds the lists of an 8-bit Adam step once (see `adam8bit_step`); `plan.step(lr=...,
-    step=..., beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=None,
+    step=..., beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, seed=0, grad_scale=None,
     found_inf=None)` then updates them, one launch per group (8-bit moments; float32 moments).
+    `stochastic_rounding`: bfloat16 params rounded stochastically, as `adam_plan` does.
 
     Example:
         >>> state = mtapply.adam8bit_state(params)
@@ -60,15 +61,16 @@ def adam8bit_plan(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_
         >>> for t in range(1, 11):
         ...     plan.step(lr=1e-3, step=t, weight_decay=0.01)
     """
-    spec = Adam8bitSpec(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+    spec = Adam8bitSpec(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                        stochastic_rounding=stochastic_rounding)
     return Plan(spec, _tensors(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
                                exp_avg_sq_absmax), table_mode=table_mode, stream=stream)
 
 
 def adam8bit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, *,
                   lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                  decoupled_weight_decay=False, maximize=False, grad_scale=None, found_inf=None,
-                  stream=None, table_mode=None) -> None:
+                  decoupled_weight_decay=False, maximize=False, stochastic_rounding=False,
+                  seed=0, grad_scale=None, found_inf=None, stream=None, table_mode=None) -> None:
     """One Adam/AdamW step (as `adam_step`) whose moments are stored in 8 bits per element.
 
     Each moment is a list of uint8 codes shaped as the params with one float32 scale per block
@@ -76,15 +78,18 @@ def adam8bit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_
     `mtapply.quantization` (signed map for exp_avg, unsigned for exp_avg_sq); or, for a small
     param, float32 moments with empty scales. `adam8bit_state(params)` makes them. The kernel
     dequantizes each block, updates the param and the moments in float32, and quantizes the
-    moments again with the block's fresh absolute maximum. Everything is checked before
-    anything is written.
+    moments again with the block's fresh absolute maximum. Params and grads are float32 or
+    16-bit; `stochastic_rounding` rounds bfloat16 params stochastically (see `adam_step`).
+    Everything is checked before anything is written.
     """
-    spec = Adam8bitSpec(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
-    spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    spec = Adam8bitSpec(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                        stochastic_rounding=stochastic_rounding)
+    spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                   seed=seed)
     _calls.step(spec, _tensors(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
                                exp_avg_sq_absmax), table_mode=table_mode, stream=stream, lr=lr,
                 step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                grad_scale=grad_scale, found_inf=found_inf)
+                seed=seed, grad_scale=grad_scale, found_inf=found_inf)
 
 
 def _tensors(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax) -> dict:

@@ -419,18 +419,20 @@ class Adam8bit(Adam):
     """Adam (AdamW with decoupled_weight_decay=True) whose moments are kept in 8 bits
     (`mtapply.adam8bit_step`): per param, `exp_avg` and `exp_avg_sq` are uint8 codes with one
     float32 scale per 256 elements (`exp_avg_absmax`, `exp_avg_sq_absmax`); params of fewer than
-    `min_8bit_size` elements keep float32 moments (and empty scales). Params and grads are
-    float32. About 2 bytes of state per param instead of 8."""
+    `min_8bit_size` elements keep float32 moments (and empty scales). About 2 bytes of state
+    per param instead of 8. Params are float32 or 16-bit; `stochastic_rounding=True` rounds
+    bfloat16 params stochastically (see `Adam`)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  maximize=False, decoupled_weight_decay=False, min_8bit_size=_adam8bit.THRESHOLD,
-                 flat_grads=False):
+                 flat_grads=False, stochastic_rounding=False, seed=0):
         _check_adam_args(lr, betas, eps, weight_decay)
         if min_8bit_size < 1:
             raise ValueError(f"Invalid min_8bit_size: {min_8bit_size} (at least 1)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                        min_8bit_size=min_8bit_size)
+                        min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
+                        seed=seed)
         _FusedOptimizer.__init__(self, params, defaults, flat_grads)
 
     def _init_state(self, group, p, state) -> None:
@@ -455,10 +457,11 @@ class Adam8bit(Adam):
                     self.state[p][key] = self.state[p][key].to(dtype)
 
     def _make_plan(self, group, params, grads):
-        _, decoupled, maximize, _ = self._compile_options(group)
+        _, decoupled, maximize, stochastic = self._compile_options(group)
         return _adam8bit.adam8bit_plan(_aliases(params), grads,
                                        *(self._states(params, name) for name in _8BIT_STATE),
-                                       decoupled_weight_decay=decoupled, maximize=maximize)
+                                       decoupled_weight_decay=decoupled, maximize=maximize,
+                                       stochastic_rounding=stochastic)
 
 
 _8BIT_STATE = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
@@ -468,13 +471,15 @@ class AdamW8bit(Adam8bit):
     """AdamW (decoupled weight decay, default 1e-2) with 8-bit moments: see `Adam8bit`."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 maximize=False, min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False):
+                 maximize=False, min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False,
+                 stochastic_rounding=False, seed=0):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          maximize=maximize, decoupled_weight_decay=True,
-                         min_8bit_size=min_8bit_size, flat_grads=flat_grads)
+                         min_8bit_size=min_8bit_size, flat_grads=flat_grads,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _compile_options(self, group) -> tuple:
-        return (False, True, bool(group["maximize"]), False)
+        return (False, True, bool(group["maximize"]), bool(group.get("stochastic_rounding", False)))
 
 
 class SGD(_FusedOptimizer):

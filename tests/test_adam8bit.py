@@ -136,13 +136,36 @@ def test_bad_state_is_refused_before_anything_is_written(corrupt, error, message
             np.testing.assert_array_equal(x, y)
 
 
-def test_bf16_params_with_8bit_moments_are_refused():
-    torch = pytest.importorskip("torch")
-    params = [torch.zeros(5000, dtype=torch.bfloat16)]
+def test_float64_params_with_8bit_moments_are_refused():
+    params = [np.zeros(5000)]
     state = mtapply.adam8bit_state(params)
-    with pytest.raises(TypeError, match=r"params\[0\] and grads\[0\] are bfloat16 and bfloat16"):
-        mtapply.adam8bit_step(params, [torch.ones(5000, dtype=torch.bfloat16)], *state.lists(),
-                              lr=1e-3, step=1)
+    with pytest.raises(TypeError, match=r"params\[0\] and grads\[0\] are float64 and float64"):
+        mtapply.adam8bit_step(params, [np.ones(5000)], *state.lists(), lr=1e-3, step=1)
+    assert not params[0].any()
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_bf16_params_round_the_fp32_update(stochastic):
+    torch = pytest.importorskip("torch")
+    from mtapply.stochastic import round_to_bfloat16_stochastic
+
+    rng = np.random.default_rng(4)
+    values = _draw(rng, [(5000,), (300,)])
+    state = _quantized_state(rng, values)
+    params = [torch.from_numpy(v).to(torch.bfloat16) for v in values]
+    grads = [torch.from_numpy(g).to(torch.bfloat16) for g in _draw(rng, [(5000,), (300,)])]
+    start = [p.float().numpy() for p in params]
+    codes = [(state.exp_avgs[0].copy(), state.exp_avg_absmax[0].copy()),
+             (state.exp_avg_sqs[0].copy(), state.exp_avg_sq_absmax[0].copy())]
+    mtapply.adam8bit_step(params, grads, *state.lists(), lr=1e-2, step=2, seed=11,
+                          stochastic_rounding=stochastic)
+    new, _, _ = reference.adam8bit(start[0], grads[0].float().numpy(), *codes, lr=1e-2, step=2)
+    bits = params[0].view(torch.int16).numpy().view(np.uint16)
+    if stochastic:
+        np.testing.assert_array_equal(bits, round_to_bfloat16_stochastic(new, 11, 2, 0))
+    else:
+        np.testing.assert_array_equal(params[0].float().numpy(),
+                                      torch.from_numpy(new).to(torch.bfloat16).float().numpy())
 
 
 def test_eight_bit_adamw_follows_fp32_adamw_on_a_least_squares_fit():

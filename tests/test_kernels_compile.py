@@ -89,6 +89,7 @@ def test_variant_compiles(spec, dtypes):
 
 
 ADAM8BIT_GROUPS = {"8bit": ("float32", "float32", "uint8", "uint8", "float32", "float32"),
+                   "8bit-bf16": ("bfloat16", "bfloat16", "uint8", "uint8", "float32", "float32"),
                    "fp32-moments": ("float32",) * 6}
 
 
@@ -100,11 +101,22 @@ def test_adam8bit_groups_compile(group, decoupled, maximize):
     spec = Adam8bitSpec(decoupled_weight_decay=decoupled, maximize=maximize)
     dtypes = ADAM8BIT_GROUPS[group]
     functors = spec.functors_for(dtypes)
-    assert functors == (("mta::Adam8bit",) if group == "8bit" else ("mta::Adam",))
+    assert functors == (("mta::Adam8bit",) if group.startswith("8bit") else ("mta::Adam",))
     source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
     assert "#include" not in source and "SIGNED_GUIDE[" in source
     cubin = _source.compile_offline(source, "sm_90")
     assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
+
+
+def test_adam8bit_with_stochastic_rounding_compiles():
+    from mtapply.ops import Adam8bitSpec
+
+    spec = Adam8bitSpec(decoupled_weight_decay=True, stochastic_rounding=True)
+    for dtypes in (ADAM8BIT_GROUPS["8bit-bf16"], ("bfloat16", "bfloat16") + ("float32",) * 4):
+        functors = spec.functors_for(dtypes)
+        source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
+        assert "#define MTA_STOCHASTIC 1" in source
+        assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("name,flags", [("adam", {}), ("adam", {"decoupled_weight_decay": True}),

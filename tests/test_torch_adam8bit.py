@@ -106,11 +106,30 @@ def test_flat_grads_step_like_plain_grads():
         assert torch.equal(a, b)
 
 
-def test_bf16_params_are_refused_with_8bit_moments():
-    p = torch.nn.Parameter(torch.zeros(5000, dtype=torch.bfloat16))
+def test_bf16_model_with_stochastic_rounding_steps_like_the_functional_call():
+    model, twin = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+    opt = mt.AdamW8bit(model.parameters(), lr=1e-2, stochastic_rounding=True, seed=5)
+    params = [p.detach() for p in twin.parameters()]
+    state = mtapply.adam8bit_state(params)
+    for t in range(1, 4):
+        x = _batch(t).to(torch.bfloat16)
+        for m in (model, twin):
+            m.zero_grad()
+            m(x).float().square().mean().backward()
+        opt.step()
+        mtapply.adam8bit_step(params, [p.grad for p in twin.parameters()], *state.lists(),
+                              lr=1e-2, step=t, weight_decay=1e-2, decoupled_weight_decay=True,
+                              seed=5, stochastic_rounding=True)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.uint8
+
+
+def test_float64_params_are_refused_with_8bit_moments():
+    p = torch.nn.Parameter(torch.zeros(5000, dtype=torch.float64))
     opt = mt.AdamW8bit([p])
     p.grad = torch.ones_like(p)
-    with pytest.raises(TypeError, match="8-bit moments are for float32 params"):
+    with pytest.raises(TypeError, match="8-bit moments take params of float32, bfloat16, float16"):
         opt.step()
     assert torch.equal(p, torch.zeros_like(p))
 

@@ -7,6 +7,7 @@ from .. import _source, quantization, reference
 from .adam import AdamSpec
 
 MOMENTS = ("exp_avgs", "exp_avg_sqs")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # with 8-bit moments
 SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
 
 
@@ -47,8 +48,10 @@ class Adam8bitSpec(AdamSpec):
                     "exp_avg_absmax": (("float32",), False),
                     "exp_avg_sq_absmax": (("float32",), False)}
 
-    def __init__(self, *, decoupled_weight_decay: bool = False, maximize: bool = False):
-        super().__init__(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+    def __init__(self, *, decoupled_weight_decay: bool = False, maximize: bool = False,
+                 stochastic_rounding: bool = False):
+        super().__init__(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                         stochastic_rounding=stochastic_rounding)
         self.slots = self.slots + SCALES
         self.written = self.written | set(SCALES)
         _source.register_generated("dynamic_maps.cuh", dynamic_maps_source())
@@ -64,9 +67,11 @@ class Adam8bitSpec(AdamSpec):
                 raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}: "
                                 f"a param's moments are both uint8 codes or both float32")
             quantized = m.dtype == "uint8"
-            if quantized and (param.dtype, grad.dtype) != ("float32", "float32"):
+            if quantized and (param.dtype not in PARAM_DTYPES
+                              or grad.dtype not in (param.dtype, "float32")):
                 raise TypeError(f"params[{i}] and grads[{i}] are {param.dtype} and {grad.dtype}: "
-                                f"8-bit moments are for float32 params and grads")
+                                f"8-bit moments take params of {', '.join(PARAM_DTYPES)}, with "
+                                f"grads of the param's dtype or float32")
             blocks = quantization.n_blocks(param.numel) if quantized else 0
             for name, scale in ((SCALES[0], m_scale), (SCALES[1], v_scale)):
                 if scale.numel != blocks or (scale.numel > 1 and not scale.row_major):

@@ -157,3 +157,26 @@ def test_torch_adamw8bit_on_cuda_follows_the_cpu_class():
     assert opts[1].state[gpu_model[0].weight]["exp_avg"].dtype == torch.uint8
     for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
         torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_bf16_params_on_the_gpu_follow_the_cpu_path(stochastic):
+    rng = np.random.default_rng(5)
+    shapes = [(1 << 20 | 3,), (5000,), (300,)]
+    values = _draw(rng, shapes)
+    state = _quantized_state(rng, values)
+    cpu = [torch.from_numpy(v).to(torch.bfloat16) for v in values]
+    gpu = [p.cuda() for p in cpu]
+    gpu_state = [_to_cuda(column) for column in state.lists()]
+    for t in range(1, 4):
+        grads = [torch.from_numpy(g).to(torch.bfloat16) for g in _draw(rng, shapes)]
+        mtapply.adam8bit_step(gpu, [g.cuda() for g in grads], *gpu_state, lr=1e-3, step=t,
+                              seed=21, stochastic_rounding=stochastic)
+        mtapply.adam8bit_step(cpu, grads, *state.lists(), lr=1e-3, step=t, seed=21,
+                              stochastic_rounding=stochastic)
+    torch.cuda.synchronize()
+    for k, (a, b) in enumerate(zip(gpu, cpu)):
+        x, y = a.cpu().view(torch.int16).int(), b.view(torch.int16).int()
+        assert (x - y).abs().max().item() <= 1, k
+        assert (x == y).float().mean().item() >= 0.999, k
+        assert x[0] == y[0] and x[-1] == y[-1], k
