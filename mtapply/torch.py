@@ -303,19 +303,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._init_state(group, p, self.state[p])
         classes: dict = {}  # params of one device and one step count share a plan
         counts: dict = {}  # one host read per step tensor (params of a plan share one)
+        counting = self._counts(group)
         for i, p in enumerate(params):
             count = 0.0
-            if self._counts_steps:
+            if counting:
                 step = self.state[p]["step"]
                 count = counts.setdefault(id(step), float(step))
             classes.setdefault((p.device, count), []).append(i)
         parts = []
         for (_, count), indices in classes.items():
             members = [params[i] for i in indices]
-            counter = self._counter(members, count) if self._counts_steps else None
+            counter = self._counter(members, count) if counting else None
             plan = self._make_plan(group, members, _locals([grads[i] for i in indices]))
             parts.append(_Part(np.asarray(indices), members, plan, counter))
         return _Bound(key, options, list(params), grads, parts)
+
+    def _counts(self, group) -> bool:
+        """Whether the group's params keep a device step counter."""
+        return self._counts_steps
 
     def _states(self, params, name: str) -> list:
         """The state tensors `name` of params, as the plan takes them (local shards)."""
@@ -483,13 +488,15 @@ class AdamW8bit(Adam8bit):
 
 
 class SGD(_FusedOptimizer):
-    """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum."""
+    """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum.
+    `stochastic_rounding=True` rounds bfloat16 params stochastically (see `Adam`); each param's
+    state then also counts its steps (`step`), which key the random bits with `seed`."""
 
     _counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-                 flat_grads=False):
+                 flat_grads=False, stochastic_rounding=False, seed=0):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -500,11 +507,17 @@ class SGD(_FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
-                        differentiable=differentiable, fused=fused)
+                        differentiable=differentiable, fused=fused,
+                        stochastic_rounding=stochastic_rounding, seed=seed)
         super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
-        return (group["momentum"] != 0, bool(group["nesterov"]), bool(group["maximize"]))
+        return (group["momentum"] != 0, bool(group["nesterov"]), bool(group["maximize"]),
+                bool(group.get("stochastic_rounding", False)))
+
+    def _counts(self, group) -> bool:
+        # stochastic rounding draws its bits per step: only then does SGD count its steps
+        return bool(group.get("stochastic_rounding", False))
 
     def _step_group(self, index, group, grad_scale, found_inf) -> None:
         # torch's first step copies the grad into a new buffer: params without one take a
@@ -533,23 +546,31 @@ class SGD(_FusedOptimizer):
             _sgd.sgd_step(_locals(part.params), _locals([params[i].grad for i in indices]),
                           _locals([buffers[i] for i in indices]), **hyper,
                           nesterov=group["nesterov"], maximize=group["maximize"],
+                          stochastic_rounding=self._counts(group),
                           grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
         for p, b in zip(params, buffers):
             self.state[p]["momentum_buffer"] = b
+            if self._counts(group):
+                self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
 
     def _make_plan(self, group, params, grads):
         buffers = self._states(params, "momentum_buffer") if group["momentum"] else None
         return _sgd.sgd_plan(_aliases(params), grads, buffers, nesterov=group["nesterov"],
-                             maximize=group["maximize"])
+                             maximize=group["maximize"], stochastic_rounding=self._counts(group))
 
     def _init_state(self, group, p, state) -> None:
         if group["momentum"] != 0 and state.get("momentum_buffer") is None:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self._counts(group) and "step" not in state:
+            state["step"] = torch.tensor(0.0)
 
     def _hyper(self, group, device) -> dict:
-        return dict(lr=self._lr(group, device), momentum=group["momentum"],
-                    dampening=group["dampening"], weight_decay=group["weight_decay"],
-                    step=2 if group["momentum"] != 0 else None)
+        hyper = dict(lr=self._lr(group, device), momentum=group["momentum"],
+                     dampening=group["dampening"], weight_decay=group["weight_decay"],
+                     step=2 if group["momentum"] != 0 else None)
+        if self._counts(group):
+            hyper["seed"] = group.get("seed", 0)
+        return hyper
 
 
 class _RuleBased(_FusedOptimizer):

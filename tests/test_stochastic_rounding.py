@@ -119,3 +119,29 @@ def test_torch_adamw_with_stochastic_rounding_steps_like_the_functional_call():
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16  # as torch keeps it
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_torch_sgd_with_stochastic_rounding_steps_like_the_functional_call(momentum):
+    import copy
+
+    import mtapply.torch as mt
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = mt.SGD(model.parameters(), lr=0.05, momentum=momentum, stochastic_rounding=True, seed=9)
+    params = [p.detach() for p in twin.parameters()]
+    buffers = [torch.zeros_like(p) for p in params] if momentum else None
+    for t in range(1, 5):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        for net in (model, twin):
+            net.zero_grad()
+            net(x).float().square().mean().backward()
+        opt.step()
+        mtapply.sgd_step(params, [p.grad for p in twin.parameters()], buffers, lr=0.05, step=t,
+                         momentum=momentum, seed=9, stochastic_rounding=True)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert float(opt.state[model[0].weight]["step"]) == 4
