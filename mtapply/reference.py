@@ -56,6 +56,31 @@ def adam8bit(param, grad, exp_avg, exp_avg_sq, *, lr, step, block=256, dtype=np.
             quantize_blockwise(v, signed=False, block=block))
 
 
+def galore_adamw(param, grad, exp_avg, exp_avg_sq, projector, *, lr, step, beta1=0.9,
+                 beta2=0.999, eps=1e-6, weight_decay=0.0, scale=1.0, correct_bias=True,
+                 dtype=np.float64):
+    """One GaLore AdamW step of one matrix (Zhao et al. 2024, and galore-torch's AdamW): the
+    grad projected to rank r by `projector` (("left", P) with P of m x r: R = P^T G; ("right",
+    Q) with Q of r x n: R = G Q^T), Adam on R with eps outside the root of the uncorrected
+    second moment (step_size = lr * sqrt(1 - beta2**t) / (1 - beta1**t)), the normalized step
+    projected back and scaled, then decoupled weight decay on the updated param:
+    p = (p - step_size * scale * back(m / (sqrt(v) + eps))) * (1 - lr * weight_decay).
+    `projector` None is plain AdamW of that form. Returns (param, exp_avg, exp_avg_sq)."""
+    p, g, m, v = (np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq))
+    side, ortho = projector if projector is not None else (None, None)
+    if side is not None:
+        ortho = np.asarray(ortho, dtype=dtype)
+        g = ortho.T @ g if side == "left" else g @ ortho.T
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    step_size = lr * (np.sqrt(1 - beta2 ** step) / (1 - beta1 ** step) if correct_bias else 1.0)
+    normalized = m / (np.sqrt(v) + eps)
+    if side is not None:
+        normalized = scale * (ortho @ normalized if side == "left" else normalized @ ortho)
+    p = (p - step_size * normalized) * (1 - lr * weight_decay)
+    return p, m, v
+
+
 def sgd(param, grad, momentum_buffer=None, *, lr, step, momentum=0.0, dampening=0.0,
         weight_decay=0.0, nesterov=False, maximize=False, dtype=np.float64):
     """One SGD step as torch.optim.SGD defines it; on step 1 the buffer takes the gradient.

@@ -50,7 +50,7 @@ from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
-           "Lion", "RMSprop",
+           "GaLoreAdamW", "Lion", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
@@ -1051,3 +1051,6 @@ def _check_adam_args(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+from .torch_galore import GaLoreAdamW  # noqa: E402  (it builds on this module's peers)

@@ -1,0 +1,72 @@
+"""GaLoreAdamW on the GPU: the same steps as on the CPU (and as galore-torch on the GPU, where
+installed), projector refreshes included, and no host synchronisation between refreshes
+(torch's sync debug mode)."""
+import copy
+
+import pytest
+
+import mtapply.torch as mt
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 10))
+
+
+def _groups(model, **galore):
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    return [{"params": [m.weight for m in linears], **galore},
+            {"params": [m.bias for m in linears]}]
+
+
+def _train(model, opt, steps, device):
+    for k in range(steps):
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(k)).to(device)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def test_cuda_steps_follow_the_cpu_steps():
+    galore = dict(rank=16, update_proj_gap=4, scale=0.25)
+    cpu_model = _model()
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    _train(cpu_model, mt.GaLoreAdamW(_groups(cpu_model, **galore), lr=1e-3, weight_decay=0.01),
+           10, "cpu")
+    _train(gpu_model, mt.GaLoreAdamW(_groups(gpu_model, **galore), lr=1e-3, weight_decay=0.01),
+           10, "cuda")
+    for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=2e-5)
+
+
+def test_matches_galore_torch_on_the_gpu():
+    galore_torch = pytest.importorskip("galore_torch")
+    galore = dict(rank=16, update_proj_gap=4, scale=0.25, proj_type="std")
+    ours, theirs = _model().cuda(), _model().cuda()
+    _train(ours, mt.GaLoreAdamW(_groups(ours, **galore), lr=1e-3, weight_decay=0.01), 10, "cuda")
+    _train(theirs, galore_torch.GaLoreAdamW(_groups(theirs, **galore), lr=1e-3,
+                                            weight_decay=0.01), 10, "cuda")
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_no_host_sync_between_projector_refreshes():
+    model = _model().cuda()
+    opt = mt.GaLoreAdamW(_groups(model, rank=16, update_proj_gap=100), lr=1e-3)
+    _train(model, opt, 2, "cuda")  # the refresh at the first step, plans bound at the second
+    x = torch.randn(64, 256, device="cuda")
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    before = model[0].weight.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.equal(model[0].weight, before)

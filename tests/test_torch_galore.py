@@ -1,0 +1,115 @@
+"""mtapply.torch.GaLoreAdamW on the CPU: against the float64 definition
+(reference.galore_adamw) with the projector refreshed every few steps, against galore-torch
+where it is installed, a state_dict round trip, the moments' memory, and its checks."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mtapply.torch as mt  # noqa: E402
+from mtapply import reference  # noqa: E402
+from mtapply.torch_galore import orthogonal_projector, projection_side  # noqa: E402
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Tanh(), torch.nn.Linear(24, 50),
+                               torch.nn.Tanh(), torch.nn.Linear(50, 6))
+
+
+def _groups(model, **galore):
+    matrices = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+    return [{"params": matrices, **galore}, {"params": biases}]
+
+
+def _loss(model, k):
+    x = torch.randn(16, 40, generator=torch.Generator().manual_seed(k))
+    return model(x).square().mean()
+
+
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right"])
+def test_steps_follow_the_float64_definition(proj_type):
+    model = _model()
+    galore = dict(rank=4, update_proj_gap=3, scale=0.5, proj_type=proj_type)
+    opt = mt.GaLoreAdamW(_groups(model, **galore), lr=1e-2, weight_decay=0.05)
+    want = {id(p): [p.detach().double().numpy().copy(), None, None, None] for p in model.parameters()}
+    for t in range(1, 9):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        grads = {id(p): p.grad.detach().clone() for p in model.parameters()}
+        opt.step()
+        for p in model.parameters():
+            entry = want[id(p)]
+            projector = None
+            if p.dim() == 2:
+                if (t - 1) % 3 == 0:
+                    side = projection_side(p.shape, proj_type)
+                    entry[3] = (side, orthogonal_projector(grads[id(p)], 4, side).double().numpy())
+                projector = entry[3]
+            if entry[1] is None:
+                shape = p.shape if projector is None else (
+                    (4, p.shape[1]) if projector[0] == "left" else (p.shape[0], 4))
+                entry[1], entry[2] = np.zeros(shape), np.zeros(shape)
+            entry[0], entry[1], entry[2] = reference.galore_adamw(
+                entry[0], grads[id(p)].double().numpy(), entry[1], entry[2], projector, lr=1e-2,
+                step=t, weight_decay=0.05, scale=0.5 if projector else 1.0)
+    for p in model.parameters():
+        np.testing.assert_allclose(p.detach().double().numpy(), want[id(p)][0], rtol=1e-4,
+                                   atol=1e-5)
+    first = opt.state[model[0].weight]
+    assert first["exp_avg"].shape == ((24, 4) if projection_side((24, 40), proj_type) == "right"
+                                      else (4, 40))
+
+
+def test_matches_galore_torch():
+    galore_torch = pytest.importorskip("galore_torch")
+    ours_model, theirs_model = _model(), _model()
+    galore = dict(rank=4, update_proj_gap=5, scale=0.25, proj_type="std")
+    ours = mt.GaLoreAdamW(_groups(ours_model, **galore), lr=3e-3, weight_decay=0.01)
+    theirs = galore_torch.GaLoreAdamW(_groups(theirs_model, **galore), lr=3e-3,
+                                      weight_decay=0.01)
+    for k in range(12):
+        for model, opt in ((ours_model, ours), (theirs_model, theirs)):
+            opt.zero_grad()
+            _loss(model, k).backward()
+            opt.step()
+    for a, b in zip(ours_model.parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_round_trip_and_moment_memory():
+    model = _model()
+    opt = mt.GaLoreAdamW(_groups(model, rank=4, update_proj_gap=4), lr=1e-2)
+    for k in range(3):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    twin = _model()
+    twin.load_state_dict(saved_model)
+    twin_opt = mt.GaLoreAdamW(_groups(twin, rank=4, update_proj_gap=4), lr=1e-2)
+    twin_opt.load_state_dict(saved)
+    for net, o in ((model, opt), (twin, twin_opt)):
+        for k in range(3, 6):
+            o.zero_grad()
+            _loss(net, k).backward()
+            o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    w = model[2].weight  # 50 x 24: right projection keeps 50 x 4 moments
+    state = opt.state[w]
+    assert state["exp_avg"].shape == (50, 4) and state["ortho"].shape == (4, 24)
+    assert state["exp_avg"].numel() * 2 < 0.4 * w.numel() * 2
+
+
+def test_bad_groups_are_refused():
+    model = _model()
+    with pytest.raises(ValueError, match=r"rank 30 exceeds the smaller side of a param of shape \(24, 40\)"):
+        mt.GaLoreAdamW(_groups(model, rank=30))
+    with pytest.raises(ValueError, match="proj_type 'full'"):
+        mt.GaLoreAdamW(_groups(model, rank=4, proj_type="full"))
+    with pytest.raises(ValueError, match="lr \\* weight_decay < 1"):
+        mt.GaLoreAdamW(model.parameters(), lr=1.0, weight_decay=1.0)
