@@ -35,7 +35,8 @@ def projection_side(shape, proj_type: str) -> str:
 
 
 def orthogonal_projector(grad: torch.Tensor, rank: int, side: str) -> torch.Tensor:
-    """The first `rank` left (m x r) or right (r x n) singular vectors of the grad."""
+    """The first `rank` left (m x r) or right (r x n) singular vectors of the grad (all of them
+    where the matrix has fewer, as galore-torch takes them)."""
     u, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
     ortho = u[:, :rank] if side == "left" else vh[:rank, :]
     return ortho.to(grad.dtype).contiguous()
@@ -168,10 +169,6 @@ def _check_group(group) -> None:
                          f"{', '.join(PROJECTION_TYPES)}")
     if group.get("update_proj_gap", 200) < 1:
         raise ValueError(f"update_proj_gap must be >= 1, got {group['update_proj_gap']}")
-    for p in group["params"]:
-        if p.dim() == 2 and group["rank"] > min(p.shape):
-            raise ValueError(f"rank {group['rank']} exceeds the smaller side of a param of shape "
-                             f"{tuple(p.shape)}")
 
 
 __all__ = ["GaLoreAdamW", "PROJECTION_TYPES", "orthogonal_projector", "projection_side"]
