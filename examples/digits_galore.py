@@ -17,10 +17,10 @@ import copy
 import sys
 
 import torch
+from _curves import relative_gaps, save_plot
+from digits_torch import accuracy, load_data, lockstep
 
 import mtapply.torch
-from _curves import relative_gaps, save_plot
-from digits_torch import accuracy, batches, load_data, train_step
 
 # mtapply's and galore-torch's GaLore compute the same update: on the CPU their curves agree
 # to 1e-6 over the first two epochs. Later, each projector refresh (an SVD whose top singular
@@ -86,17 +86,7 @@ def main(argv=None) -> int:
                                 torch.nn.Linear(256, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 10)).to(args.device)
     runs = optimizers(args, [first] + [copy.deepcopy(first) for _ in range(2)])
-    generator = torch.Generator().manual_seed(args.seed)
-    curves = {name: [] for name in runs}
-    for _ in range(args.epochs):
-        sums = {name: torch.zeros((), device=args.device) for name in runs}
-        index_batches = batches(len(x_train), args.batch_size, generator)
-        for index in index_batches:
-            index = index.to(args.device)
-            for name, (model, opt) in runs.items():
-                sums[name] += train_step(model, opt, x_train[index], y_train[index])
-        for name, total in sums.items():
-            curves[name].append(total.item() / len(index_batches))
+    curves = lockstep(runs, x_train, y_train, args)
     names = list(curves)
     print(f"device={args.device} epochs={args.epochs} lr={args.lr} rank={args.rank}")
     print("epoch " + " ".join(f"{name:>27}" for name in names))

@@ -321,5 +321,12 @@ def _itemsize(array) -> int:
     return int(size) if size is not None else array.element_size()
 
 
-__all__ = ["GaLoreState", "PROJECTION_TYPES", "Projection", "galore_adamw_step", "galore_state",
-           "projection_side", "projector"]
+__all__ = [
+    "PROJECTION_TYPES",
+    "GaLoreState",
+    "Projection",
+    "galore_adamw_step",
+    "galore_state",
+    "projection_side",
+    "projector",
+]
