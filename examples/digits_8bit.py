@@ -16,10 +16,10 @@ import copy
 import sys
 
 import torch
+from _curves import relative_gaps, save_plot
+from digits_torch import accuracy, load_data, lockstep
 
 import mtapply.torch
-from _curves import relative_gaps, save_plot
-from digits_torch import accuracy, batches, load_data, train_step
 
 # 8-bit moments are rounded each step to a map value at their block's scale, so the loss curve
 # follows fp32 AdamW's closely but not to rounding level: the largest relative gap over 20
@@ -62,18 +62,7 @@ def train(args, data):
     first = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 10)).to(args.device)
     runs = optimizers(args, [first] + [copy.deepcopy(first) for _ in range(2)])
-    generator = torch.Generator().manual_seed(args.seed)
-    curves = {name: [] for name in runs}
-    for _ in range(args.epochs):
-        sums = {name: torch.zeros((), device=args.device) for name in runs}
-        index_batches = batches(len(x_train), args.batch_size, generator)
-        for index in index_batches:
-            index = index.to(args.device)
-            for name, (model, opt) in runs.items():
-                sums[name] += train_step(model, opt, x_train[index], y_train[index])
-        for name, total in sums.items():
-            curves[name].append(total.item() / len(index_batches))
-    return curves, runs
+    return lockstep(runs, x_train, y_train, args), runs
 
 
 def main(argv=None) -> int:

@@ -19,9 +19,9 @@ import copy
 import sys
 
 import torch
+from _curves import relative_gaps, save_plot
 
 import mtapply.torch
-from _curves import relative_gaps, save_plot
 
 # Relative tolerance on each epoch's mean training loss. Two fp32 AdamW implementations round
 # differently (operation order, fused multiply-adds), by about 1e-7 relative per step, and
@@ -82,6 +82,23 @@ def train_step(model, optimizer, x, y) -> torch.Tensor:
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+def lockstep(runs: dict, x_train, y_train, args) -> dict:
+    """Trains every (model, optimizer) of `runs` on the same batches, epoch by epoch; returns
+    name -> the mean training loss of each epoch (one host read per epoch and run)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    curves = {name: [] for name in runs}
+    for _ in range(args.epochs):
+        sums = {name: torch.zeros((), device=args.device) for name in runs}
+        index_batches = batches(len(x_train), args.batch_size, generator)
+        for index in index_batches:
+            index = index.to(args.device)
+            for name, (model, optimizer) in runs.items():
+                sums[name] += train_step(model, optimizer, x_train[index], y_train[index])
+        for name, total in sums.items():
+            curves[name].append(total.item() / len(index_batches))
+    return curves
 
 
 def train(args, data):

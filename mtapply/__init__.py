@@ -12,6 +12,7 @@ List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `zero
 from .adam import adam_plan, adam_step
 from .adam8bit import Adam8bitState, adam8bit_plan, adam8bit_state, adam8bit_step
 from .engine import Plan
+from .galore import GaLoreState, galore_adamw_step, galore_state
 from .lamb import lamb_plan, lamb_step
 from .lars import lars_plan, lars_step
 from .norms import clip_grad_norm_, l2_norms
@@ -23,5 +24,6 @@ from .sgd import sgd_plan, sgd_step
 __version__ = "0.1.0"
 
 __all__ = ["Adam8bitState", "AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec",
-           "adam8bit_plan", "adam8bit_state", "adam8bit_step", "adam_plan", "adam_step", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
+           "adam8bit_plan", "adam8bit_state", "adam8bit_step", "adam_plan", "adam_step",
+           "GaLoreState", "galore_adamw_step", "galore_state", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
            "lars_step", "rule", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]

@@ -84,6 +84,12 @@ def test_digits_8bit_example_on_cpu(tmp_path):
     assert "mtapply.torch.AdamW8bit" in output and "state bytes per param" in output, output
 
 
+def test_digits_galore_example_on_cpu(tmp_path):
+    _needs_mtapply_torch()
+    output = run_example("digits_galore.py", tmp_path, "--device", "cpu", "--epochs", "2")
+    assert "mtapply.torch.GaLoreAdamW" in output and "optimizer state of" in output, output
+
+
 def test_digits_jax_example_on_cpu(tmp_path):
     _needs_mtapply_optax()
     output = run_example("digits_jax.py", tmp_path, "--device", "cpu", "--epochs", "2")

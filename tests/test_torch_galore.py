@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 
 import mtapply.torch as mt  # noqa: E402
 from mtapply import reference  # noqa: E402
-from mtapply.torch_galore import orthogonal_projector, projection_side  # noqa: E402
+from mtapply.galore import projection_side  # noqa: E402
+from mtapply.galore import projector as singular_vectors  # noqa: E402
 
 
 def _model():
@@ -47,7 +48,7 @@ def test_steps_follow_the_float64_definition(proj_type):
             if p.dim() == 2:
                 if (t - 1) % 3 == 0:
                     side = projection_side(p.shape, proj_type)
-                    entry[3] = (side, orthogonal_projector(grads[id(p)], 4, side).double().numpy())
+                    entry[3] = (side, singular_vectors(grads[id(p)], 4, side == "left").double().numpy())
                 projector = entry[3]
             if entry[1] is None:
                 shape = p.shape if projector is None else (
@@ -105,10 +106,19 @@ def test_state_dict_round_trip_and_moment_memory():
     assert state["exp_avg"].numel() * 2 < 0.4 * w.numel() * 2
 
 
+def test_a_rank_above_the_smaller_side_keeps_the_whole_side():
+    model = torch.nn.Linear(40, 6)  # a 6 x 40 weight at rank 10: left projection of all 6 rows
+    opt = mt.GaLoreAdamW([{"params": [model.weight], "rank": 10}], lr=1e-2)
+    model(torch.randn(4, 40)).square().mean().backward()
+    opt.step()
+    assert opt.state[model.weight]["ortho"].shape == (6, 6)
+    assert opt.state[model.weight]["exp_avg"].shape == (6, 40)
+
+
 def test_bad_groups_are_refused():
     model = _model()
-    with pytest.raises(ValueError, match=r"rank 30 exceeds the smaller side of a param of shape \(24, 40\)"):
-        mt.GaLoreAdamW(_groups(model, rank=30))
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        mt.GaLoreAdamW(_groups(model, rank=0))
     with pytest.raises(ValueError, match="proj_type 'full'"):
         mt.GaLoreAdamW(_groups(model, rank=4, proj_type="full"))
     with pytest.raises(ValueError, match="lr \\* weight_decay < 1"):

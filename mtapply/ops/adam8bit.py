@@ -96,4 +96,4 @@ class Adam8bitSpec(AdamSpec):
                 "exp_avg_sq_absmax": v_scale}
 
 
-__all__ = ["Adam8bitSpec", "MOMENTS", "SCALES"]
+__all__ = ["MOMENTS", "SCALES", "Adam8bitSpec"]
