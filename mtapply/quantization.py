@@ -41,10 +41,15 @@ def quantize_blockwise(values: np.ndarray, signed: bool, block: int = BLOCK):
     """(codes uint8 like values.reshape(-1), absmax float32 per block) of one tensor."""
     flat = np.asarray(values, np.float32).reshape(-1)
     absmax = block_absmax(flat, block)
-    # times the float32 reciprocal of the block's absmax (one division a block, as the kernel)
-    with np.errstate(divide="ignore"):
+    # times the float32 reciprocal of the block's absmax (one division a block, as the kernel),
+    # or divided by it where that reciprocal overflows (a subnormal absmax)
+    with np.errstate(divide="ignore", over="ignore"):
         inverse = np.where(absmax > 0, np.float32(1) / np.where(absmax > 0, absmax, 1), 0)
-    normalized = flat * np.repeat(inverse.astype(np.float32), block)[:flat.size]
+    inverse = np.repeat(inverse.astype(np.float32), block)[:flat.size]
+    scale = np.repeat(absmax, block)[:flat.size]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        normalized = np.where(np.isinf(inverse), flat / np.where(scale > 0, scale, 1),
+                              flat * inverse)
     return nearest_code(normalized, signed), absmax
 
 

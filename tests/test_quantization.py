@@ -133,3 +133,19 @@ def test_the_kernels_guided_search_finds_the_nearest_code(signed):
     assert steps <= 3 and guide.size == 2 * quantization.GUIDE_CELLS
     np.testing.assert_array_equal(quantization.guided_code(values, signed),
                                   quantization.nearest_code(values, signed))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_subnormal_block_maximum_still_gives_the_nearest_codes(signed):
+    """1 / absmax overflows for a subnormal absmax: such a block divides instead, so a zero
+    stays zero (times an infinite reciprocal it would be NaN)."""
+    values = np.array([1e-45, 0.0, 0.0, 3e-45, 2e-39, 0.0], np.float32)
+    codes, absmax = quantize_blockwise(values, signed, 2)
+    got = dequantize_blockwise(codes, absmax, signed, 2)
+    with np.errstate(divide="ignore", over="ignore"):
+        assert np.isinf(np.float32(1) / absmax).all()
+    table = dynamic_map(signed)
+    scale = np.repeat(absmax, 2)[:values.size]
+    for x, s, q in zip(values, scale, got):
+        assert abs(q - x) == np.min(np.abs(table * s - x))
+    assert got[1] == got[2] == got[5] == 0

@@ -143,3 +143,26 @@ def test_eight_bit_state_is_a_quarter_of_fp32():
     nbytes = sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
     assert nbytes / model.weight.numel() <= 2.1
     assert np.isfinite(model.weight.detach().numpy()).all()
+
+
+def test_grad_scaler_steps_like_unscaled_grads_and_skips_infs():
+    model, twin = _model(), _model()
+    opt = mt.AdamW8bit(model.parameters(), lr=1e-2)
+    ref = mt.AdamW8bit(twin.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for k in range(4):
+        opt.zero_grad()
+        scaler.scale(model(_batch(k)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref.zero_grad()
+        twin(_batch(k)).square().mean().backward()
+        ref.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)  # a power-of-two scale divides out exactly
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(model(_batch(9)).square().mean() * float("inf")).backward()
+    scaler.step(opt)  # found an inf: the step is skipped
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a, b)
