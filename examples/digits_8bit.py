@@ -17,7 +17,7 @@ import sys
 
 import torch
 from _curves import relative_gaps, save_plot
-from digits_torch import accuracy, load_data, lockstep
+from digits_torch import accuracy, example_parser, load_data, lockstep
 
 import mtapply.torch
 
@@ -28,15 +28,8 @@ RTOL = 0.1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = example_parser(__doc__.splitlines()[0], "digits_8bit.png", 3e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="digits_8bit.png", help="PNG path for the loss curves")
     return parser.parse_args(argv)
 
 

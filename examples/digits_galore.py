@@ -18,7 +18,7 @@ import sys
 
 import torch
 from _curves import relative_gaps, save_plot
-from digits_torch import accuracy, load_data, lockstep
+from digits_torch import accuracy, example_parser, load_data, lockstep
 
 import mtapply.torch
 
@@ -34,15 +34,8 @@ FULL_RANK_FACTOR = 8.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = example_parser(__doc__.splitlines()[0], "digits_galore.png", 3e-3)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="digits_galore.png", help="PNG path for the loss curves")
     return parser.parse_args(argv)
 
 

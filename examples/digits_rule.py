@@ -20,7 +20,7 @@ import torch
 import mtapply
 import mtapply.torch
 from _curves import relative_gaps, save_plot
-from digits_torch import accuracy, batches, load_data, make_models, train_step
+from digits_torch import accuracy, batches, example_parser, load_data, make_models, train_step
 
 ADAGRAD = mtapply.rule(
     "my_adagrad", slots="param:rw grad:r sum:rw",
@@ -39,16 +39,9 @@ RTOL = 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-2)
+    parser = example_parser(__doc__.splitlines()[0], "digits_rule.png", 3e-2)
     parser.add_argument("--lr-decay", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="digits_rule.png", help="PNG path for the loss curves")
     return parser.parse_args(argv)
 
 

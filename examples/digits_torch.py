@@ -34,16 +34,22 @@ import mtapply.torch
 RTOL = 1e-4
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def example_parser(description: str, plot: str, lr: float) -> argparse.ArgumentParser:
+    """The options every digits example takes: device, epochs, batch size, lr, seed, plot."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="digits_torch.png", help="PNG path for the loss curves")
+    parser.add_argument("--plot", default=plot, help="PNG path for the loss curves")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = example_parser(__doc__.splitlines()[0], "digits_torch.png", 3e-3)
+    parser.add_argument("--weight-decay", type=float, default=1e-2)
     return parser.parse_args(argv)
 
 

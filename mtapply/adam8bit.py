@@ -131,4 +131,4 @@ def _nbytes(x) -> int:
     return int(nbytes) if nbytes is not None else _numel(x) * x.element_size()
 
 
-__all__ = ["THRESHOLD", "Adam8bitState", "adam8bit_plan", "adam8bit_state", "adam8bit_step"]
+__all__ = ["Adam8bitState", "THRESHOLD", "adam8bit_plan", "adam8bit_state", "adam8bit_step"]

@@ -103,36 +103,18 @@ def test_digits_cupy_example_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_digits_8bit_example_on_gpu(tmp_path):
+@pytest.mark.parametrize("name,shows", [("digits_torch.py", "mtapply.torch.AdamW"),
+                                        ("digits_rule.py", "epochs=20"),
+                                        ("digits_8bit.py", "mtapply.torch.AdamW8bit"),
+                                        ("digits_galore.py", "mtapply.torch.GaLoreAdamW")])
+def test_torch_digits_examples_on_gpu(tmp_path, name, shows):
     _needs_mtapply_torch()
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("this torch build sees no CUDA device")
-    output = run_example("digits_8bit.py", tmp_path, "--device", "cuda")
-    assert "device=cuda epochs=20" in output and "mtapply.torch.AdamW8bit" in output, output
-
-
-@pytest.mark.gpu
-def test_digits_torch_example_on_gpu(tmp_path):
-    _needs_mtapply_torch()
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("this torch build sees no CUDA device")
-    output = run_example("digits_torch.py", tmp_path, "--device", "cuda")
-    assert "device=cuda epochs=20" in output
-
-
-@pytest.mark.gpu
-def test_digits_rule_example_on_gpu(tmp_path):
-    _needs_mtapply_torch()
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("this torch build sees no CUDA device")
-    output = run_example("digits_rule.py", tmp_path, "--device", "cuda")
-    assert "device=cuda epochs=20" in output
+    output = run_example(name, tmp_path, "--device", "cuda")
+    assert "device=cuda" in output and "epochs=20" in output and shows in output, output
 
 
 @pytest.mark.gpu

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class OpSpec:
     master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
     # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
     # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
-    slot_formats = MappingProxyType({})
+    slot_formats: dict = {}
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
 
     def _use_master_weights(self, enabled: bool) -> None:

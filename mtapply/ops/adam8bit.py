@@ -1,8 +1,6 @@
 """Adam/AdamW with 8-bit blockwise-quantized moments (`mtapply.quantization`'s format)."""
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import numpy as np
 
 from .. import _source, quantization, reference
@@ -45,10 +43,10 @@ class Adam8bitSpec(AdamSpec):
     name = "adam8bit"
     kernel_file = "adam8bit.cuh"
     functor = "mta::Adam"
-    slot_formats = MappingProxyType({"exp_avgs": (("uint8", "float32"), True),
-                                     "exp_avg_sqs": (("uint8", "float32"), True),
-                                     "exp_avg_absmax": (("float32",), False),
-                                     "exp_avg_sq_absmax": (("float32",), False)})
+    slot_formats = {"exp_avgs": (("uint8", "float32"), True),
+                    "exp_avg_sqs": (("uint8", "float32"), True),
+                    "exp_avg_absmax": (("float32",), False),
+                    "exp_avg_sq_absmax": (("float32",), False)}
 
     def __init__(self, *, decoupled_weight_decay: bool = False, maximize: bool = False,
                  stochastic_rounding: bool = False):
@@ -98,4 +96,4 @@ class Adam8bitSpec(AdamSpec):
                 "exp_avg_sq_absmax": v_scale}
 
 
-__all__ = ["MOMENTS", "SCALES", "Adam8bitSpec"]
+__all__ = ["Adam8bitSpec", "MOMENTS", "SCALES"]
