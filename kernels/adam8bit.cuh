@@ -182,12 +182,17 @@ struct Adam8bit {
       }
       m_max = warp_max(m_max);
       v_max = warp_max(v_max);
-      const float m_inverse = m_max > 0.0f ? 1.0f / m_max : 0.0f;  // as quantize_blockwise
+      // times the reciprocal, as quantize_blockwise; divided where it overflows (a subnormal
+      // maximum: the branch is the same for the whole warp)
+      const float m_inverse = m_max > 0.0f ? 1.0f / m_max : 0.0f;
       const float v_inverse = v_max > 0.0f ? 1.0f / v_max : 0.0f;
+      const bool m_divide = m_inverse > 3.40282347e38f, v_divide = v_inverse > 3.40282347e38f;
 #pragma unroll
       for (int k = 0; k < PER_LANE; ++k) {
-        mc[k] = nearest_code<SIGNED_STEPS>(maps.guide[0], maps.mid[0], m[k] * m_inverse);
-        vc[k] = nearest_code<UNSIGNED_STEPS>(maps.guide[1], maps.mid[1], v[k] * v_inverse);
+        const float mn = m_divide ? m[k] / m_max : m[k] * m_inverse;
+        const float vn = v_divide ? v[k] / v_max : v[k] * v_inverse;
+        mc[k] = nearest_code<SIGNED_STEPS>(maps.guide[0], maps.mid[0], mn);
+        vc[k] = nearest_code<UNSIGNED_STEPS>(maps.guide[1], maps.mid[1], vn);
       }
       store_params(param, i, job.numel, vector, p, op);
       store_lane(m_codes, i, job.numel, vector, mc);
