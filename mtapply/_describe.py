@@ -84,9 +84,18 @@ def _torch_by_accessors(tensors, torch) -> np.ndarray | None:
     devices = np.fromiter(map(T.get_device, tensors), np.int64, n)
     contiguous = np.fromiter(map(T.is_contiguous, tensors), np.int64, n)
     out[2] = codes | ((devices + 1) << 8) | contiguous * _CONTIGUOUS
-    out[3] = np.fromiter(map(hash, map(_SHAPE, tensors)), np.int64, n)
-    out[4] = np.fromiter(map(hash, map(T.stride, tensors)), np.int64, n)
+    # the compiled describer's hashes: a plan described by one is found again by the other
+    out[3] = np.fromiter(map(_fnv1a, map(_SHAPE, tensors)), np.uint64, n).view(np.int64)
+    out[4] = np.fromiter(map(_fnv1a, map(T.stride, tensors)), np.uint64, n).view(np.int64)
     return out
+
+
+def _fnv1a(values) -> int:
+    """FNV-1a over 64-bit words, as csrc/torch_describe.cpp hashes sizes and strides."""
+    h = 1469598103934665603 ^ len(values)
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
 def _cupy(arrays) -> np.ndarray | None:

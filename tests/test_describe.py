@@ -29,16 +29,14 @@ def test_native_and_accessor_descriptions_agree(native):
     fast = _describe.describe_torch(tensors)
     slow = _describe.describe_torch(tensors, native=False)
     assert fast is not None and slow is not None and fast.shape == slow.shape == (5, len(tensors))
-    np.testing.assert_array_equal(fast[:3], slow[:3])  # address, numel, dtype|device|contiguous
+    # every word, the hashes of sizes and strides too: a plan described by one describer (while
+    # the other builds) is found again by the other
+    np.testing.assert_array_equal(fast, slow)
     assert fast[0, 0] == tensors[0].data_ptr() and fast[1, 4] == 17
     codes = fast[2] & 0xFF
     assert list(codes[6:9]) == [3, 2, 4]  # bfloat16, float16, float64
     assert list((fast[2] >> 24) & 1) == [t.is_contiguous() for t in tensors]
-    # hashes differ between the two describers but tell shapes and strides apart alike
-    for row in (3, 4):
-        for i in range(len(tensors)):
-            for j in range(len(tensors)):
-                assert (fast[row, i] == fast[row, j]) == (slow[row, i] == slow[row, j]), (row, i, j)
+    assert len(set(fast[4])) == len(set(map(torch.Tensor.stride, tensors)))
     assert fast[3, 0] != fast[3, 11]  # (3, 4) and (4, 3)
 
 

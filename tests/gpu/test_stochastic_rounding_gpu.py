@@ -20,16 +20,17 @@ def _lists(seed, device):
     return [[x.to(device) for x in column] for column in made]
 
 
-def _assert_same_bits(gpu, cpu):
-    """Equal but for values an fma moved across a rounding threshold (one bfloat16 ulp)."""
+def _assert_same_bits(gpu, cpu, steps):
+    """Equal but for values an fma moved across a rounding threshold: one bfloat16 ulp, which
+    later steps carry, so at most one per step."""
     for k, (a, b) in enumerate(zip(gpu, cpu)):
-        x = a.cpu().view(torch.int16).int()
-        y = b.view(torch.int16).int()
+        x = a.cpu().view(torch.int16).int().reshape(-1)
+        y = b.view(torch.int16).int().reshape(-1)
         if not x.numel():
             continue
-        assert (x - y).abs().max().item() <= 1, k
+        assert (x - y).abs().max().item() <= steps, k
         assert (x == y).float().mean().item() >= 0.9999, k
-        assert x[0] == y[0] and x.reshape(-1)[-1] == y.reshape(-1)[-1], k
+        assert x[0] == y[0] and x[-1] == y[-1], k
 
 
 @pytest.mark.parametrize("op", ["adamw", "sgd"])
@@ -46,7 +47,7 @@ def test_kernel_rounds_with_the_cpu_paths_bits(op):
                                  seed=12345, stochastic_rounding=True)
     torch.cuda.synchronize()
     assert not torch.equal(gpu[0][0], before)
-    _assert_same_bits(gpu[0], cpu[0])
+    _assert_same_bits(gpu[0], cpu[0], steps=3)
 
 
 def test_device_steps_in_a_cuda_graph():
@@ -63,4 +64,4 @@ def test_device_steps_in_a_cuda_graph():
         graph.replay()
         mtapply.adam_step(*cpu, lr=1e-3, step=t, seed=9, stochastic_rounding=True)
     torch.cuda.synchronize()
-    _assert_same_bits(gpu[0], cpu[0])
+    _assert_same_bits(gpu[0], cpu[0], steps=4)
