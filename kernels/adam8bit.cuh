@@ -8,7 +8,10 @@
 // absolute maxima across the warp and stores the moments as the nearest codes of the dynamic
 // maps. A group whose moments are float32 (small tensors) runs the plain Adam functor.
 // The maps, the midpoints between their values and the guides that find a code in a few
-// comparisons (mtapply.quantization.code_guide) come from the generated dynamic_maps.cuh.
+// comparisons (mtapply.quantization.code_guide) come from the generated dynamic_maps.cuh; each
+// CUDA block loads them into shared memory once for a chunk of many quantization blocks
+// (Adam8bitSpec.chunk_for), and the 8-bit group compiles with fp32 division and square root
+// to within 2 ulp (Adam8bitSpec.compile_options): the kernel is bound by its instructions.
 #pragma once
 #include "adam.cuh"
 #include "dynamic_maps.cuh"
@@ -24,20 +27,41 @@ constexpr unsigned GUIDE_CELLS = GUIDE_HIGH - GUIDE_LOW + 1;  // per sign
 constexpr int MAX_STEPS = SIGNED_STEPS > UNSIGNED_STEPS ? SIGNED_STEPS : UNSIGNED_STEPS;
 
 struct Maps {
-  float value[2][256];              // [signed, unsigned] map values, ascending
-  float mid[2][256 + MAX_STEPS];    // midpoints between neighbours, then +inf
-  unsigned char guide[2][2 * GUIDE_CELLS];
+  float value[2][256];            // [signed, unsigned] map values, ascending
+  float mid[2][256 + MAX_STEPS];  // midpoints between neighbours, then +inf
+  // guides as words (copied whole): the signed map's for both signs, the unsigned map's for
+  // non-negative values only (second moments are never negative)
+  unsigned signed_guide[(2 * GUIDE_CELLS + 3) / 4], unsigned_guide[(GUIDE_CELLS + 3) / 4];
+
+  __device__ void load() {
+    for (int i = threadIdx.x; i < 256 + MAX_STEPS; i += MTA_BLOCK) {
+      if (i < 256) {
+        value[0][i] = SIGNED_MAP[i];
+        value[1][i] = UNSIGNED_MAP[i];
+      }
+      mid[0][i] = i < 255 ? SIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
+      mid[1][i] = i < 255 ? UNSIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
+    }
+    copy_words(signed_guide, SIGNED_GUIDE, (2 * GUIDE_CELLS + 3) / 4);
+    copy_words(unsigned_guide, UNSIGNED_GUIDE, (GUIDE_CELLS + 3) / 4);
+    __syncthreads();
+  }
+
+  static __device__ void copy_words(unsigned* to, const unsigned char* from, int words) {
+    for (int i = threadIdx.x; i < words; i += MTA_BLOCK) to[i] = reinterpret_cast<const unsigned*>(from)[i];
+  }
 };
 
 // Index of the map value nearest to x (ties to the lower one), i.e. the number of midpoints
 // below x: the guide gives those below x's cell (sign, exponent, top mantissa bits), and the
-// at most STEPS midpoints inside the cell are compared.
-template <int STEPS>
-__device__ __forceinline__ unsigned nearest_code(const unsigned char* guide, const float* mid, float x) {
+// at most STEPS midpoints inside the cell are compared. An unsigned guide covers x >= 0 only.
+template <int STEPS, bool SIGNED>
+__device__ __forceinline__ unsigned nearest_code(const unsigned* guide_words, const float* mid, float x) {
   if (x != x) return 255u;  // NaN sorts last, as in NumPy
   const unsigned bits = __float_as_uint(x);
   const unsigned cell = min(max((bits & 0x7fffffffu) >> (23 - GUIDE_BITS), GUIDE_LOW), GUIDE_HIGH) - GUIDE_LOW;
-  const unsigned first = guide[(bits >> 31) * GUIDE_CELLS + cell];
+  const unsigned char* guide = reinterpret_cast<const unsigned char*>(guide_words);
+  const unsigned first = guide[SIGNED ? (bits >> 31) * GUIDE_CELLS + cell : cell];
   unsigned code = first;
 #pragma unroll
   for (int j = 0; j < STEPS; ++j) code += mid[first + j] < x ? 1u : 0u;
@@ -116,6 +140,16 @@ __device__ __forceinline__ void store_params(P* param, long long i, long long nu
 #endif
 }
 
+// The slots of one group's tensor, as the 8-bit walk reads them.
+template <class P, class G>
+struct Tensor8bit {
+  P* param;
+  const G* grad;
+  unsigned char *m_codes, *v_codes;
+  float *m_absmax, *v_absmax;
+  long long numel;
+};
+
 struct Adam8bit {
   static constexpr bool OWN_WALK = true;
   static constexpr int MIN_BLOCKS = 4;  // per SM: caps registers at 64 (occupancy over spills)
@@ -124,30 +158,18 @@ struct Adam8bit {
 
   static __device__ void walk(const Launch<Args>& launch) {
     __shared__ Maps maps;
-    for (int i = threadIdx.x; i < 256 + MAX_STEPS; i += MTA_BLOCK) {
-      if (i < 256) {
-        maps.value[0][i] = SIGNED_MAP[i];
-        maps.value[1][i] = UNSIGNED_MAP[i];
-      }
-      maps.mid[0][i] = i < 255 ? SIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
-      maps.mid[1][i] = i < 255 ? UNSIGNED_MIDPOINTS[i] : __int_as_float(0x7f800000);
-    }
-    for (int i = threadIdx.x; i < 2 * GUIDE_CELLS; i += MTA_BLOCK) {
-      maps.guide[0][i] = SIGNED_GUIDE[i];
-      maps.guide[1][i] = UNSIGNED_GUIDE[i];
-    }
-    __syncthreads();
+    maps.load();
     if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
     const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
     const Chunk job = chunk_of(launch);
     typedef typename SlotType<PARAM>::type P;  // float, or 16-bit params (stochastic rounding)
     typedef typename SlotType<GRAD>::type G;
-    P* param = reinterpret_cast<P*>(job.addresses[PARAM]);
-    const G* grad = reinterpret_cast<const G*>(job.addresses[GRAD]);
-    unsigned char* m_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG]);
-    unsigned char* v_codes = reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG_SQ]);
-    float* m_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_ABSMAX]);
-    float* v_absmax = reinterpret_cast<float*>(job.addresses[EXP_AVG_SQ_ABSMAX]);
+    const Tensor8bit<P, G> t{reinterpret_cast<P*>(job.addresses[PARAM]),
+                             reinterpret_cast<const G*>(job.addresses[GRAD]),
+                             reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG]),
+                             reinterpret_cast<unsigned char*>(job.addresses[EXP_AVG_SQ]),
+                             reinterpret_cast<float*>(job.addresses[EXP_AVG_ABSMAX]),
+                             reinterpret_cast<float*>(job.addresses[EXP_AVG_SQ_ABSMAX]), job.numel};
     // 8-byte words of codes and 16-byte words of params and grads, when every base allows them
     const bool aligned = (((job.addresses[PARAM] | job.addresses[GRAD]) & 15) |
                           ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
@@ -155,52 +177,76 @@ struct Adam8bit {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (long long start = job.begin + static_cast<long long>(warp) * QBLOCK; start < job.end;
          start += (MTA_BLOCK / 32) * QBLOCK) {
-      const long long block = start / QBLOCK, i = start + lane * PER_LANE;
-      const bool vector = aligned && i + PER_LANE <= job.numel;
-      P stored[PER_LANE];
-      G g[PER_LANE];
-      unsigned char mc[PER_LANE], vc[PER_LANE];
-      load_lane(param, i, job.numel, vector, stored);
-      load_lane(grad, i, job.numel, vector, g);
-      load_lane(m_codes, i, job.numel, vector, mc);
-      load_lane(v_codes, i, job.numel, vector, vc);
-      const float m_scale = m_absmax[block], v_scale = v_absmax[block];
-      float p[PER_LANE], m[PER_LANE], v[PER_LANE], m_max = 0.0f, v_max = 0.0f;
+      const long long i = start + lane * PER_LANE;
+      if (aligned && start + QBLOCK <= job.numel) step_block<true>(maps, op, grad_scale, t, start / QBLOCK, i);
+      else step_block<false>(maps, op, grad_scale, t, start / QBLOCK, i);
+    }
+  }
+
+  // One quantization block, a warp's: this lane's PER_LANE elements from i. VECTOR: the whole
+  // block lies in the tensor and moves in words.
+  template <bool VECTOR, class P, class G>
+  static __device__ __forceinline__ void step_block(const Maps& maps, const Adam& op, float grad_scale,
+                                                    const Tensor8bit<P, G>& t, long long block, long long i) {
+    P stored[PER_LANE];
+    G g[PER_LANE];
+    unsigned char mc[PER_LANE], vc[PER_LANE];
+    load_lane(t.param, i, t.numel, VECTOR, stored);
+    load_lane(t.grad, i, t.numel, VECTOR, g);
+    load_lane(t.m_codes, i, t.numel, VECTOR, mc);
+    load_lane(t.v_codes, i, t.numel, VECTOR, vc);
+    const float m_scale = t.m_absmax[block], v_scale = t.v_absmax[block];
+    float grads[PER_LANE];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) grads[k] = to_acc(g[k]);
+    if (grad_scale != 1.0f) {  // the same for the whole launch
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k) grads[k] = grads[k] / grad_scale;
+    }
+    float p[PER_LANE], m[PER_LANE], v[PER_LANE], m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+      acc_t x[4] = {to_acc(stored[k]), grads[k], maps.value[0][mc[k]] * m_scale,
+                    maps.value[1][vc[k]] * v_scale};
+      op(x);
+      p[k] = x[PARAM];
+      m[k] = x[EXP_AVG];
+      v[k] = x[EXP_AVG_SQ];
+      if (VECTOR || i + k < t.numel) {  // elements past the tensor's end weigh nothing in the maxima
+        m_max = fmaxf(m_max, fabsf(m[k]));
+        v_max = fmaxf(v_max, fabsf(v[k]));
+      }
+    }
+    m_max = warp_max(m_max);
+    v_max = warp_max(v_max);
+    // times the reciprocal, as quantize_blockwise; divided where it overflows (a subnormal
+    // maximum: the branch is the same for the whole warp)
+    const float m_inverse = m_max > 0.0f ? 1.0f / m_max : 0.0f;
+    const float v_inverse = v_max > 0.0f ? 1.0f / v_max : 0.0f;
+    if (m_inverse > 3.40282347e38f || v_inverse > 3.40282347e38f) {
 #pragma unroll
       for (int k = 0; k < PER_LANE; ++k) {
-        const float gk = to_acc(g[k]);
-        acc_t x[4] = {to_acc(stored[k]), grad_scale != 1.0f ? gk / grad_scale : gk,
-                      maps.value[0][mc[k]] * m_scale, maps.value[1][vc[k]] * v_scale};
-        op(x);
-        p[k] = x[PARAM];
-        m[k] = x[EXP_AVG];
-        v[k] = x[EXP_AVG_SQ];
-        if (i + k < job.numel) {  // elements past the tensor's end weigh nothing in the maxima
-          m_max = fmaxf(m_max, fabsf(m[k]));
-          v_max = fmaxf(v_max, fabsf(v[k]));
-        }
+        m[k] = m_inverse > 3.40282347e38f ? m[k] / m_max : m[k] * m_inverse;
+        v[k] = v_inverse > 3.40282347e38f ? v[k] / v_max : v[k] * v_inverse;
       }
-      m_max = warp_max(m_max);
-      v_max = warp_max(v_max);
-      // times the reciprocal, as quantize_blockwise; divided where it overflows (a subnormal
-      // maximum: the branch is the same for the whole warp)
-      const float m_inverse = m_max > 0.0f ? 1.0f / m_max : 0.0f;
-      const float v_inverse = v_max > 0.0f ? 1.0f / v_max : 0.0f;
-      const bool m_divide = m_inverse > 3.40282347e38f, v_divide = v_inverse > 3.40282347e38f;
+    } else {
 #pragma unroll
       for (int k = 0; k < PER_LANE; ++k) {
-        const float mn = m_divide ? m[k] / m_max : m[k] * m_inverse;
-        const float vn = v_divide ? v[k] / v_max : v[k] * v_inverse;
-        mc[k] = nearest_code<SIGNED_STEPS>(maps.guide[0], maps.mid[0], mn);
-        vc[k] = nearest_code<UNSIGNED_STEPS>(maps.guide[1], maps.mid[1], vn);
+        m[k] *= m_inverse;
+        v[k] *= v_inverse;
       }
-      store_params(param, i, job.numel, vector, p, op);
-      store_lane(m_codes, i, job.numel, vector, mc);
-      store_lane(v_codes, i, job.numel, vector, vc);
-      if (lane == 0) {
-        m_absmax[block] = m_max;
-        v_absmax[block] = v_max;
-      }
+    }
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+      mc[k] = nearest_code<SIGNED_STEPS, true>(maps.signed_guide, maps.mid[0], m[k]);
+      vc[k] = nearest_code<UNSIGNED_STEPS, false>(maps.unsigned_guide, maps.mid[1], v[k]);
+    }
+    store_params(t.param, i, t.numel, VECTOR, p, op);
+    store_lane(t.m_codes, i, t.numel, VECTOR, mc);
+    store_lane(t.v_codes, i, t.numel, VECTOR, vc);
+    if (i % QBLOCK == 0) {  // lane 0
+      t.m_absmax[block] = m_max;
+      t.v_absmax[block] = v_max;
     }
   }
 };

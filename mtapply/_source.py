@@ -27,6 +27,10 @@ CHUNK_ELEMENTS = 4096
 
 # fp32 math without flushing denormals, as torch's kernels do.
 COMPILE_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
+# the same with fp32 division and square root to within 2 ulp (fewer instructions), for kernels
+# whose results carry a larger error anyway (8-bit states)
+APPROXIMATE_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=false", "--prec-sqrt=false",
+                       "--fmad=true")
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -83,13 +87,14 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
-                   flags: tuple[tuple[str, bool], ...]) -> str:
-    """Complete source of one kernel variant (op file, slot dtypes, compile-time flags), with
+                   flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS) -> str:
+    """Complete source of one kernel variant (op file, slot dtypes, compile-time flags, elements
+    per chunk), with
     one entry point per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the
     last slot holds the fp32 master weights of the 16-bit params of slot 0."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
              f"#define MTA_SLOTS {len(dtypes)}",
-             f"#define MTA_CHUNK {CHUNK_ELEMENTS}",
+             f"#define MTA_CHUNK {chunk}",
              f"#define MTA_VEC {vector_width(dtypes)}"]
     lines += [f"#define MTA_{name} {int(value)}" for name, value in flags]
     seen: set[str] = set()
@@ -115,9 +120,11 @@ def entry_name(pass_index: int) -> str:
 _loaded: dict = {}
 
 
-def kernel_functions(source: str, device_id: int, n_passes: int) -> list:
-    """The entry points of `source` on a device (cupy.cuda.function.Function), one per pass."""
-    key = (source, device_id)
+def kernel_functions(source: str, device_id: int, n_passes: int, options: tuple = None) -> list:
+    """The entry points of `source` compiled with `options` (default COMPILE_OPTIONS) on a
+    device (cupy.cuda.function.Function), one per pass."""
+    options = COMPILE_OPTIONS if options is None else options
+    key = (source, device_id, options)
     functions = _loaded.get(key)
     if functions is None:
         import cupy
@@ -125,7 +132,7 @@ def kernel_functions(source: str, device_id: int, n_passes: int) -> list:
         with cupy.cuda.Device(device_id):
             arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
             module = cupy.cuda.function.Module()
-            module.load(_compiled_binary(source, arch))
+            module.load(_compiled_binary(source, arch, options))
             functions = [module.get_function(entry_name(k)) for k in range(n_passes)]
         _loaded[key] = functions
     return functions
@@ -136,16 +143,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MTAPPLY_CACHE_DIR") or Path.home() / ".cache" / "mtapply")
 
 
-def _compiled_binary(source: str, arch: str) -> bytes:
+def _compiled_binary(source: str, arch: str, options: tuple) -> bytes:
     """The cubin (or PTX) of `source` for compute capability `arch`, from the disk cache if there."""
     from cupy.cuda import compiler
     from cupy_backends.cuda.libs import nvrtc
 
-    identity = repr((source, COMPILE_OPTIONS, arch, nvrtc.getVersion())).encode()
+    identity = repr((source, options, arch, nvrtc.getVersion())).encode()
     path = cache_dir() / f"{hashlib.sha256(identity).hexdigest()}.bin"
     if path.is_file():
         return path.read_bytes()
-    binary = compiler.compile_using_nvrtc(source, COMPILE_OPTIONS, arch)
+    binary = compiler.compile_using_nvrtc(source, options, arch)
     binary = binary[0] if isinstance(binary, tuple) else binary  # (binary, name mapping) in CuPy 13+
     binary = binary.encode() if isinstance(binary, str) else binary
     try:  # a read-only or full disk only costs a recompilation next time
@@ -158,8 +165,9 @@ def _compiled_binary(source: str, arch: str) -> bytes:
     return binary
 
 
-def compile_offline(source: str, arch: str) -> bytes:
-    """Compile `source` to a cubin for `arch` (e.g. "sm_90") with NVRTC alone; no GPU needed.
+def compile_offline(source: str, arch: str, options: tuple = None) -> bytes:
+    """Compile `source` to a cubin for `arch` (e.g. "sm_90") with NVRTC alone (and `options`,
+    default COMPILE_OPTIONS); no GPU needed.
 
     Raises RuntimeError carrying the compiler log when the source does not compile.
     """
@@ -168,7 +176,8 @@ def compile_offline(source: str, arch: str) -> bytes:
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"mtapply.cu", 0, [], [])
     _check_nvrtc(err, "create program")
     try:
-        options = [o.encode() for o in COMPILE_OPTIONS] + [f"--gpu-architecture={arch}".encode()]
+        options = [o.encode() for o in (COMPILE_OPTIONS if options is None else options)]
+        options.append(f"--gpu-architecture={arch}".encode())
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, size = nvrtc.nvrtcGetProgramLogSize(prog)

@@ -318,13 +318,15 @@ class _Launcher:
     def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
-                                    _source.CHUNK_ELEMENTS)
+                                    spec.chunk_for)
         self.launches, self.tables, self._memory = [], [], []
         self.all_sums = None
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
-            source = _source.variant_source(spec.kernel_file, functors, group.dtypes, spec.flags)
-            functions = _source.kernel_functions(source, device_id, len(functors))
+            source = _source.variant_source(spec.kernel_file, functors, group.dtypes, spec.flags,
+                                            group.chunk)
+            functions = _source.kernel_functions(source, device_id, len(functors),
+                                                 spec.compile_options(group.dtypes))
             self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
                                                spec.arg_fields) for f in functions])
             self.tables.append(None)

@@ -74,11 +74,13 @@ class Group:
         return _round_up(self.n_blocks * 8, RECORD_ALIGN)
 
 
-def group_tensors(devices: list, dtypes: list, numels, pointers, chunk: int) -> list[Group]:
+def group_tensors(devices: list, dtypes: list, numels, pointers, chunk) -> list[Group]:
     """Groups tensor i (device devices[i], slot dtypes dtypes[i]) into launches, in first-seen order.
 
-    `pointers` is an (n_tensors, n_slots) array of addresses.
+    `pointers` is an (n_tensors, n_slots) array of addresses; `chunk` is the elements per
+    block, or a function of a group's slot dtypes giving them.
     """
+    chunk_for = chunk if callable(chunk) else lambda _: chunk
     numels = np.asarray(numels, dtype=np.int64)
     pointers = np.asarray(pointers, dtype=np.uint64).reshape(len(numels), -1 if len(numels) else 0)
     members: dict[tuple, list[int]] = {}
@@ -88,7 +90,8 @@ def group_tensors(devices: list, dtypes: list, numels, pointers, chunk: int) -> 
     for (device, slot_dtypes), idx in members.items():
         idx = np.asarray(idx, dtype=np.int64)
         groups.append(Group(device=device, dtypes=tuple(slot_dtypes), indices=idx,
-                            numels=numels[idx], pointers=pointers[idx], chunk=chunk))
+                            numels=numels[idx], pointers=pointers[idx],
+                            chunk=chunk_for(tuple(slot_dtypes))))
     return groups
 
 

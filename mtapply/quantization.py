@@ -85,8 +85,9 @@ def midpoints(signed: bool) -> np.ndarray:
 
 # The kernel finds a code in a few steps: a guide table indexed by the sign, exponent and top
 # GUIDE_BITS mantissa bits of the normalized value (magnitudes clamped to [2**-23, 1]) gives the
-# number of midpoints below the cell; the few midpoints inside the cell are then compared.
-GUIDE_BITS = 5
+# number of midpoints below the cell; the few midpoints inside the cell are then compared. With
+# 7 bits no cell holds more than one midpoint of either map, for tables of 5.9 kB per map.
+GUIDE_BITS = 7
 GUIDE_LOW, GUIDE_HIGH = (127 - 23) << GUIDE_BITS, 127 << GUIDE_BITS
 GUIDE_CELLS = GUIDE_HIGH - GUIDE_LOW + 1  # cells per sign
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _source
+
 
 @dataclass(frozen=True)
 class DeviceScalar:
@@ -121,6 +123,14 @@ class OpSpec:
         """The functors of a group whose slots have these storage dtypes (an op may run some
         storage formats with other functors, as 8-bit states do)."""
         return self.functors
+
+    def chunk_for(self, dtypes: tuple) -> int:
+        """Elements per CUDA block in a group whose slots have these storage dtypes."""
+        return _source.CHUNK_ELEMENTS
+
+    def compile_options(self, dtypes: tuple) -> tuple:
+        """NVRTC options of a group whose slots have these storage dtypes."""
+        return _source.COMPILE_OPTIONS
 
     def tensor_arrays(self, n_tensors: int) -> dict:
         """name -> NumPy array of one value per tensor, for `*_array` kernel arguments."""

@@ -9,6 +9,9 @@ from .adam import AdamSpec
 MOMENTS = ("exp_avgs", "exp_avg_sqs")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # with 8-bit moments
 SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
+# elements per CUDA block of the 8-bit kernel: each block first loads the maps into shared
+# memory, so it takes many quantization blocks (16 per warp) to amortise that
+QUANTIZED_CHUNK = 32768
 
 
 def dynamic_maps_source() -> str:
@@ -16,9 +19,13 @@ def dynamic_maps_source() -> str:
     (`quantization.code_guide`), the floats as exact hex literals, so that the kernel rounds
     to the very codes the NumPy format gives."""
     def array(kind: str, name: str, values) -> str:
-        literals = ", ".join(f"{float(x).hex()}f" if kind == "float" else str(int(x))
-                             for x in values)
-        return f"__device__ const {kind} {name}[{len(values)}] = {{{literals}}};"
+        if kind == "float":
+            literals = ", ".join(f"{float(x).hex()}f" for x in values)
+            return f"__device__ const float {name}[{len(values)}] = {{{literals}}};"
+        # bytes, aligned and padded to whole words, which the kernel copies
+        literals = ", ".join(str(int(x)) for x in values)
+        return (f"__device__ __align__(16) const unsigned char {name}[{-(-len(values) // 4) * 4}] "
+                f"= {{{literals}}};")
 
     lines = ["namespace mta {", f"constexpr unsigned GUIDE_BITS = {quantization.GUIDE_BITS};"]
     for signed, prefix in ((True, "SIGNED"), (False, "UNSIGNED")):
@@ -58,6 +65,15 @@ class Adam8bitSpec(AdamSpec):
 
     def functors_for(self, dtypes: tuple) -> tuple:
         return ("mta::Adam8bit",) if dtypes[2] == "uint8" else ("mta::Adam",)
+
+    def chunk_for(self, dtypes: tuple) -> int:
+        return QUANTIZED_CHUNK if dtypes[2] == "uint8" else super().chunk_for(dtypes)
+
+    def compile_options(self, dtypes: tuple) -> tuple:
+        # a division or square root off by an ulp or two moves a code only where the value
+        # lies on a midpoint; the error of the 8-bit codes is some ten thousand times larger
+        return (_source.APPROXIMATE_OPTIONS if dtypes[2] == "uint8"
+                else super().compile_options(dtypes))
 
     def check_tensors(self, refs: dict) -> None:
         super().check_tensors(refs)
