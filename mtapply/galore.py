@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from . import _calls
 from ._dlpack import framework_of
+from .engine import Plan
 from .ops.adam import AdamSpec
 
 PROJECTION_TYPES = ("std", "reverse_std", "left", "right")
@@ -77,15 +78,41 @@ def moment_shape(shape, rank: int, left: bool) -> tuple:
     return (min(rank, rows, cols), cols) if left else (rows, min(rank, rows, cols))
 
 
+class BufferPlans:
+    """Plans of the projected Adam step, each bound to the buffers and moments it steps. They
+    belong to the optimizer and stay put between refreshes, so a step finds its plan by their
+    identities alone (the plan holds them, so no identity is reused while it lives)."""
+
+    KEEP = 4  # plans kept (one per set of params stepped together)
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def step(self, tensors: dict, arguments: dict) -> None:
+        key = tuple(id(t) for column in tensors.values() for t in column)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = Plan(_NORMALIZED_STEP, tensors)
+        self._plans[key] = plan  # the latest last
+        while len(self._plans) > self.KEEP:
+            del self._plans[next(iter(self._plans))]
+        plan.step(**arguments)
+
+
 def step_projected(params: list, projections: list, exp_avgs: list, exp_avg_sqs: list, *,
                    lr: float, step: int, betas, eps: float, weight_decay: float, scale: float,
-                   correct_bias: bool = True) -> None:
+                   correct_bias: bool = True, plans: BufferPlans | None = None) -> None:
     """The Adam steps of projected grads (already in their buffers) and the params written
-    back: one mtapply launch, then one GEMM per matrix."""
-    _calls.step(_NORMALIZED_STEP, {"params": [p.normalized for p in projections],
-                                   "grads": [p.projected for p in projections],
-                                   "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                **adam_arguments(lr, step, betas, eps, 0.0, correct_bias))
+    back: one mtapply launch (by a plan of `plans`, else a one-call step), then one GEMM per
+    matrix."""
+    tensors = {"params": [p.normalized for p in projections],
+               "grads": [p.projected for p in projections],
+               "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    arguments = adam_arguments(lr, step, betas, eps, 0.0, correct_bias)
+    if plans is None:
+        _calls.step(_NORMALIZED_STEP, tensors, **arguments)
+    else:
+        plans.step(tensors, arguments)
     decay = 1.0 - lr * weight_decay
     for param, projection in zip(params, projections):
         _linear(param).project_back(param, projection.ortho, projection.normalized,
@@ -139,6 +166,7 @@ class GaLoreState:
     exp_avgs: list = field(default_factory=list)
     exp_avg_sqs: list = field(default_factory=list)
     projections: list = field(default_factory=list)
+    plans: BufferPlans = field(default_factory=BufferPlans, repr=False)
 
     def nbytes(self) -> int:
         """Bytes of the moments and projectors (not of the work buffers)."""
@@ -187,7 +215,8 @@ def galore_adamw_step(params, grads, state: GaLoreState, *, lr, step: int, betas
     if projected:
         step_projected([params[i] for i in projected], [state.projections[i] for i in projected],
                        [state.exp_avgs[i] for i in projected],
-                       [state.exp_avg_sqs[i] for i in projected], scale=state.scale, **options)
+                       [state.exp_avg_sqs[i] for i in projected], scale=state.scale,
+                       plans=state.plans, **options)
     if plain:
         step_plain([params[i] for i in plain], [grads[i] for i in plain],
                    [state.exp_avgs[i] for i in plain], [state.exp_avg_sqs[i] for i in plain],

@@ -23,6 +23,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       correct_bias=correct_bias))
         self._projections: dict = {}  # param -> its Projection (projector and work buffers)
+        self._plans = galore.BufferPlans()
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
@@ -33,6 +34,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if group.get("proj_type", "std") not in PROJECTION_TYPES:
                 raise ValueError(f"proj_type {group.get('proj_type')!r}: use one of "
                                  f"{', '.join(PROJECTION_TYPES)}")
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._plans = galore.BufferPlans()  # the plans' moments are the replaced ones
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,7 +66,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             for step, params in projected.items():
                 galore.step_projected(params, [self._projections[p] for p in params],
                                       *self._moments(params), step=step,
-                                      scale=group.get("scale", 1.0), **options)
+                                      scale=group.get("scale", 1.0), plans=self._plans,
+                                      **options)
             for step, params in plain.items():
                 galore.step_plain(params, [p.grad for p in params], *self._moments(params),
                                   step=step, **options)

@@ -123,3 +123,23 @@ def test_bad_groups_are_refused():
         mt.GaLoreAdamW(_groups(model, rank=4, proj_type="full"))
     with pytest.raises(ValueError, match="lr \\* weight_decay < 1"):
         mt.GaLoreAdamW(model.parameters(), lr=1.0, weight_decay=1.0)
+
+
+def test_projected_steps_keep_one_bound_plan():
+    """The projected Adam step runs a plan bound to the optimizer's own buffers: the same plan
+    every step, projector refreshes included, and a fresh one for moments a load replaced."""
+    model = _model()
+    opt = mt.GaLoreAdamW(_groups(model, rank=4, update_proj_gap=2), lr=1e-2)
+    seen = []
+    for k in range(5):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+        seen.append(list(opt._plans._plans.values()))
+    assert all(len(plans) == 1 and plans[0] is seen[0][0] for plans in seen)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.zero_grad()
+    _loss(model, 5).backward()
+    opt.step()
+    (plan,) = opt._plans._plans.values()
+    assert plan is not seen[0][0]

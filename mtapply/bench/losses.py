@@ -1,5 +1,6 @@
 """python -m mtapply.bench.losses: loss curves of one GPT-2 trained with fp32 AdamW and with
-8-bit AdamW (mtapply's, and bitsandbytes' and torchao's where installed).
+8-bit AdamW (mtapply's, and bitsandbytes' and torchao's where installed), or (`--family
+galore`) with GaLore AdamW (mtapply's, and galore-torch's where installed).
 
 Every variant starts from the same weights (a transformers GPT2Config, GPT-2 small by default)
 and sees the same batches: a fixed set of random token sequences, cycled, which the model learns
@@ -15,15 +16,44 @@ import json
 import sys
 
 
-def variants(lr: float, weight_decay: float) -> dict:
-    """name -> optimizer factory: fp32 AdamW first (the reference), then the 8-bit ones."""
+def variants(lr: float, weight_decay: float, family: str = "8bit", rank: int = 128) -> dict:
+    """name -> optimizer factory: fp32 AdamW first (the reference), then the 8-bit or the
+    GaLore ones."""
     import torch
 
     from .train import eight_bit_optimizers
 
     fp32 = {"torch-adamw": lambda m: torch.optim.AdamW(m.parameters(), lr,
                                                        weight_decay=weight_decay)}
+    if family == "galore":
+        return {**fp32, **galore_optimizers(lr, weight_decay, rank)}
     return {**fp32, **eight_bit_optimizers(lr, weight_decay)}
+
+
+def galore_optimizers(lr: float, weight_decay: float, rank: int) -> dict:
+    """GaLore AdamW, mtapply's and galore-torch's (where installed), on the same groups: the
+    blocks' 2-D weights projected to `rank` (a fresh projector every 200 steps, scale 0.25),
+    the embeddings and 1-D params in plain AdamW, as galore-torch's examples group them."""
+    import importlib.util
+
+    import mtapply.torch as mt
+
+    def groups(model):
+        projected = [p for name, p in model.named_parameters()
+                     if p.dim() == 2 and ".h." in f".{name}"]
+        chosen = set(map(id, projected))
+        rest = [p for p in model.parameters() if id(p) not in chosen]
+        return [{"params": rest}, {"params": projected, "rank": rank, "update_proj_gap": 200,
+                                   "scale": 0.25, "proj_type": "std"}]
+
+    made = {"mtapply-galore": lambda m: mt.GaLoreAdamW(groups(m), lr, weight_decay=weight_decay)}
+    if importlib.util.find_spec("galore_torch"):
+        def galore_torch(m):
+            import galore_torch
+
+            return galore_torch.GaLoreAdamW(groups(m), lr, weight_decay=weight_decay)
+        made["galore-torch"] = galore_torch
+    return made
 
 
 def curves(args) -> dict:
@@ -42,7 +72,7 @@ def curves(args) -> dict:
     batches = [torch.randint(0, args.vocab, (args.batch, args.tokens), generator=generator)
                .to(args.device) for _ in range(args.distinct_batches)]
     out = {}
-    for name, make in variants(args.lr, args.weight_decay).items():
+    for name, make in variants(args.lr, args.weight_decay, args.family, args.rank).items():
         model = copy.deepcopy(base).to(args.device)
         optimizer = make(model)
         losses = []
@@ -131,6 +161,9 @@ def _parse_args(argv):
     parser.add_argument("--distinct-batches", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--family", choices=("8bit", "galore"), default="8bit",
+                        help="the optimizers beside fp32 AdamW (default: 8bit)")
+    parser.add_argument("--rank", type=int, default=128, help="GaLore's rank (default: 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="losses.json")
