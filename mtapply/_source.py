@@ -120,7 +120,8 @@ def entry_name(pass_index: int) -> str:
 _loaded: dict = {}
 
 
-def kernel_functions(source: str, device_id: int, n_passes: int, options: tuple = None) -> list:
+def kernel_functions(source: str, device_id: int, n_passes: int,
+                     options: tuple | None = None) -> list:
     """The entry points of `source` compiled with `options` (default COMPILE_OPTIONS) on a
     device (cupy.cuda.function.Function), one per pass."""
     options = COMPILE_OPTIONS if options is None else options
@@ -165,7 +166,7 @@ def _compiled_binary(source: str, arch: str, options: tuple) -> bytes:
     return binary
 
 
-def compile_offline(source: str, arch: str, options: tuple = None) -> bytes:
+def compile_offline(source: str, arch: str, options: tuple | None = None) -> bytes:
     """Compile `source` to a cubin for `arch` (e.g. "sm_90") with NVRTC alone (and `options`,
     default COMPILE_OPTIONS); no GPU needed.
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from . import _calls
 from ._dlpack import framework_of
+from ._products import Products, batchable
 from .engine import Plan
 from .ops.adam import AdamSpec
 
@@ -55,15 +56,57 @@ class Projection:
         matrix has fewer, as galore-torch takes them)."""
         self.ortho = projector(grad, rank, self.left)
 
-    def project(self, grad) -> None:
-        """R of the grad into its buffer (made at the first step, kept after)."""
+    def make_buffers(self, grad) -> None:
+        """R's and N's buffers (made at the first step, kept after)."""
         rows, cols = grad.shape
         k = self.ortho.shape[1] if self.left else self.ortho.shape[0]
         shape = (k, cols) if self.left else (rows, k)
         if self.projected is None or tuple(self.projected.shape) != shape:
             self.projected = _linear(grad).empty(shape, grad)
             self.normalized = _linear(grad).empty(shape, grad)
+
+    def project(self, grad) -> None:
+        """R of the grad into its buffer."""
+        self.make_buffers(grad)
         _linear(grad).project(self.ortho, grad, self.projected, self.left)
+
+
+def project_all(grads: list, projections: list, products: Products | None = None) -> None:
+    """R of each grad into its buffer: float32 matrices on a GPU by one batched product per
+    shape (given `products`), the others by one matmul each."""
+    terms, of_term = [], {}
+    for grad, projection in zip(grads, projections):
+        if products is not None and batchable(grad) and batchable(projection.ortho):
+            projection.make_buffers(grad)
+            terms.append(("T", "N", projection.ortho, grad, projection.projected) if projection.left
+                         else ("N", "T", grad, projection.ortho, projection.projected))
+            of_term[id(terms[-1])] = (grad, projection)
+        else:
+            projection.project(grad)
+    for term in products.run(terms, alpha=1.0, beta=0.0) if terms else ():
+        grad, projection = of_term[id(term)]
+        projection.project(grad)
+
+
+def project_back_all(params: list, projections: list, beta: float, alpha: float,
+                     products: Products | None = None) -> None:
+    """param = beta param + alpha (P N or N Q) for each param, batched as `project_all`."""
+    terms, of_term = [], {}
+    for param, projection in zip(params, projections):
+        if products is not None and batchable(param) and batchable(projection.ortho):
+            terms.append(("N", "N", projection.ortho, projection.normalized, param)
+                         if projection.left else
+                         ("N", "N", projection.normalized, projection.ortho, param))
+            of_term[id(terms[-1])] = (param, projection)
+        else:
+            _project_back(param, projection, beta, alpha)
+    for term in products.run(terms, alpha=alpha, beta=beta) if terms else ():
+        _project_back(*of_term[id(term)], beta, alpha)
+
+
+def _project_back(param, projection, beta: float, alpha: float) -> None:
+    _linear(param).project_back(param, projection.ortho, projection.normalized, projection.left,
+                                beta, alpha)
 
 
 def projector(grad, rank: int, left: bool):
@@ -81,12 +124,14 @@ def moment_shape(shape, rank: int, left: bool) -> tuple:
 class BufferPlans:
     """Plans of the projected Adam step, each bound to the buffers and moments it steps. They
     belong to the optimizer and stay put between refreshes, so a step finds its plan by their
-    identities alone (the plan holds them, so no identity is reused while it lives)."""
+    identities alone (the plan holds them, so no identity is reused while it lives). Beside
+    them, the batched products of the projections (`products`)."""
 
     KEEP = 4  # plans kept (one per set of params stepped together)
 
     def __init__(self):
         self._plans: dict = {}
+        self.products = Products()
 
     def step(self, tensors: dict, arguments: dict) -> None:
         key = tuple(id(t) for column in tensors.values() for t in column)
@@ -114,9 +159,8 @@ def step_projected(params: list, projections: list, exp_avgs: list, exp_avg_sqs:
     else:
         plans.step(tensors, arguments)
     decay = 1.0 - lr * weight_decay
-    for param, projection in zip(params, projections):
-        _linear(param).project_back(param, projection.ortho, projection.normalized,
-                                    projection.left, decay, decay * scale)
+    project_back_all(params, projections, decay, decay * scale,
+                     None if plans is None else plans.products)
 
 
 def step_plain(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, *, lr: float,
@@ -208,11 +252,12 @@ def galore_adamw_step(params, grads, state: GaLoreState, *, lr, step: int, betas
             continue
         if refresh or projection.ortho is None:
             projection.refresh(grad, state.rank)
-        projection.project(grad)
         projected.append(i)
     options = dict(lr=lr, step=step, betas=betas, eps=eps, weight_decay=weight_decay,
                    correct_bias=correct_bias)
     if projected:
+        project_all([grads[i] for i in projected], [state.projections[i] for i in projected],
+                    state.plans.products)
         step_projected([params[i] for i in projected], [state.projections[i] for i in projected],
                        [state.exp_avgs[i] for i in projected],
                        [state.exp_avg_sqs[i] for i in projected], scale=state.scale,

@@ -64,6 +64,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             options = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
             for step, params in projected.items():
+                galore.project_all([p.grad for p in params], [self._projections[p] for p in params],
+                                   self._plans.products)
                 galore.step_projected(params, [self._projections[p] for p in params],
                                       *self._moments(params), step=step,
                                       scale=group.get("scale", 1.0), plans=self._plans,
@@ -74,7 +76,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return loss
 
     def _project(self, group, p, state, step: int) -> None:
-        """The grad projected into its buffer; a fresh projector every update_proj_gap steps
+        """The projector and the buffers of R and N; a fresh projector every update_proj_gap steps
         (or the one a loaded state_dict holds)."""
         projection = self._projections.get(p)
         if projection is None or projection.ortho is not state.get("ortho"):
@@ -84,7 +86,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             projection.left = projection_side(p.shape, group.get("proj_type", "std")) == "left"
             projection.refresh(p.grad, group["rank"])
             state["ortho"], state["left"] = projection.ortho, projection.left
-        projection.project(p.grad)
+        projection.make_buffers(p.grad)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(projection.projected)
             state["exp_avg_sq"] = torch.zeros_like(projection.projected)

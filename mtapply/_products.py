@@ -1,0 +1,118 @@
+"""Many float32 matrix products of one shape in one cuBLAS call.
+
+`Products.run` takes terms C = alpha op(A) op(B) + beta C over row-major CUDA matrices (torch
+tensors or CuPy arrays) and issues one cublasSgemmBatched per distinct shape that several terms
+share. The operands' addresses live in device tables (`_tables.MemcpyTable`) that are uploaded,
+on the launch stream, only when an address changes: a step on the same buffers moves no
+host-to-device bytes and never waits for the device. A shape of one term, or of large matrices
+(cuBLAS's batched kernels suit small ones: one 4096 x 4096 product ran 4x slower batched), is
+left to the caller's own matmul, whose heuristics choose its kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _tables
+from ._dlpack import framework_of
+from ._launch import stream_pointer
+
+_OPS = {"N": 0, "T": 1}  # cublasOperation_t
+BATCHED_ELEMENTS = 1 << 22  # the largest operand of a batched product, in elements
+
+
+def batchable(matrix) -> bool:
+    """Whether a matrix can be an operand here: float32, row-major, on a GPU."""
+    framework = framework_of(matrix)
+    if framework == "torch":
+        return matrix.is_cuda and str(matrix.dtype) == "torch.float32" and matrix.is_contiguous()
+    return framework == "cupy" and str(matrix.dtype) == "float32" and matrix.flags.c_contiguous
+
+
+def data_ptr(matrix) -> int:
+    return matrix.data_ptr() if hasattr(matrix, "data_ptr") else matrix.data.ptr
+
+
+def device_id(matrix) -> int:
+    device = matrix.device
+    return device.index if hasattr(device, "index") else device.id
+
+
+class Products:
+    """Batched row-major products, one cuBLAS call per (ops, shapes); the address tables are
+    kept per shape and rewritten only when an address changes."""
+
+    def __init__(self):
+        self._batches: dict = {}  # (ops, shapes, count) -> _Batch
+
+    def run(self, terms: list, *, alpha: float, beta: float) -> list:
+        """Runs the terms (op_a, op_b, a, b, c) that batch, ops "N" or "T", every matrix float32,
+        row-major and on a GPU, c of op(a) @ op(b)'s shape; returns the others, in order."""
+        shapes: dict = {}
+        for term in terms:
+            op_a, op_b, a, b, c = term
+            key = (op_a, op_b, tuple(a.shape), tuple(b.shape), tuple(c.shape), device_id(c))
+            shapes.setdefault(key, []).append(term)
+        left = []
+        for key, group in shapes.items():
+            if len(group) == 1 or max(map(_elements, key[2:5])) > BATCHED_ELEMENTS:
+                left += group
+                continue
+            addresses = [(data_ptr(a), data_ptr(b), data_ptr(c)) for *_, a, b, c in group]
+            stream = stream_pointer(None, framework_of(group[0][4]), key[-1])
+            batch = self._batches.get((key, len(addresses)))
+            if batch is None:
+                batch = self._batches[(key, len(addresses))] = _Batch(*key, len(addresses))
+            batch.run(np.asarray(addresses, np.uint64), alpha, beta, stream)
+        left_ids = set(map(id, left))
+        return [term for term in terms if id(term) in left_ids]
+
+
+def _elements(shape) -> int:
+    return shape[0] * shape[1]
+
+
+def _gemm(op_a, op_b, a_shape, b_shape, c_shape) -> tuple:
+    """cuBLAS's (trans_a, trans_b, m, n, k, lda, ldb, ldc) for the row-major product: C^T =
+    op(B)^T op(A)^T in its column-major terms, where a row-major matrix is its own transpose,
+    so cuBLAS's A is our B."""
+    rows, cols = c_shape
+    inner = a_shape[0] if op_a == "T" else a_shape[1]
+    return _OPS[op_b], _OPS[op_a], cols, rows, inner, b_shape[1], a_shape[1], cols
+
+
+def _handle(device: int, stream: int) -> int:
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    with cupy.cuda.Device(device):
+        handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, stream)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    return handle
+
+
+class _Batch:
+    """One shape's products in one cublasSgemmBatched, their addresses in a device table."""
+
+    def __init__(self, op_a, op_b, a_shape, b_shape, c_shape, device: int, count: int):
+        self.gemm = _gemm(op_a, op_b, a_shape, b_shape, c_shape)
+        self.device, self.count = device, count
+        self.table = _tables.MemcpyTable(3 * count * 8, device)
+        self.addresses = None
+
+    def run(self, addresses: np.ndarray, alpha: float, beta: float, stream: int) -> None:
+        from cupy_backends.cuda.libs import cublas
+
+        if self.addresses is None or not np.array_equal(addresses, self.addresses):
+            # cuBLAS's A is our B: the table holds B's addresses, then A's, then C's
+            table = np.concatenate([addresses[:, 1], addresses[:, 0], addresses[:, 2]])
+            self.table.write(table.view(np.uint8), stream)
+            self.addresses = addresses
+        self.table.before_launch(stream)
+        scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the call
+        base, step = self.table.ptr, self.count * 8
+        trans_a, trans_b, m, n, k, lda, ldb, ldc = self.gemm
+        cublas.sgemmBatched(_handle(self.device, stream), trans_a, trans_b, m, n, k,
+                            scalars.ctypes.data, base, lda, base + step, ldb,
+                            scalars.ctypes.data + 4, base + 2 * step, ldc, self.count)
+        self.table.launched_on(stream)

@@ -1,0 +1,69 @@
+"""Batched row-major float32 products (mtapply._products): every op combination and several
+shapes in one call against torch.matmul in float64 (a shape of one product, or of large
+matrices, left to the caller), alpha and beta, and operands that move
+between calls (the address tables are rewritten) or stay (nothing is uploaded)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from mtapply import _products  # noqa: E402
+
+
+def _op(x, op):
+    return x.t() if op == "T" else x
+
+
+def _terms(generator):
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).cuda()
+
+    terms = []
+    for op_a, op_b, a_shape, b_shape in [("N", "N", (5, 3), (3, 7)), ("T", "N", (6, 4), (6, 9)),
+                                         ("N", "T", (8, 6), (5, 6)), ("T", "T", (3, 2), (4, 3))]:
+        for _ in range(3):  # three of each shape: one batched call each
+            a, b = rand(*a_shape), rand(*b_shape)
+            c = rand(_op(a, op_a).shape[0], _op(b, op_b).shape[1])
+            terms.append((op_a, op_b, a, b, c))
+    return terms
+
+
+def _expected(terms, alpha, beta):
+    return [alpha * (_op(a.double(), oa) @ _op(b.double(), ob)) + beta * c.double()
+            for oa, ob, a, b, c in terms]
+
+
+def test_batched_products_match_matmul_and_follow_moved_operands():
+    generator = torch.Generator().manual_seed(0)
+    terms = _terms(generator)
+    lone = ("N", "N", torch.randn(5, 3, device="cuda"), torch.randn(3, 2, device="cuda"),
+            torch.randn(5, 2, device="cuda"))  # the only product of its shape
+    large = ("N", "T", torch.randn(4096, 1025, device="cuda"), torch.randn(2, 1025, device="cuda"),
+             torch.randn(4096, 2, device="cuda"))
+    products = _products.Products()
+    before = [lone[4].clone(), large[4].clone()]
+    left = products.run([lone] + terms + [large, large], alpha=1.0, beta=0.0)
+    assert list(map(id, left)) == [id(lone), id(large), id(large)]
+    assert torch.equal(lone[4], before[0]) and torch.equal(large[4], before[1])
+    for alpha, beta in ((1.0, 0.0), (0.5, 0.9)):
+        expected = _expected(terms, alpha, beta)
+        assert products.run(terms, alpha=alpha, beta=beta) == []
+        for (*_, c), want in zip(terms, expected):
+            torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
+    # new outputs and inputs for half the terms: the tables follow them
+    moved = [(oa, ob, a.clone() if k % 2 else a, b, c.clone() * 2 if k % 2 else c)
+             for k, (oa, ob, a, b, c) in enumerate(terms)]
+    expected = _expected(moved, 1.0, 1.0)
+    assert products.run(moved, alpha=1.0, beta=1.0) == []
+    for (*_, c), want in zip(moved, expected):
+        torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
+    assert len(products._batches) == 4
+
+
+def test_only_float32_row_major_gpu_matrices_are_batched():
+    x = torch.randn(4, 4, device="cuda")
+    assert _products.batchable(x)
+    assert not _products.batchable(x.t())  # a transposed view is not row-major
+    assert not _products.batchable(x.double()) and not _products.batchable(x.cpu())
+    assert not _products.batchable(x.bfloat16())
