@@ -35,3 +35,23 @@ def test_adam_rule_row_steps_like_the_built_in_row():
         results[name] = data.params + data.exp_avgs + data.exp_avg_sqs
     for got, want in zip(results["mtapply-rule"], results["mtapply"]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_per_tensor_group_rows_step_alike_on_the_cpu():
+    """The bench's many-groups op: mtapply.torch.AdamW with a group per tensor, with and without
+    flat grads, against torch.optim.AdamW on the same groups and data."""
+    from mtapply.bench import adam_groups
+
+    shapes = [(10,), (3, 4), (257,), (5, 6)]
+    results = {}
+    for name in ("mtapply-torch", "mtapply-torch-flat", "torch-foreach"):
+        data = adam_groups.make_data(shapes, torch.device("cpu"), 0)
+        stepper = adam_groups.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[name] = [t.detach().clone() for t in data.params]
+    assert not torch.equal(results["torch-foreach"][0], adam_groups.make_data(
+        shapes, torch.device("cpu"), 0).params[0])
+    for name, tensors in results.items():
+        for got, want in zip(tensors, results["torch-foreach"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,75 @@
+"""AdamW (fp32) with one param group per tensor, each group its own lr and weight decay (as
+per-layer learning rates and decay masks make them): mtapply.torch.AdamW (with and without
+`flat_grads`) against torch.optim.AdamW, fused and foreach, on the same groups. Each group
+steps every time; the floor is the fp32 Adam step's 28 bytes per param whatever the groups.
+"""
+from __future__ import annotations
+
+from .adam import AdamData
+from .adam import make_data as make_adam_data
+from .common import Competitor, Stepper, attach_grads
+
+NAME = "adam-groups"
+DESCRIPTION = "adamw fp32, one param group per tensor (lr 1e-4 .. 5e-4, weight decay 0 or 0.01)"
+BYTES_PER_PARAM = 28
+REFERENCE = "torch-fused"
+DEFAULT_WORKLOADS = ("gpt2-124M", "resnet50")
+TARGETS = {"gpt2-124M": ("x_floor", 1.1)}
+
+
+def make_data(shapes, device, seed: int = 0) -> AdamData:
+    return make_adam_data(shapes, device, seed)
+
+
+def groups(params: list) -> list:
+    """One group per tensor: lr by the tensor's position, no decay on 1-D tensors."""
+    return [{"params": [p], "lr": 1e-4 * (1 + k % 5),
+             "weight_decay": 0.0 if p.dim() == 1 else 0.01} for k, p in enumerate(params)]
+
+
+def _preset(opt, data: AdamData, on_device: bool) -> None:
+    """The moments of `data` as the optimizer's state (its lazy init would make them zeros)."""
+    import torch
+
+    for p, m, v in zip(data.params, data.exp_avgs, data.exp_avg_sqs):
+        step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+        opt.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+
+
+def torch_adamw(data: AdamData, **options) -> Stepper:
+    import torch
+
+    attach_grads(data.params, data.grads)
+    opt = torch.optim.AdamW(groups(data.params), **options)
+    _preset(opt, data, on_device=bool(options.get("fused")))
+    return Stepper(opt.step, opt, data)
+
+
+def mtapply_torch(data: AdamData, flat_grads: bool) -> Stepper:
+    import torch
+
+    import mtapply.torch as mt
+
+    for p in data.params:
+        p.requires_grad_(True)
+    opt = mt.AdamW(groups(data.params), flat_grads=flat_grads)
+    if flat_grads:
+        with torch.no_grad():  # the optimizer's grads are views of its flat buffer: fill them
+            for p, g in zip(data.params, data.grads):
+                p.grad.copy_(g)
+    else:
+        attach_grads(data.params, data.grads)
+    _preset(opt, data, on_device=False)
+    return Stepper(opt.step, opt, data)
+
+
+COMPETITORS = {
+    "mtapply-torch": Competitor(lambda data: mtapply_torch(data, flat_grads=False),
+                                "mtapply.torch.AdamW(groups).step()"),
+    "mtapply-torch-flat": Competitor(lambda data: mtapply_torch(data, flat_grads=True),
+                                     "mtapply.torch.AdamW(groups, flat_grads=True).step()"),
+    "torch-fused": Competitor(lambda data: torch_adamw(data, fused=True),
+                              "torch.optim.AdamW(groups, fused=True)"),
+    "torch-foreach": Competitor(lambda data: torch_adamw(data, foreach=True),
+                                "torch.optim.AdamW(groups, foreach=True)"),
+}

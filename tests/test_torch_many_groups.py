@@ -1,0 +1,89 @@
+"""mtapply.torch with a param group per tensor (per-layer learning rates, decay masks, betas):
+against torch.optim on the same groups, with a scheduler whose factor differs per group, a
+group added mid-run, and a state_dict round trip (CPU and GPU)."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mt = pytest.importorskip("mtapply.torch")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+PAIRS = [(torch.optim.Adam, mt.Adam), (torch.optim.AdamW, mt.AdamW), (torch.optim.SGD, mt.SGD)]
+
+
+def _model(device):
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(12, 12), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(12, 3)).to(device)
+
+
+def _per_tensor_groups(params, cls):
+    """One group per tensor, every hyperparameter the optimizer has varying across groups."""
+    groups = []
+    for k, p in enumerate(params):
+        group = {"params": [p], "lr": 1e-2 * (1 + k % 5) / 3,
+                 "weight_decay": 0.0 if p.dim() == 1 else 1e-2 * (1 + k % 3)}
+        if cls in (torch.optim.SGD, mt.SGD):
+            group.update(momentum=(0.0, 0.5, 0.9)[k % 3], nesterov=k % 3 == 2)
+        else:
+            group.update(betas=(0.8 + 0.05 * (k % 3), 0.99 + 0.004 * (k % 2)), eps=10.0 ** -(6 + k % 3))
+        groups.append(group)
+    return groups
+
+
+def _steps(model, opt, scheduler, device, first, last):
+    for t in range(first, last):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(8, 12, generator=g).to(device)
+        y = torch.randint(0, 3, (8,), generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _assert_same(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("torch_cls,mt_cls", PAIRS, ids=[c.__name__ for c, _ in PAIRS])
+def test_a_group_per_tensor_trains_like_torch_optim(torch_cls, mt_cls, device):
+    a, b = _model(device), _model(device)
+    params_a, params_b = list(a.parameters()), list(b.parameters())
+    # the last layer joins later, as add_param_group
+    oa = torch_cls(_per_tensor_groups(params_a[:-2], torch_cls), lr=1.0, foreach=False)
+    ob = mt_cls(_per_tensor_groups(params_b[:-2], mt_cls), lr=1.0)
+    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(params_a))]
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors[:len(oa.param_groups)])
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors[:len(ob.param_groups)])
+    _steps(a, oa, sa, device, 0, 4)
+    _steps(b, ob, sb, device, 0, 4)
+    _assert_same(a, b)
+    for opt, params, cls in ((oa, params_a, torch_cls), (ob, params_b, mt_cls)):
+        for group in _per_tensor_groups(params, cls)[-2:]:
+            opt.add_param_group(group)
+    _steps(a, oa, None, device, 4, 8)
+    _steps(b, ob, None, device, 4, 8)
+    _assert_same(a, b)
+    assert len(ob.param_groups) == len(params_b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_group_state_dict_round_trip(device):
+    a, b = _model(device), _model(device)
+    oa = mt.AdamW(_per_tensor_groups(list(a.parameters()), mt.AdamW), lr=1.0)
+    _steps(a, oa, None, device, 0, 3)
+    b.load_state_dict(a.state_dict())
+    ob = mt.AdamW(_per_tensor_groups(list(b.parameters()), mt.AdamW), lr=1.0)
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    assert [g["lr"] for g in ob.param_groups] == [g["lr"] for g in oa.param_groups]
+    _steps(a, oa, None, device, 3, 6)
+    _steps(b, ob, None, device, 3, 6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
