@@ -95,23 +95,15 @@ def test_misuse_is_refused_before_anything_is_written():
 
 
 def test_torch_adamw_with_stochastic_rounding_steps_like_the_functional_call():
-    import copy
-
     import mtapply.torch as mt
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 4)).to(torch.bfloat16)
-    twin = copy.deepcopy(model)
+    model, twin = _bf16_twins(0)
     opt = mt.AdamW(model.parameters(), lr=1e-3, stochastic_rounding=True, seed=3)
     params = [p.detach() for p in twin.parameters()]
     m = [torch.zeros_like(p) for p in params]  # bfloat16 moments, as the class keeps them
     v = [torch.zeros_like(p) for p in params]
     for t in range(1, 5):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        for net in (model, twin):
-            net.zero_grad()
-            net(x).float().square().mean().backward()
+        _backward(model, twin, t)
         opt.step()
         mtapply.adam_step(params, [p.grad for p in twin.parameters()], m, v, lr=1e-3, step=t,
                           weight_decay=1e-2, decoupled_weight_decay=True, seed=3,
@@ -123,25 +115,35 @@ def test_torch_adamw_with_stochastic_rounding_steps_like_the_functional_call():
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_torch_sgd_with_stochastic_rounding_steps_like_the_functional_call(momentum):
-    import copy
-
     import mtapply.torch as mt
 
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 4)).to(torch.bfloat16)
-    twin = copy.deepcopy(model)
+    model, twin = _bf16_twins(1)
     opt = mt.SGD(model.parameters(), lr=0.05, momentum=momentum, stochastic_rounding=True, seed=9)
     params = [p.detach() for p in twin.parameters()]
     buffers = [torch.zeros_like(p) for p in params] if momentum else None
     for t in range(1, 5):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        for net in (model, twin):
-            net.zero_grad()
-            net(x).float().square().mean().backward()
+        _backward(model, twin, t)
         opt.step()
         mtapply.sgd_step(params, [p.grad for p in twin.parameters()], buffers, lr=0.05, step=t,
                          momentum=momentum, seed=9, stochastic_rounding=True)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert float(opt.state[model[0].weight]["step"]) == 4
+
+
+def _bf16_twins(seed):
+    """A small bfloat16 network and its copy."""
+    import copy
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4)).to(torch.bfloat16)
+    return model, copy.deepcopy(model)
+
+
+def _backward(model, twin, t):
+    """The same batch's grads in both networks."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+    for net in (model, twin):
+        net.zero_grad()
+        net(x).float().square().mean().backward()
