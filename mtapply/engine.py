@@ -17,7 +17,7 @@ from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar, OutputArray, check_number, per_tensor_rows
+from .ops._spec import DeviceScalar, OutputArray, check_number, per_tensor_rows, rows_key
 from .plan import group_tensors
 
 _SCALARS_KEPT = 8
@@ -139,7 +139,8 @@ class Plan:
 
     def _rows(self, hyper: dict):
         """(checked args of each row, each tensor's row) where hyperparameters are given per
-        tensor, else None. The rows of the latest step are reused while the values stay."""
+        tensor, else None. On a GPU the rows of the latest step are reused while the values
+        stay (device values by identity: the kernel reads them)."""
         rows = per_tensor_rows(hyper, self._n)
         if rows is None:
             return None
@@ -147,8 +148,9 @@ class Plan:
         if self.spec.single_device or self.spec.n_sums:
             raise ValueError(f"{self.spec.name} takes each hyperparameter for all tensors: give one "
                              f"number, not one per tensor")
-        key = (repr(values), row_of.tobytes())
-        if self._row_cache is None or self._row_cache[0] != key:
+        # on the CPU a device value is read when checked: nothing may be reused
+        key = rows_key(hyper, rows) if self._cuda is not None else None
+        if key is None or self._row_cache is None or self._row_cache[0] != key:
             checked = [self.spec.arguments(**{k: self._scalar(k, v) for k, v in row.items()})
                        for row in values]
             self._row_cache = (key, (checked, row_of))

@@ -197,6 +197,15 @@ def per_tensor_rows(hyper: dict, n_tensors: int):
     return rows, row_of.reshape(-1).astype(np.int32)
 
 
+def rows_key(hyper: dict, rows) -> tuple:
+    """What tells two steps' per-tensor rows apart, read without touching a device value: the
+    rows' numbers, and the identity of every other (device) value."""
+    values, row_of = rows
+    numbers = tuple(tuple(v if isinstance(v, (int, float)) or v is None else id(v)
+                          for v in row.values()) for row in values)
+    return tuple(hyper), numbers, row_of.tobytes()
+
+
 def check_number(name: str, value, *, low=None, high=None, high_open=False, low_open=False) -> float:
     """`value` as a float, or ValueError/TypeError naming `name` and the accepted range."""
     if type(value) is not float:  # the common case costs one type test: this runs every step
