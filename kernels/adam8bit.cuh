@@ -173,7 +173,7 @@ struct Adam8bit {
     // 8-byte words of codes and 16-byte words of params and grads, when every base allows them
     const bool aligned = (((job.addresses[PARAM] | job.addresses[GRAD]) & 15) |
                           ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
-    const Adam op(launch.args, job.tensor, nullptr);
+    const Adam op(args_of(launch, job.tensor), job.tensor, nullptr);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (long long start = job.begin + static_cast<long long>(warp) * QBLOCK; start < job.end;
          start += (MTA_BLOCK / 32) * QBLOCK) {

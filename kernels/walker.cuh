@@ -84,8 +84,17 @@ struct Launch {
   unsigned* finished;
   long long n_tensors;
   long long n_nonempty;
+  const Args* args_rows;  // per-tensor hyperparameters: the rows of distinct args, or null
+  const int* row_of;      // the row of each tensor of the group
   Args args;
 };
+
+// The args of a tensor: its row where hyperparameters differ per tensor (param groups in one
+// launch), else the launch's.
+template <class Args>
+__device__ __forceinline__ const Args& args_of(const Launch<Args>& launch, int tensor) {
+  return launch.args_rows ? launch.args_rows[launch.row_of[tensor]] : launch.args;
+}
 
 template <class T, int VEC>
 __device__ __forceinline__ void load_vec(const char* base, long long i, acc_t (&out)[VEC]) {
@@ -299,7 +308,7 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
 #endif
   const long long begin = job.begin, end = job.end;
-  const Op op(launch.args, job.tensor, launch.sums);
+  const Op op(args_of(launch, job.tensor), job.tensor, launch.sums);
   float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   long long scalar_from = begin;
   // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.

@@ -53,12 +53,13 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
-    """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`;
-    grads are divided by `grad_scale` first (AMP), in the math type, as the kernel does.
-    With master weights the op sees the fp32 master as its param, and the param receives the
-    rounded result. Param modes as `OpSpec.with_param_mode` says."""
-    if spec.cpu_run(refs, args, grad_scale):
+def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> None:
+    """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
+    with its row's where `rows` (the args of each row, each tensor's row) is given; grads are
+    divided by `grad_scale` first (AMP), in the math type, as the kernel does. With master
+    weights the op sees the fp32 master as its param, and the param receives the rounded
+    result. Param modes as `OpSpec.with_param_mode` says."""
+    if rows is None and spec.cpu_run(refs, args, grad_scale):
         return
     first = refs[spec.slots[0]]
     for i in range(len(first)):
@@ -73,12 +74,13 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0) -> None:
             arrays["params"] = np.zeros_like(arrays["params"])
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        for name, values in spec.cpu_update(dict(arrays), args, dtype, i).items():
+        tensor_args = args if rows is None else rows[0][rows[1][i]]
+        for name, values in spec.cpu_update(dict(arrays), tensor_args, dtype, i).items():
             if name == "params" and spec.param_mode == "delta":
                 store(refs["updates"][i], values - arrays["params"])
                 continue
             if name == "params" and spec.stochastic_rounding:
-                store_stochastic(refs[name][i], values, args, i)
+                store_stochastic(refs[name][i], values, tensor_args, i)
                 continue
             store(refs[name][i], values)
             if name == "params" and spec.master_weights:

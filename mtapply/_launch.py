@@ -14,7 +14,7 @@ import sys
 
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
-_HEADER = "<2QdQQ6Q2q"  # table, AMP scaling and workspace words, before the op's fields
+_HEADER = "<2QdQQ6Q2q2Q"  # table, AMP scaling, workspace and row words, before the op's fields
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:
@@ -87,6 +87,7 @@ class KernelLaunch:
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
         self._workspace = (0,) * 8
+        self._rows = (0, 0)
         self._arrays: dict = {}
 
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
@@ -97,6 +98,15 @@ class KernelLaunch:
         n_nonempty): see kernels/walker.cuh, `Launch`."""
         self._workspace = (partials_ptr, arrivals_ptr, sums_ptr, *plan_sums)
 
+    def set_rows(self, rows_ptr: int, row_of_ptr: int) -> None:
+        """Per-tensor args: the device rows of distinct args (as `row_words` packs them) and
+        each tensor's row; (0, 0) for the launch's own args."""
+        self._rows = (rows_ptr, row_of_ptr)
+
+    def row_words(self, args: dict) -> bytes:
+        """The op's argument words for `args`, one row of the kernel's `args_rows`."""
+        return self._packer.pack(*self._values(args, 1.0, None))[struct.calcsize(_HEADER):]
+
     def set_array(self, name: str, ptr: int) -> None:
         self._arrays[name] = ptr
 
@@ -105,6 +115,9 @@ class KernelLaunch:
 
         grad_scale is a float or a DeviceScalar; found_inf is None or a DeviceScalar.
         """
+        self._packer.pack_into(self._words, 0, *self._values(args, grad_scale, found_inf))
+
+    def _values(self, args: dict, grad_scale, found_inf) -> list:
         values = list(self._table)
         if type(grad_scale) is float:
             values += (grad_scale, 0)
@@ -112,6 +125,7 @@ class KernelLaunch:
             values += (_NAN, grad_scale.ptr)
         values.append(0 if found_inf is None else found_inf.ptr)
         values += self._workspace
+        values += self._rows
         for name, has_pointer in self._layout:
             if name.endswith("_array"):
                 values.append(self._arrays[name])
@@ -127,7 +141,7 @@ class KernelLaunch:
             else:
                 values.append(_NAN)
                 values.append(value.ptr)
-        self._packer.pack_into(self._words, 0, *values)
+        return values
 
     def words(self) -> bytes:
         """The packed argument struct, as the kernel receives it."""

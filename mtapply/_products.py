@@ -80,15 +80,29 @@ def _gemm(op_a, op_b, a_shape, b_shape, c_shape) -> tuple:
     return _OPS[op_b], _OPS[op_a], cols, rows, inner, b_shape[1], a_shape[1], cols
 
 
-def _handle(device: int, stream: int) -> int:
-    import cupy
-    from cupy_backends.cuda.libs import cublas
+class _Handle:
+    """CuPy's cuBLAS handle of a device, set to host scalars on `stream` for one call and
+    given back as it was (CuPy launches on it too)."""
 
-    with cupy.cuda.Device(device):
-        handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, stream)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    return handle
+    def __init__(self, device: int, stream: int):
+        self.device, self.stream = device, stream
+
+    def __enter__(self) -> int:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        with cupy.cuda.Device(self.device):
+            self.handle = cupy.cuda.device.get_cublas_handle()
+        self.saved = (cublas.getStream(self.handle), cublas.getPointerMode(self.handle))
+        cublas.setStream(self.handle, self.stream)
+        cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        return self.handle
+
+    def __exit__(self, *exc) -> None:
+        from cupy_backends.cuda.libs import cublas
+
+        cublas.setStream(self.handle, self.saved[0])
+        cublas.setPointerMode(self.handle, self.saved[1])
 
 
 class _Batch:
@@ -112,7 +126,8 @@ class _Batch:
         scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the call
         base, step = self.table.ptr, self.count * 8
         trans_a, trans_b, m, n, k, lda, ldb, ldc = self.gemm
-        cublas.sgemmBatched(_handle(self.device, stream), trans_a, trans_b, m, n, k,
-                            scalars.ctypes.data, base, lda, base + step, ldb,
-                            scalars.ctypes.data + 4, base + 2 * step, ldc, self.count)
+        with _Handle(self.device, stream) as handle:
+            cublas.sgemmBatched(handle, trans_a, trans_b, m, n, k, scalars.ctypes.data, base, lda,
+                                base + step, ldb, scalars.ctypes.data + 4, base + 2 * step, ldc,
+                                self.count)
         self.table.launched_on(stream)

@@ -70,8 +70,8 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
     spec = AdamSpec(amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay,
                     maximize=maximize, master_weights=master_params is not None,
                     stochastic_rounding=stochastic_rounding)
-    spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                   seed=seed)
+    spec.check_arguments(len(params), lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, seed=seed)
     tensors = {"params": params, "grads": grads, "exp_avgs": exp_avgs,
                "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
                "master_params": master_params}

@@ -84,8 +84,8 @@ def adam8bit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_
     """
     spec = Adam8bitSpec(decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
                         stochastic_rounding=stochastic_rounding)
-    spec.arguments(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                   seed=seed)
+    spec.check_arguments(len(params), lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, seed=seed)
     _calls.step(spec, _tensors(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
                                exp_avg_sq_absmax), table_mode=table_mode, stream=stream, lr=lr,
                 step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

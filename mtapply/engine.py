@@ -17,7 +17,7 @@ from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar, OutputArray, check_number
+from .ops._spec import DeviceScalar, OutputArray, check_number, per_tensor_rows, rows_key
 from .plan import group_tensors
 
 _SCALARS_KEPT = 8
@@ -58,6 +58,7 @@ class Plan:
         self._released: set = set()  # slots whose TensorRefs no longer hold their tensors
         self.device = self._refs[first][0].device if self._n else None
         self._scalars: OrderedDict = OrderedDict()
+        self._row_cache = None  # (key, rows) of the latest per-tensor hyperparameters
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
@@ -112,7 +113,11 @@ class Plan:
         is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
-        args = self.spec.arguments(**{k: self._scalar(k, v) for k, v in hyper.items()})
+        rows = self._rows(hyper)
+        if rows is not None and not rows[0]:
+            return  # no tensor: nothing to check the per-tensor values against
+        args = rows[0][0] if rows else self.spec.arguments(
+            **{k: self._scalar(k, v) for k, v in hyper.items()})
         scale = 1.0 if grad_scale is None else self._scalar("grad_scale", grad_scale)
         if not isinstance(scale, DeviceScalar):
             scale = check_number("grad_scale", scale, low=0.0, low_open=True)
@@ -124,13 +129,32 @@ class Plan:
         if self._n == 0:
             return
         if self._cuda is None:
-            _cpu.run(self.spec, self._refs, args, grad_scale=scale)
+            _cpu.run(self.spec, self._refs, args, grad_scale=scale, rows=rows)
         else:
             chosen = self._stream if stream is None else stream
             if after_pass is not None and isinstance(self._cuda, _Devices):
                 raise ValueError("after_pass needs the plan's tensors on one GPU")
             self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
-                           after_pass)
+                           after_pass, rows)
+
+    def _rows(self, hyper: dict):
+        """(checked args of each row, each tensor's row) where hyperparameters are given per
+        tensor, else None. On a GPU the rows of the latest step are reused while the values
+        stay (device values by identity: the kernel reads them)."""
+        rows = per_tensor_rows(hyper, self._n)
+        if rows is None:
+            return None
+        values, row_of = rows
+        if self.spec.single_device or self.spec.n_sums:
+            raise ValueError(f"{self.spec.name} takes each hyperparameter for all tensors: give one "
+                             f"number, not one per tensor")
+        # on the CPU a device value is read when checked: nothing may be reused
+        key = rows_key(hyper, rows) if self._cuda is not None else None
+        if key is None or self._row_cache is None or self._row_cache[0] != key:
+            checked = [self.spec.arguments(**{k: self._scalar(k, v) for k, v in row.items()})
+                       for row in values]
+            self._row_cache = (key, (checked, row_of))
+        return self._row_cache[1]
 
     def sums(self):
         """The per-tensor sums that a multi-pass op's first pass leaves for the next (LARS:
@@ -320,6 +344,7 @@ class _Launcher:
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
         self.launches, self.tables, self._memory = [], [], []
+        self._rows = _RowTables(device_id)
         self.all_sums = None
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
@@ -394,10 +419,12 @@ class _Launcher:
         self.upload(stream)
         return self
 
-    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None) -> None:
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
+            rows=None) -> None:
         """Every pass over every group, pass by pass: a pass may need all groups' sums (a
         global norm) from the one before. `stream_of(device_id)` is the launch stream;
-        `after_pass(k)` runs on the host between passes k and k + 1."""
+        `after_pass(k)` runs on the host between passes k and k + 1; `rows` (checked args of
+        each row, each tensor's row) gives per-tensor hyperparameters."""
         import cupy
 
         stream = stream_of(self.device_id)
@@ -409,6 +436,7 @@ class _Launcher:
             busy = [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
             for k in busy:
                 self.tables[k].before_launch(stream)
+                self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream)
             # every pass and hook runs even with nothing to launch here: ranks that all-reduce
             # between passes must all reach the hook
             n_passes = len(self.launches[0]) if self.launches else 0
@@ -421,6 +449,7 @@ class _Launcher:
                     after_pass(p)
             for k in busy:
                 self.tables[k].launched_on(stream)
+                self._rows.launched_on(k, stream)
         finally:
             if switch:
                 device.__exit__(None, None, None)
@@ -444,6 +473,60 @@ def _device_copy(values: np.ndarray, stream: int):
     return memory
 
 
+class _RowTables:
+    """The device tables of per-tensor hyperparameters, per launch group: the args rows (packed
+    as each group's launches read them: their array addresses differ) and each tensor's row.
+    Rewritten, by async copies on the launch stream, only when their bytes change."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self._tables: dict = {}  # group -> (rows table, row_of table, their bytes, the rows)
+
+    def place(self, k: int, launches: list, indices: np.ndarray, rows, stream: int) -> None:
+        """Points group k's launches at its tables for `rows` (None: at the launch's args)."""
+        if rows is None:
+            for launch in launches:
+                launch.set_rows(0, 0)
+            return
+        checked, row_of = rows
+        held = self._tables.get(k)
+        if held is not None and held[3] is rows:  # the plan's cached rows: nothing to pack
+            self._point(launches, held, stream)
+            return
+        words = b"".join(launches[0].row_words(args) for args in checked)
+        of_group = np.ascontiguousarray(row_of[indices], np.int32)
+        if held is None or held[2] != (words, of_group.tobytes()):
+            rows_table = _table_for(held[0] if held else None, len(words), self.device_id)
+            row_of_table = _table_for(held[1] if held else None, of_group.nbytes, self.device_id)
+            if held is None or held[2][0] != words:
+                rows_table.write(np.frombuffer(words, np.uint8), stream)
+            if held is None or held[2][1] != of_group.tobytes():
+                row_of_table.write(of_group.view(np.uint8), stream)
+            held = (rows_table, row_of_table, (words, of_group.tobytes()))
+        held = self._tables[k] = held[:3] + (rows,)
+        self._point(launches, held, stream)
+
+    @staticmethod
+    def _point(launches: list, held: tuple, stream: int) -> None:
+        for table in held[:2]:
+            table.before_launch(stream)
+        for launch in launches:
+            launch.set_rows(held[0].ptr, held[1].ptr)
+
+    def launched_on(self, k: int, stream: int) -> None:
+        held = self._tables.get(k)
+        if held is not None:
+            for table in held[:2]:
+                table.launched_on(stream)
+
+
+def _table_for(table, nbytes: int, device_id: int):
+    """`table` where it holds nbytes, else a new device table of that size."""
+    if table is not None and table.nbytes == nbytes:
+        return table
+    return _tables.MemcpyTable(nbytes, device_id)
+
+
 class _Devices:
     """The launchers of a plan whose tensors are on several GPUs, each with the positions of
     its tensors in the plan's lists; one launch set per device, on that device's stream."""
@@ -451,9 +534,11 @@ class _Devices:
     def __init__(self, parts: list):
         self.parts = parts  # (device_id, indices, _Launcher)
 
-    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None) -> None:
-        for _, _, launcher in self.parts:
-            launcher.run(args, stream_of, grad_scale, found_inf)
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
+            rows=None) -> None:
+        for _, indices, launcher in self.parts:
+            launcher.run(args, stream_of, grad_scale, found_inf,
+                         rows=None if rows is None else (rows[0], rows[1][indices]))
 
     def rebound(self, columns: dict, stream_of) -> "_Devices":
         self.parts = [(device_id, indices,

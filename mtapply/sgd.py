@@ -61,7 +61,7 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, step=None, momentum=0.
                    stochastic_rounding=stochastic_rounding)
     hyper = dict(lr=lr, step=step, momentum=momentum, dampening=dampening,
                  weight_decay=weight_decay, seed=seed)
-    spec.arguments(**hyper)
+    spec.check_arguments(len(params), **hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}
     _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,

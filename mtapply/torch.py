@@ -70,6 +70,7 @@ class _Part:
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
         self.device = params[0].device
+        self.group_of = None  # in a merged group: each param's group index
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
         if plan is not None and _is_dtensor(params[0]):
@@ -122,6 +123,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
     _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
+    # whether groups of equal compile options step as one plan, each tensor reading its
+    # group's hyperparameters (per-tensor rows): ops whose hyperparameters are plain numbers
+    _merges_groups = False
+    _SHARED = ("seed",)  # hyperparameters that must be equal across groups to merge them
 
     def __init__(self, params, defaults, flat_grads=False):
         self._flat_grads = bool(flat_grads)
@@ -156,7 +161,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         flat = self._flat_grads_in_place()
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
-        for index, group in enumerate(self.param_groups):
+        merged = self._merged_group()
+        if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
+            self._bound.clear()
+        for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
             bound = self._bound.get(index) if flat else None
             if bound is not None and bound.complete and bound.options == self._compile_options(group):
                 for part in bound.parts:  # O(1) in the number of params
@@ -274,8 +282,34 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for part in bound.parts:
             self._step_part(part, group, grad_scale, found_inf)
 
+    def _merged_group(self) -> dict | None:
+        """All param groups as one, where they can step as one plan: an op of plain-number
+        hyperparameters, several groups, equal compile options and shared values, no tensor
+        lr. The merged group holds every param, and each group's options under "groups"."""
+        groups = self.param_groups
+        if not self._merges_groups or len(groups) < 2:
+            return None
+        options = self._compile_options(groups[0])
+        for group in groups:
+            if (self._compile_options(group) != options or isinstance(group["lr"], torch.Tensor)
+                    or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
+                return None
+        return dict(groups[0], params=[p for g in groups for p in g["params"]], groups=groups)
+
+    def _part_hyper(self, part, group) -> dict:
+        """The hyperparameters of a part: its group's, or in a merged group each tensor's own
+        (one value per tensor where the groups differ)."""
+        if "groups" not in group:
+            return self._hyper(group, part.device)
+        per_group = [self._hyper(g, part.device) for g in group["groups"]]
+        first = per_group[0]
+        differ = [k for k in first if any(h[k] != first[k] for h in per_group)]
+        if not differ:
+            return first
+        return dict(first, **{k: [per_group[g][k] for g in part.group_of] for k in differ})
+
     def _step_part(self, part, group, grad_scale, found_inf) -> None:
-        hyper = self._hyper(group, part.device)
+        hyper = self._part_hyper(part, group)
         scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
         if part.sums is not None:
             part.sums.zero_()  # empty shards add nothing: their rows are never written
@@ -299,8 +333,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if not _local(p).is_contiguous():
                 raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
+        owner = ({id(q): k for k, g in enumerate(group["groups"]) for q in g["params"]}
+                 if "groups" in group else None)  # a merged group's params keep their group's
         for p in params:
-            self._init_state(group, p, self.state[p])
+            own = group["groups"][owner[id(p)]] if owner else group
+            self._init_state(own, p, self.state[p])
         classes: dict = {}  # params of one device and one step count share a plan
         counts: dict = {}  # one host read per step tensor (params of a plan share one)
         counting = self._counts(group)
@@ -316,6 +353,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             counter = self._counter(members, count) if counting else None
             plan = self._make_plan(group, members, _locals([grads[i] for i in indices]))
             parts.append(_Part(np.asarray(indices), members, plan, counter))
+            if owner:
+                parts[-1].group_of = [owner[id(p)] for p in members]
         return _Bound(key, options, list(params), grads, parts)
 
     def _counts(self, group) -> bool:
@@ -372,6 +411,8 @@ class Adam(_FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay,
                         stochastic_rounding=stochastic_rounding, seed=seed)
         super().__init__(params, defaults, flat_grads)
+
+    _merges_groups = True
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),

@@ -87,3 +87,20 @@ def test_per_group_state_dict_round_trip(device):
     _steps(b, ob, None, device, 3, 6)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_adam_groups_step_as_one_plan_until_they_cannot():
+    """Groups of equal compile options share one plan (one launch set), its tensors reading
+    their group's hyperparameters; a tensor lr or another compile option steps per group."""
+    model = _model("cpu")
+    params = list(model.parameters())
+    opt = mt.AdamW(_per_tensor_groups(params, mt.AdamW), lr=1.0)
+    _steps(model, opt, None, "cpu", 0, 2)
+    assert list(opt._bound) == ["merged"] and len(opt._bound["merged"].parts) == 1
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    _steps(model, opt, None, "cpu", 2, 3)
+    assert "merged" not in opt._bound and len(opt._bound) == len(params)
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.param_groups[1]["amsgrad"] = True
+    _steps(model, opt, None, "cpu", 3, 4)
+    assert "merged" not in opt._bound

@@ -1,0 +1,86 @@
+"""Per-tensor hyperparameters on the GPU: one launch per group of dtypes reads each tensor's
+row of args; against the CPU path with the same per-tensor values (which equals each tensor's
+own step), for Adam, AdamW, SGD and 8-bit AdamW, with values changing between steps, a tensor
+changing rows, and device-scalar steps in a CUDA graph."""
+import numpy as np
+import pytest
+
+import mtapply
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+SHAPES = [(1 << 20 | 3,), (3, 5), (4096,), (0,), (300,), (9000,)]
+
+
+def _lists(seed, n_lists, device):
+    g = torch.Generator().manual_seed(seed)
+    made = [[torch.randn(s, generator=g) * (0.1 if k >= 2 else 1.0) for s in SHAPES]
+            for k in range(n_lists)]
+    if n_lists == 4:
+        made[3] = [x.abs() for x in made[3]]
+    return [[x.to(device) for x in column] for column in made]
+
+
+def _assert_close(gpu, cpu):
+    for a, b in zip(sum(gpu, []), sum(cpu, [])):
+        a = a.cpu()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if a.numel():
+            assert torch.isclose(a.reshape(-1)[-1], b.reshape(-1)[-1], rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_rows_follow_the_cpu_path_and_change_between_steps():
+    gpu, cpu = _lists(0, 4, "cuda"), _lists(0, 4, "cpu")
+    before = gpu[0][0].clone()
+    for t in range(1, 5):
+        lr = [1e-3 / t, 2e-3, 1e-3, 1e-3, 5e-4 * t, 2e-3]
+        weight_decay = [0.0, 0.01, 0.01, 0.0, 0.0 if t < 3 else 0.1, 0.1]  # a tensor changes row
+        for lists in (gpu, cpu):
+            mtapply.adam_step(*lists, lr=lr, step=t, weight_decay=weight_decay,
+                              decoupled_weight_decay=True, beta1=[0.9, 0.8] * 3)
+    torch.cuda.synchronize()
+    assert not torch.equal(gpu[0][0], before)
+    _assert_close(gpu, cpu)
+
+
+def test_sgd_and_adam8bit_rows():
+    gpu, cpu = _lists(1, 3, "cuda"), _lists(1, 3, "cpu")
+    for t in (1, 2, 3):
+        for lists in (gpu, cpu):
+            mtapply.sgd_step(*lists, lr=[0.1, 0.01, 0.1, 0.1, 0.05, 0.1], step=t,
+                             momentum=[0.9, 0.0, 0.5, 0.9, 0.9, 0.0])
+    torch.cuda.synchronize()
+    _assert_close(gpu, cpu)
+    rng = np.random.default_rng(2)
+    params = [rng.standard_normal(s).astype(np.float32) for s in [(5000,), (12,), (70000,)]]
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
+    state = mtapply.adam8bit_state(params)
+    gpu_params = [torch.from_numpy(p.copy()).cuda() for p in params]
+    gpu_state = [[torch.from_numpy(x.copy()).cuda() for x in column] for column in state.lists()]
+    lr = [1e-3, 3e-3, 2e-3]
+    mtapply.adam8bit_step(gpu_params, [torch.from_numpy(g).cuda() for g in grads], *gpu_state,
+                          lr=lr, step=1)
+    mtapply.adam8bit_step(params, grads, *state.lists(), lr=lr, step=1)
+    torch.cuda.synchronize()
+    for a, b in zip(gpu_params, params):
+        np.testing.assert_allclose(a.cpu().numpy(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_with_a_device_step_replay_in_a_cuda_graph():
+    gpu, cpu = _lists(3, 4, "cuda"), _lists(3, 4, "cpu")
+    plan = mtapply.adam_plan(*gpu)
+    step = torch.ones(1, device="cuda")
+    lr = [1e-3, 2e-3, 3e-3, 1e-3, 2e-3, 3e-3]
+    plan.step(lr=lr, step=step)  # the rows are uploaded outside the capture
+    mtapply.adam_step(*cpu, lr=lr, step=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.step(lr=lr, step=step)
+    for t in (2, 3):
+        step.fill_(t)
+        graph.replay()
+        mtapply.adam_step(*cpu, lr=lr, step=t)
+    torch.cuda.synchronize()
+    _assert_close(gpu, cpu)

@@ -1,0 +1,108 @@
+"""Hyperparameters given per tensor (one value per tensor, as param groups make them): a step
+with them equals the steps of each tensor's own hyperparameters, for the functional calls and
+bound plans of Adam, AdamW, SGD and 8-bit AdamW, with values that change between steps; bad
+sequences are refused before anything is written."""
+import numpy as np
+import pytest
+
+import mtapply
+
+SHAPES = [(7,), (3, 5), (64,), (2, 2), (300,)]
+
+
+def _lists(seed, n_lists):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(s).astype(np.float32) * (0.1 if k >= 2 else 1.0) for s in SHAPES]
+            for k in range(n_lists)]
+
+
+def _copy(lists):
+    return [[x.copy() for x in column] for column in lists]
+
+
+def _adam_state(seed):
+    params, grads, m, v = _lists(seed, 4)
+    return [params, grads, m, [np.abs(x) for x in v]]
+
+
+def test_adamw_with_per_tensor_values_equals_each_tensor_alone():
+    lr = [1e-3, 2e-3, 1e-3, 5e-4, 2e-3]
+    weight_decay = [0.0, 0.01, 0.01, 0.0, 0.1]
+    beta1 = [0.9, 0.8, 0.9, 0.9, 0.85]
+    together, alone = _adam_state(0), _adam_state(0)
+    for t in (1, 2, 3):
+        mtapply.adam_step(*together, lr=lr, step=t, beta1=beta1, weight_decay=weight_decay,
+                          decoupled_weight_decay=True)
+        for i in range(len(SHAPES)):
+            mtapply.adam_step(*[[column[i]] for column in alone], lr=lr[i], step=t, beta1=beta1[i],
+                              weight_decay=weight_decay[i], decoupled_weight_decay=True)
+    for a, b in zip(sum(together, []), sum(alone, [])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_plan_follows_per_tensor_values_that_change_between_steps():
+    together, alone = _adam_state(1), _adam_state(1)
+    plan = mtapply.adam_plan(*together)
+    plans = [mtapply.adam_plan(*[[column[i]] for column in alone]) for i in range(len(SHAPES))]
+    for t in range(1, 5):
+        lr = np.array([1e-3, 2e-3, 3e-3, 4e-3, 5e-3]) / t  # a scheduler per group
+        eps = (1e-8,) * 3 + (1e-6, 1e-6)
+        plan.step(lr=lr, step=t, eps=eps)
+        for i, single in enumerate(plans):
+            single.step(lr=float(lr[i]), step=t, eps=eps[i])
+    for a, b in zip(sum(together, []), sum(alone, [])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sgd_with_per_tensor_momentum_and_decay():
+    params, grads, buffers = _lists(2, 3)
+    twin = _copy([params, grads, buffers])
+    momentum, weight_decay = [0.0, 0.9, 0.5, 0.9, 0.0], [0.0, 1e-3, 0.0, 1e-2, 1e-3]
+    for t in (1, 2):
+        mtapply.sgd_step(params, grads, buffers, lr=0.1, step=t, momentum=momentum,
+                         weight_decay=weight_decay)
+        for i in range(len(SHAPES)):
+            mtapply.sgd_step([twin[0][i]], [twin[1][i]], [twin[2][i]], lr=0.1, step=t,
+                             momentum=momentum[i], weight_decay=weight_decay[i])
+    for a, b in zip(params + buffers, twin[0] + twin[2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_adam8bit_with_per_tensor_learning_rates():
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(s).astype(np.float32) for s in [(5000,), (12,), (4096,)]]
+    twin = [p.copy() for p in params]
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
+    states = [mtapply.adam8bit_state(params), mtapply.adam8bit_state(twin)]
+    lr = [1e-3, 3e-3, 2e-3]
+    mtapply.adam8bit_step(params, grads, *states[0].lists(), lr=lr, step=1)
+    for i in range(3):
+        columns = [[column[i]] for column in states[1].lists()]
+        mtapply.adam8bit_step([twin[i]], [grads[i]], *columns, lr=lr[i], step=1)
+    for a, b in zip(params + sum(map(list, states[0].lists()), []),
+                    twin + sum(map(list, states[1].lists()), [])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("lr,message", [([1e-3, 1e-3], "lr has 2 values for 5 tensors"),
+                                        ([1e-3, 1e-3, -1.0, 1e-3, 1e-3], "lr"),
+                                        ([1e-3, "a", 1e-3, 1e-3, 1e-3], "must hold numbers")])
+def test_bad_per_tensor_values_are_refused_before_anything_is_written(lr, message):
+    lists = _adam_state(4)
+    before = _copy(lists)
+    with pytest.raises((ValueError, TypeError), match=message):
+        mtapply.adam_step(*lists, lr=lr, step=1)
+    for a, b in zip(sum(lists, []), sum(before, [])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ops_that_sum_over_tensors_take_one_value_for_all():
+    params, grads, buffers = _lists(5, 3)
+    with pytest.raises((ValueError, TypeError)):
+        mtapply.lars_step(params, grads, buffers, lr=[0.1] * len(SHAPES), step=1, momentum=0.9)
+
+
+def test_empty_lists_take_empty_per_tensor_values():
+    mtapply.adam_step([], [], [], [], lr=[], step=1)
+    with pytest.raises(ValueError, match="lr has 1 values for 0 tensors"):
+        mtapply.adam_step([], [], [], [], lr=[1e-3], step=1)
