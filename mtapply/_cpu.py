@@ -55,8 +55,8 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
 
 def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> None:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
-    with its row's where `rows` (the args of each row, each tensor's row) is given; grads are
-    divided by `grad_scale` first (AMP), in the math type, as the kernel does. With master
+    with its row's where `rows` (mtapply._rows.Rows) is given; grads are divided by
+    `grad_scale` first (AMP), in the math type, as the kernel does. With master
     weights the op sees the fp32 master as its param, and the param receives the rounded
     result. Param modes as `OpSpec.with_param_mode` says."""
     if rows is None and spec.cpu_run(refs, args, grad_scale):
@@ -74,7 +74,7 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> Non
             arrays["params"] = np.zeros_like(arrays["params"])
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        tensor_args = args if rows is None else rows[0][rows[1][i]]
+        tensor_args = args if rows is None else rows.checked[rows.row_of[i]]
         for name, values in spec.cpu_update(dict(arrays), tensor_args, dtype, i).items():
             if name == "params" and spec.param_mode == "delta":
                 store(refs["updates"][i], values - arrays["params"])

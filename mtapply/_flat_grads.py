@@ -14,11 +14,16 @@ unless something replaced them. What can be checked in O(1) is checked every ste
 """
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
 
-CHECKED_PER_STEP = 64  # params verified per step in rotation; every param within n / 64 steps
+CHECKED_PER_STEP = 64  # params whose grad and storage are verified per step, in rotation
+PLACED_PER_STEP = 8  # params whose place in their group is verified per step, in rotation
+_PARAMS = operator.itemgetter("params")
+_GRAD = operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
 _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary, for the kernel's vector loads
 
 
@@ -42,6 +47,10 @@ class FlatGrads:
                                      f"group {g} is strided: make it contiguous or use flat_grads=False")
         self.lengths = [len(params) for params in groups]
         self.buffers = self._allocate(groups)
+        twice = self._twice = self.entries * 2  # the rotation reads slices, wrapping around
+        self._params = [entry.param for entry in twice]
+        self._views = [entry.view for entry in twice]
+        self._addresses = [entry.address for entry in twice]
         self._versions = None
         self._next = 0
         self._warned = False
@@ -83,19 +92,33 @@ class FlatGrads:
         self.mark()
 
     def fits(self, groups: list) -> bool:
-        return [len(g["params"]) for g in groups] == self.lengths
+        return list(map(len, map(_PARAMS, groups))) == self.lengths  # C-level: runs every step
 
     def intact(self, groups: list) -> bool:
-        """O(1): whether every grad is still its view. False when a buffer was not written
-        since the last mark (then `restore()`); raises when the rotation finds a change."""
-        if not self.fits(groups) or any(b._version == v for b, v in zip(self.buffers, self._versions)):
+        """O(1): whether every grad is still its view (the groups must `fit`). False when a
+        buffer was not written since the last mark (then `restore()`); raises when the rotation
+        finds a change."""
+        if any(b._version == v for b, v in zip(self.buffers, self._versions)):
             return False
         self._check_some(groups)
         return True
 
     def _check_some(self, groups: list) -> None:
+        """Verifies the next params of the rotation, C-level scans first: the whole check
+        runs, param by param, only to name a problem they found."""
         n = len(self.entries)
-        for k in range(self._next, self._next + min(CHECKED_PER_STEP, n)):
+        start, stop = self._next, self._next + min(CHECKED_PER_STEP, n)
+        params = self._params[start:stop]
+        if (any(map(operator.is_not, map(_GRAD, params), self._views[start:stop]))
+                or list(map(_DATA_PTR, params)) != self._addresses[start:stop]
+                or any(groups[e.group]["params"][e.position] is not e.param
+                       for e in self._twice[start:start + PLACED_PER_STEP])):
+            self._raise_problem(groups, start, stop)
+        self._next = stop % max(n, 1)
+
+    def _raise_problem(self, groups: list, start: int, stop: int) -> None:
+        n = len(self.entries)
+        for k in range(start, stop):
             entry = self.entries[k % n]
             problem = self._problem(entry, groups)
             if problem:
@@ -105,7 +128,6 @@ class FlatGrads:
                     "grads: zero them with optimizer.zero_grad() (not model.zero_grad()), do not "
                     "assign .grad or .data, and do not edit param groups; or make the "
                     "optimizer with flat_grads=False")
-        self._next = (self._next + CHECKED_PER_STEP) % max(n, 1)
 
     @staticmethod
     def _problem(entry: _Entry, groups: list) -> str:

@@ -107,6 +107,15 @@ class KernelLaunch:
         """The op's argument words for `args`, one row of the kernel's `args_rows`."""
         return self._packer.pack(*self._values(args, 1.0, None))[struct.calcsize(_HEADER):]
 
+    def row_word(self, name: str) -> int:
+        """Index of the word of the number field `name` in a row of `row_words`."""
+        words = 0
+        for field, has_pointer in self._layout:
+            if field == name:
+                return words
+            words += 2 if has_pointer else 1
+        raise KeyError(name)
+
     def set_array(self, name: str, ptr: int) -> None:
         self._arrays[name] = ptr
 

@@ -15,9 +15,10 @@ import numpy as np
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
+from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar, OutputArray, check_number, per_tensor_rows, rows_key
+from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
 _SCALARS_KEPT = 8
@@ -58,7 +59,7 @@ class Plan:
         self._released: set = set()  # slots whose TensorRefs no longer hold their tensors
         self.device = self._refs[first][0].device if self._n else None
         self._scalars: OrderedDict = OrderedDict()
-        self._row_cache = None  # (key, rows) of the latest per-tensor hyperparameters
+        self._latest_rows = None  # the rows of the latest step's per-tensor hyperparameters
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
@@ -114,9 +115,9 @@ class Plan:
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
         rows = self._rows(hyper)
-        if rows is not None and not rows[0]:
+        if rows is not None and not len(rows.firsts):
             return  # no tensor: nothing to check the per-tensor values against
-        args = rows[0][0] if rows else self.spec.arguments(
+        args = rows.first if rows else self.spec.arguments(
             **{k: self._scalar(k, v) for k, v in hyper.items()})
         scale = 1.0 if grad_scale is None else self._scalar("grad_scale", grad_scale)
         if not isinstance(scale, DeviceScalar):
@@ -137,24 +138,17 @@ class Plan:
             self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
                            after_pass, rows)
 
-    def _rows(self, hyper: dict):
-        """(checked args of each row, each tensor's row) where hyperparameters are given per
-        tensor, else None. On a GPU the rows of the latest step are reused while the values
-        stay (device values by identity: the kernel reads them)."""
-        rows = per_tensor_rows(hyper, self._n)
-        if rows is None:
-            return None
-        values, row_of = rows
-        if self.spec.single_device or self.spec.n_sums:
+    def _rows(self, hyper: dict) -> Rows | None:
+        """The checked rows where hyperparameters are given per tensor, else None. On a GPU
+        the latest step's rows are reused, or patched, while the values allow it (device values
+        by identity: the kernel reads them); on the CPU a device value is read when checked."""
+        rows = rows_for(self.spec, hyper, self._n, self._scalar,
+                        self._latest_rows if self._cuda is not None else None)
+        if rows is not None and (self.spec.single_device or self.spec.n_sums):
             raise ValueError(f"{self.spec.name} takes each hyperparameter for all tensors: give one "
                              f"number, not one per tensor")
-        # on the CPU a device value is read when checked: nothing may be reused
-        key = rows_key(hyper, rows) if self._cuda is not None else None
-        if key is None or self._row_cache is None or self._row_cache[0] != key:
-            checked = [self.spec.arguments(**{k: self._scalar(k, v) for k, v in row.items()})
-                       for row in values]
-            self._row_cache = (key, (checked, row_of))
-        return self._row_cache[1]
+        self._latest_rows = rows
+        return rows
 
     def sums(self):
         """The per-tensor sums that a multi-pass op's first pass leaves for the next (LARS:
@@ -423,8 +417,8 @@ class _Launcher:
             rows=None) -> None:
         """Every pass over every group, pass by pass: a pass may need all groups' sums (a
         global norm) from the one before. `stream_of(device_id)` is the launch stream;
-        `after_pass(k)` runs on the host between passes k and k + 1; `rows` (checked args of
-        each row, each tensor's row) gives per-tensor hyperparameters."""
+        `after_pass(k)` runs on the host between passes k and k + 1; `rows` (mtapply._rows.Rows)
+        gives per-tensor hyperparameters."""
         import cupy
 
         stream = stream_of(self.device_id)
@@ -476,48 +470,68 @@ def _device_copy(values: np.ndarray, stream: int):
 class _RowTables:
     """The device tables of per-tensor hyperparameters, per launch group: the args rows (packed
     as each group's launches read them: their array addresses differ) and each tensor's row.
-    Rewritten, by async copies on the launch stream, only when their bytes change."""
+    Rewritten, by async copies on the launch stream, only when their bytes change; rows that
+    differ from the held ones in scheduled columns only are patched in place."""
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self._tables: dict = {}  # group -> (rows table, row_of table, their bytes, the rows)
+        self._tables: dict = {}  # group -> _HeldRows
 
-    def place(self, k: int, launches: list, indices: np.ndarray, rows, stream: int) -> None:
+    def place(self, k: int, launches: list, indices: np.ndarray, rows: Rows | None,
+              stream: int) -> None:
         """Points group k's launches at its tables for `rows` (None: at the launch's args)."""
         if rows is None:
             for launch in launches:
                 launch.set_rows(0, 0)
             return
-        checked, row_of = rows
         held = self._tables.get(k)
-        if held is not None and held[3] is rows:  # the plan's cached rows: nothing to pack
-            self._point(launches, held, stream)
-            return
-        words = b"".join(launches[0].row_words(args) for args in checked)
-        of_group = np.ascontiguousarray(row_of[indices], np.int32)
-        if held is None or held[2] != (words, of_group.tobytes()):
-            rows_table = _table_for(held[0] if held else None, len(words), self.device_id)
-            row_of_table = _table_for(held[1] if held else None, of_group.nbytes, self.device_id)
-            if held is None or held[2][0] != words:
-                rows_table.write(np.frombuffer(words, np.uint8), stream)
-            if held is None or held[2][1] != of_group.tobytes():
-                row_of_table.write(of_group.view(np.uint8), stream)
-            held = (rows_table, row_of_table, (words, of_group.tobytes()))
-        held = self._tables[k] = held[:3] + (rows,)
-        self._point(launches, held, stream)
-
-    @staticmethod
-    def _point(launches: list, held: tuple, stream: int) -> None:
-        for table in held[:2]:
+        if held is None or held.rows is not rows:
+            if held is not None and held.rows.origin is rows.origin:
+                for name, per_row in rows.patched.items():
+                    held.words.view(np.float64)[:, launches[0].row_word(name)] = per_row
+                held.rows_table.write(held.words.reshape(-1).view(np.uint8), stream)
+                held.rows = rows
+            else:
+                held = self._tables[k] = _HeldRows.packed(held, launches[0], indices, rows,
+                                                          stream, self.device_id)
+        for table in (held.rows_table, held.row_of_table):
             table.before_launch(stream)
         for launch in launches:
-            launch.set_rows(held[0].ptr, held[1].ptr)
+            launch.set_rows(held.rows_table.ptr, held.row_of_table.ptr)
 
     def launched_on(self, k: int, stream: int) -> None:
         held = self._tables.get(k)
         if held is not None:
-            for table in held[:2]:
+            for table in (held.rows_table, held.row_of_table):
                 table.launched_on(stream)
+
+
+@dataclasses.dataclass
+class _HeldRows:
+    """One launch group's device rows: the tables, the packed words they hold, the rows."""
+
+    rows_table: object
+    row_of_table: object
+    words: np.ndarray  # uint64, one line of argument words per row
+    row_of: np.ndarray  # int32, the row of each of the group's tensors
+    rows: Rows
+
+    @classmethod
+    def packed(cls, held, launch, indices: np.ndarray, rows: Rows, stream: int,
+               device_id: int) -> _HeldRows:
+        """`rows` packed for `launch`, uploaded where the bytes differ from `held`'s."""
+        words = np.frombuffer(b"".join(map(launch.row_words, rows.checked)), np.uint64)
+        words = words.reshape(len(rows.checked), -1).copy()
+        row_of = np.ascontiguousarray(rows.row_of[indices], np.int32)
+        rows_table = _table_for(held and held.rows_table, words.nbytes, device_id)
+        row_of_table = _table_for(held and held.row_of_table, row_of.nbytes, device_id)
+        if held is None or rows_table is not held.rows_table or not np.array_equal(
+                words, held.words):
+            rows_table.write(words.reshape(-1).view(np.uint8), stream)
+        if held is None or row_of_table is not held.row_of_table or not np.array_equal(
+                row_of, held.row_of):
+            row_of_table.write(row_of.view(np.uint8), stream)
+        return cls(rows_table, row_of_table, words, row_of, rows)
 
 
 def _table_for(table, nbytes: int, device_id: int):
@@ -533,12 +547,25 @@ class _Devices:
 
     def __init__(self, parts: list):
         self.parts = parts  # (device_id, indices, _Launcher)
+        self._origin_subsets = (None, [])  # (origin rows, each part's subset of them)
+        self._latest = (None, [])  # (the latest step's rows, each part's share)
+
+    def _rows_of_parts(self, rows: Rows | None) -> list:
+        """Each part's share of `rows`: patches over the origin's subsets, made once each."""
+        if rows is None:
+            return [None] * len(self.parts)
+        if self._latest[0] is not rows:
+            origin, subsets = self._origin_subsets
+            if origin is not rows.origin:
+                subsets = [rows.origin.subset(indices) for _, indices, _ in self.parts]
+                self._origin_subsets = (rows.origin, subsets)
+            self._latest = (rows, [rows.on(subset) for subset in subsets])
+        return self._latest[1]
 
     def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
             rows=None) -> None:
-        for _, indices, launcher in self.parts:
-            launcher.run(args, stream_of, grad_scale, found_inf,
-                         rows=None if rows is None else (rows[0], rows[1][indices]))
+        for (_, _, launcher), part_rows in zip(self.parts, self._rows_of_parts(rows)):
+            launcher.run(args, stream_of, grad_scale, found_inf, rows=part_rows)
 
     def rebound(self, columns: dict, stream_of) -> "_Devices":
         self.parts = [(device_id, indices,

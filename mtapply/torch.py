@@ -35,6 +35,7 @@ on mtapply's NumPy backend.
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from itertools import repeat
 
@@ -48,12 +49,14 @@ from . import lars as _lars
 from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
+from ._param_groups import GroupChanges, tracked
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
            "GaLoreAdamW", "Lion", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
+_LR = operator.itemgetter("lr")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DEREF = weakref.ref.__call__
@@ -71,6 +74,7 @@ class _Part:
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
         self.device = params[0].device
         self.group_of = None  # in a merged group: each param's group index
+        self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
         if plan is not None and _is_dtensor(params[0]):
@@ -131,6 +135,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults, flat_grads=False):
         self._flat_grads = bool(flat_grads)
         self._flat = None
+        self._group_changes = GroupChanges()
+        self._merged = (0, None)  # (changes version, the merged group or None)
         super().__init__(params, defaults)
         self._bound: dict = {}
         if self._flat_grads:
@@ -140,13 +146,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return dict(super().__getstate__(), _flat_grads=self._flat_grads)
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
-        super().__setstate__(state)
-        self._flat_grads = state.get("_flat_grads", False)
+        super().__setstate__(state)  # load_state_dict comes here too, with new groups
+        self._flat_grads = state.get("_flat_grads", getattr(self, "_flat_grads", False))
         self._bound, self._flat = {}, None  # the flat buffers are made again at the next step
+        self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
+        self._merged = (0, None)
+        self.param_groups = tracked(self.param_groups, self._group_changes)
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 
     def step(self, closure=None):
+        if (_profiler_enabled() or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                or _optimizer_module._global_optimizer_pre_hooks
+                or _optimizer_module._global_optimizer_post_hooks):
+            return _HOOKED_STEP(self, closure)
+        return self._plain_step(closure)
+
+    # torch.optim wraps `step` in a profiler range that it enters even when no profiler runs;
+    # `step` does what that wrapper does (the hooks, the range) only when there is any to do
+    step.hooked = True
+
+    def _plain_step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -161,6 +181,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         flat = self._flat_grads_in_place()
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
+        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
         merged = self._merged_group()
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
             self._bound.clear()
@@ -246,6 +267,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
+        self.param_groups = tracked(self.param_groups, self._group_changes)
         if hasattr(self, "_bound"):
             self._bound.clear()
             self._flat = None  # made again, over every group, at the next step
@@ -285,7 +307,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _merged_group(self) -> dict | None:
         """All param groups as one, where they can step as one plan: an op of plain-number
         hyperparameters, several groups, equal compile options and shared values, no tensor
-        lr. The merged group holds every param, and each group's options under "groups"."""
+        lr. The merged group holds every param, and each group's options under "groups".
+        O(1) while no group changed or only plain-number lrs were set."""
+        seen, merged = self._merged
+        changes = self._group_changes
+        if seen != changes.version:
+            if merged is None or changes.since(seen) - {"lr"}:  # plain-number lrs keep a merge
+                merged = self._merge_groups()
+            self._merged = (changes.version, merged)
+        return merged
+
+    def _merge_groups(self) -> dict | None:
         groups = self.param_groups
         if not self._merges_groups or len(groups) < 2:
             return None
@@ -298,15 +330,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _part_hyper(self, part, group) -> dict:
         """The hyperparameters of a part: its group's, or in a merged group each tensor's own
-        (one value per tensor where the groups differ)."""
+        (one value per tensor where the groups differ). A merged part keeps them, and renews
+        only the lrs when only lrs were set since."""
         if "groups" not in group:
             return self._hyper(group, part.device)
-        per_group = [self._hyper(g, part.device) for g in group["groups"]]
+        changes = self._group_changes
+        if part.hyper is None or part.hyper_at != changes.version:
+            names = changes.since(part.hyper_at) if part.hyper is not None else None
+            if names == {"lr"}:  # as a scheduler sets them: plain numbers
+                groups = group["groups"]
+                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))
+                lrs = lrs[part.group_of]
+                part.hyper = dict(part.hyper, lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
+            else:
+                part.hyper = self._merged_hyper(part, group["groups"])
+            part.hyper_at = changes.version
+        return part.hyper
+
+    def _merged_hyper(self, part, groups: list) -> dict:
+        per_group = [self._hyper(g, part.device) for g in groups]
         first = per_group[0]
         differ = [k for k in first if any(h[k] != first[k] for h in per_group)]
-        if not differ:
-            return first
-        return dict(first, **{k: [per_group[g][k] for g in part.group_of] for k in differ})
+        return dict(first, **{k: tuple(per_group[g][k] for g in part.group_of) for k in differ})
 
     def _step_part(self, part, group, grad_scale, found_inf) -> None:
         hyper = self._part_hyper(part, group)
@@ -354,7 +399,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             plan = self._make_plan(group, members, _locals([grads[i] for i in indices]))
             parts.append(_Part(np.asarray(indices), members, plan, counter))
             if owner:
-                parts[-1].group_of = [owner[id(p)] for p in members]
+                parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
         return _Bound(key, options, list(params), grads, parts)
 
     def _counts(self, group) -> bool:
@@ -389,6 +434,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _hyper(self, group, device) -> dict:
         raise NotImplementedError
+
+
+_HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(_FusedOptimizer._plain_step)
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_optimizer_module = sys.modules[torch.optim.Optimizer.__module__]
 
 
 class Adam(_FusedOptimizer):

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import mtapply
+from mtapply._rows import rows_for
+from mtapply.ops.adam import AdamSpec
 
 SHAPES = [(7,), (3, 5), (64,), (2, 2), (300,)]
 
@@ -106,3 +108,41 @@ def test_empty_lists_take_empty_per_tensor_values():
     mtapply.adam_step([], [], [], [], lr=[], step=1)
     with pytest.raises(ValueError, match="lr has 1 values for 0 tensors"):
         mtapply.adam_step([], [], [], [], lr=[1e-3], step=1)
+
+
+def _rows(hyper, previous=None, n=4):
+    return rows_for(AdamSpec(), hyper, n, lambda name, value: value, previous)
+
+
+def test_rows_of_the_previous_step_are_reused_or_patched_while_the_values_allow():
+    hyper = dict(lr=(1e-3, 2e-3, 1e-3, 2e-3), step=1, weight_decay=[0.0, 0.0, 0.1, 0.1])
+    first = _rows(hyper)
+    assert list(first.row_of) == [0, 1, 2, 3] and len(first.checked) == 4
+    assert _rows(dict(hyper), first) is first  # the same tuple, an equal list
+    assert _rows(dict(hyper, weight_decay=[0.0, 0.0, 0.1, 0.1]), first) is first
+    # only lr changed, one value still per row: the rows are patched, not found again
+    patched = _rows(dict(hyper, lr=[5e-4, 1e-3, 5e-4, 1e-3]), first)
+    assert patched.origin is first and list(patched.patched["lr"]) == [5e-4, 1e-3, 5e-4, 1e-3]
+    assert patched.checked == _rows(dict(hyper, lr=[5e-4, 1e-3, 5e-4, 1e-3])).checked
+    again = _rows(dict(hyper, lr=[1.0, 1e-3, 5e-4, 1e-3]), patched)
+    assert again.origin is first and again.checked[0]["lr"] == 1.0
+    assert _rows(dict(hyper, lr=[1.0] * 4), first).origin is first  # equal rows may stay apart
+    # rows that split, or another value changed: new rows
+    assert _rows(dict(hyper, weight_decay=[0.0, 0.2, 0.1, 0.1]), first).origin is not first
+    assert _rows(dict(hyper, eps=1e-6), first).origin is not first
+    counted = _rows(dict(hyper, step=2), first)  # the step count is patched into every row
+    assert counted.origin is first and [args["step"] for args in counted.checked] == [2.0] * 4
+    merged = _rows(dict(hyper, lr=[1e-3] * 4, weight_decay=[0.1] * 4))
+    assert list(merged.row_of) == [0, 0, 0, 0] and len(merged.checked) == 1
+    split = _rows(dict(hyper, lr=[1e-3, 1e-3, 1e-3, 2e-3], weight_decay=[0.1] * 4), merged)
+    assert split.origin is not merged and list(split.row_of) == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("lr", [[1e-3, -1.0, 1e-3, 1e-3], [1e-3, 1e-3, float("nan"), 1e-3]])
+def test_a_patched_column_is_checked_and_names_the_tensor(lr):
+    first = _rows(dict(lr=[1e-3, 2e-3, 3e-3, 4e-3], step=1))
+    bad = lr.index(next(v for v in lr if not v >= 0))
+    with pytest.raises(ValueError, match=f"tensor {bad}: lr"):
+        _rows(dict(lr=lr, step=1), first)
+    with pytest.raises(ValueError, match=f"tensor {bad}: lr"):
+        _rows(dict(lr=lr, step=1))

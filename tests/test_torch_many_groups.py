@@ -104,3 +104,51 @@ def test_adam_groups_step_as_one_plan_until_they_cannot():
     opt.param_groups[1]["amsgrad"] = True
     _steps(model, opt, None, "cpu", 3, 4)
     assert "merged" not in opt._bound
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_grads", [False, True])
+def test_every_option_set_between_steps_takes_effect(device, flat_grads):
+    """A merged step reads nothing per group while nothing changed: whatever is set in a
+    group, by a scheduler or by hand (lr alone, betas, decay, a replaced list), is seen."""
+    a, b = _model(device), _model(device)
+    oa = torch.optim.AdamW(_per_tensor_groups(list(a.parameters()), torch.optim.AdamW), lr=1.0,
+                           foreach=False)
+    ob = mt.AdamW(_per_tensor_groups(list(b.parameters()), mt.AdamW), lr=1.0,
+                  flat_grads=flat_grads)
+    changes = [
+        lambda opt: [g.__setitem__("lr", g["lr"] * 0.5) for g in opt.param_groups],
+        lambda opt: opt.param_groups[3].__setitem__("lr", 0.3),
+        lambda opt: opt.param_groups[2].__setitem__("betas", (0.5, 0.9)),
+        lambda opt: opt.param_groups[1].update(weight_decay=0.3, eps=1e-3),
+        lambda opt: setattr(opt, "param_groups", list(opt.param_groups)),
+        lambda opt: opt.param_groups[0].__setitem__("lr", 0.2),
+        lambda opt: [g.__setitem__("lr", 0.01) for g in opt.param_groups],  # all equal
+        lambda opt: opt.param_groups[4].__setitem__("lr", 0.05),
+    ]
+    for t, change in enumerate(changes):
+        for model, opt in ((a, oa), (b, ob)):
+            change(opt)
+            _steps(model, opt, None, device, t, t + 1)
+        _assert_same(a, b)
+    assert list(ob._bound) == ["merged"]
+
+
+def test_load_state_dict_pickle_and_deepcopy_keep_the_optimizer_working():
+    model = _model("cpu")
+    opt = mt.AdamW(_per_tensor_groups(list(model.parameters()), mt.AdamW), lr=1.0,
+                   flat_grads=True)
+    _steps(model, opt, None, "cpu", 0, 2)
+    opt.load_state_dict(opt.state_dict())
+    assert opt._flat_grads
+    twin_model = copy.deepcopy(model)
+    twin = mt.AdamW(_per_tensor_groups(list(twin_model.parameters()), mt.AdamW), lr=1.0,
+                    flat_grads=True)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    copied = copy.deepcopy(opt)
+    assert copied._flat_grads and type(copied.param_groups[0]) is type(opt.param_groups[0])
+    for optimizer in (opt, twin):
+        optimizer.param_groups[2]["lr"] = 0.7
+    _steps(model, opt, None, "cpu", 2, 4)
+    _steps(twin_model, twin, None, "cpu", 2, 4)
+    _assert_same(model, twin_model)

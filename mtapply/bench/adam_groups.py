@@ -13,8 +13,8 @@ NAME = "adam-groups"
 DESCRIPTION = "adamw fp32, one param group per tensor (lr 1e-4 .. 5e-4, weight decay 0 or 0.01)"
 BYTES_PER_PARAM = 28
 REFERENCE = "torch-fused"
-DEFAULT_WORKLOADS = ("gpt2-124M", "resnet50")
-TARGETS = {"gpt2-124M": ("x_floor", 1.1)}
+DEFAULT_WORKLOADS = ("gpt2-124M", "resnet50", "resnet152")
+TARGETS = {"gpt2-124M": ("x_floor", 1.1), "resnet152": ("x_floor", 1.1)}
 
 
 def make_data(shapes, device, seed: int = 0) -> AdamData:

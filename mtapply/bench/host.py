@@ -5,7 +5,9 @@ bottleneck), beside torch.optim.AdamW(fused=True): with grads kept in place
 (`zero_grad(set_to_none=False)`), and with grads reallocated before every step, as autograd
 does after the default `zero_grad()`. The reallocation itself is not timed, only `step()`.
 With `flat_grads=True` the step is timed at 1,000, 10,000 and 100,000 params, and called from a
-`torch.compile`d function.
+`torch.compile`d function; and with one param group per tensor (each its own lr and decay, as
+`--op adam-groups` makes them) for the tensor lists of gpt2-124M and resnet152, steady and with
+every group's lr set before each step as a scheduler does (the setting is not timed).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ def _params(torch, n: int, size: int):
     return [torch.nn.Parameter(torch.randn(size, device="cuda")) for _ in range(n)]
 
 
-def _time_steps(torch, opt, params, steps: int, reallocate: bool) -> float:
-    """Median wall microseconds of `opt.step()` (the GPU is synchronised outside the timing)."""
+def _time_steps(torch, opt, params, steps: int, reallocate: bool, before=None) -> float:
+    """Median wall microseconds of `opt.step()` (the GPU is synchronised outside the timing,
+    where `before()` runs too)."""
     times = []
     pool = [[torch.randn_like(p) for p in params] for _ in range(2)]
     for p, g in zip(params, pool[0]):
@@ -29,6 +32,8 @@ def _time_steps(torch, opt, params, steps: int, reallocate: bool) -> float:
         if reallocate:
             for p, g in zip(params, pool[k % 2]):
                 p.grad = g
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         start = time.perf_counter()
         opt.step()
@@ -37,7 +42,7 @@ def _time_steps(torch, opt, params, steps: int, reallocate: bool) -> float:
     return float(np.median(times[3:])) * 1e6
 
 
-def _time_flat_steps(torch, opt, params, steps: int, step=None) -> float:
+def _time_flat_steps(torch, opt, params, steps: int, step=None, before=None) -> float:
     """Like `_time_steps` for flat_grads. Before each step, outside the timing, the grads are
     zeroed and one view is written in place, which marks the flat buffer written as backward
     does (writing all n views, e.g. with a foreach op, would leave the host's caches cold for
@@ -48,12 +53,46 @@ def _time_flat_steps(torch, opt, params, steps: int, step=None) -> float:
     for _ in range(steps):
         opt.zero_grad()
         grad.add_(1e-3)
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     return float(np.median(times[3:])) * 1e6
+
+
+def _group_rows(torch, mt, steps: int) -> list:
+    """Host time of a step over one group per tensor, gpt2-124M's and resnet152's lists of
+    tensors (at 256 elements each), against torch's fused AdamW on the same groups."""
+    from .adam_groups import groups
+    from .workloads import EXPECTED
+
+    rows = []
+    for workload in ("gpt2-124M", "resnet152"):
+        n = EXPECTED[workload][0]
+        for scheduled in (False, True):
+            for name in ("mtapply.torch.AdamW(flat_grads=True)", "torch.optim.AdamW(fused)"):
+                params = _params(torch, n, 256)
+                if name.startswith("torch"):
+                    opt = torch.optim.AdamW(groups(params), fused=True)
+                else:
+                    opt = mt.AdamW(groups(params), flat_grads=True)
+                before = _lr_decay(opt) if scheduled else None
+                us = (_time_steps(torch, opt, params, steps, False, before) if name.startswith("torch")
+                      else _time_flat_steps(torch, opt, params, steps, before=before))
+                label = f"{name} [{n} groups{', each lr set' if scheduled else ''}]"
+                rows.append((label, "in place", us, n))
+    return rows
+
+
+def _lr_decay(opt):
+    """What a scheduler does before a step: a new lr in every group."""
+    def decay() -> None:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * 0.999
+    return decay
 
 
 def main(argv=None) -> None:
@@ -84,6 +123,7 @@ def main(argv=None) -> None:
     compiled = torch.compile(lambda: opt.step())
     rows.append(("same, step() in torch.compile", "in place",
                  _time_flat_steps(torch, opt, params, args.steps, compiled), args.params))
+    rows += _group_rows(torch, mt, args.steps)
     print(f"optimizer.step() wall time, params of {args.size} elements (median us)")
     for name, grads, us, *n in rows:
         n = n[0] if n else args.params

@@ -8,6 +8,8 @@ between two synchronisations, and the table gives the median of the rounds as ms
 as a ratio to the model's reference variant (torch's fused optimizer; optax in JAX).
 
 - gpt2: GPT-2 124M from a `transformers` config, AdamW, bf16 autocast, batch 8 x 512 tokens;
+- gpt2-groups: the same with a param group per tensor (layer-wise lr decay, no weight decay on
+  1-D params) and a scheduler setting every group's lr each step;
 - resnet50: torchvision's ResNet-50, SGD with momentum and LARS, bf16 autocast, batch 32;
 - mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW, fp32;
 - jax-mlp: an MLP in JAX (flax if installed, else plain JAX), optax.adamw against
@@ -43,8 +45,13 @@ class Model:
 class _TorchRun:
     """One variant of a torch model: its own copy of the model and its optimizer."""
 
-    def __init__(self, model, optimizer, loss, autocast: bool):
+    def __init__(self, model, optimizer, loss, autocast: bool, schedule=None):
         self.model, self.optimizer, self.loss, self.autocast = model, optimizer, loss, autocast
+        self.scheduler = None
+        if schedule is not None:
+            import torch
+
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     def step(self) -> None:
         import torch
@@ -54,6 +61,8 @@ class _TorchRun:
             loss = self.loss(self.model)
         loss.backward()
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def sync(self) -> None:
         import torch
@@ -100,24 +109,24 @@ def interleaved(runs: dict, rounds: int, steps: int) -> dict:
 # torch models
 
 
-def _torch_variants(optimizers: dict, build, loss, autocast: bool = True) -> dict:
+def _torch_variants(optimizers: dict, build, loss, autocast: bool = True, schedule=None) -> dict:
     """name -> factory of a _TorchRun with its own deep copy of the model `build()` gives."""
 
     def factory(make_optimizer, base):
         model = copy.deepcopy(base).cuda()
-        return _TorchRun(model, make_optimizer(model), loss, autocast)
+        return _TorchRun(model, make_optimizer(model), loss, autocast, schedule)
 
     base = build()
     return {name: functools.partial(factory, make, base) for name, make in optimizers.items()}
 
 
-def _adamw_optimizers(lr: float, weight_decay: float) -> dict:
+def _adamw_optimizers(lr: float, weight_decay: float, groups=None) -> dict:
+    """AdamW of torch and mtapply over `groups(model)` (default: the model's parameters)."""
     import torch
 
     import mtapply.torch as mt
 
-    def groups(model):
-        return model.parameters()
+    groups = groups or (lambda model: model.parameters())
 
     return {
         "torch-fused": lambda m: torch.optim.AdamW(groups(m), lr, weight_decay=weight_decay,
@@ -130,7 +139,8 @@ def _adamw_optimizers(lr: float, weight_decay: float) -> dict:
     }
 
 
-def gpt2(batch: int = 8, tokens: int = 512) -> Model:
+def _gpt2(batch: int, tokens: int):
+    """GPT-2 124M's builder and loss on a fixed batch of token ids."""
     import torch
     import transformers
 
@@ -144,10 +154,36 @@ def gpt2(batch: int = 8, tokens: int = 512) -> Model:
     def loss(model):
         return model(input_ids=ids, labels=ids).loss
 
+    return build, loss
+
+
+def gpt2(batch: int = 8, tokens: int = 512) -> Model:
+    build, loss = _gpt2(batch, tokens)
     optimizers = {**_adamw_optimizers(3e-4, 0.1), **eight_bit_optimizers(3e-4, 0.1)}
     return Model("gpt2", f"GPT-2 124M (transformers config), AdamW, bf16 autocast, batch "
                          f"{batch} x {tokens}", "torch-fused",
                  _torch_variants(optimizers, build, loss))
+
+
+def gpt2_groups(batch: int = 8, tokens: int = 512) -> Model:
+    build, loss = _gpt2(batch, tokens)
+    optimizers = _adamw_optimizers(3e-4, 0.1, groups=_layerwise_groups)
+    return Model("gpt2-groups", f"GPT-2 124M, AdamW with a group per tensor (layer-wise lr "
+                                f"decay 0.9) and LambdaLR, bf16 autocast, batch {batch} x {tokens}",
+                 "torch-fused",
+                 _torch_variants(optimizers, build, loss, schedule=lambda t: 1.0 / (1 + t / 100)))
+
+
+def _layerwise_groups(model, decay: float = 0.9, weight_decay: float = 0.1) -> list:
+    """One group per tensor: lr scaled by decay ** (layers above), no weight decay on 1-D."""
+    depth = model.config.n_layer + 1
+    groups = []
+    for name, p in model.named_parameters():
+        layer = int(name.split(".h.")[1].split(".")[0]) + 1 if ".h." in name else (
+            0 if ".wte" in name or ".wpe" in name else depth)
+        groups.append({"params": [p], "lr": 3e-4 * decay ** (depth - layer),
+                       "weight_decay": 0.0 if p.dim() == 1 else weight_decay})
+    return groups
 
 
 def eight_bit_optimizers(lr: float, weight_decay: float) -> dict:
@@ -294,7 +330,8 @@ def _jax_mlp(jax, depth: int, width: int, batch: int):
     return apply, params, "plain JAX"
 
 
-MODELS = {"gpt2": gpt2, "resnet50": resnet50, "mlp": mlp, "jax-mlp": jax_mlp}
+MODELS = {"gpt2": gpt2, "gpt2-groups": gpt2_groups, "resnet50": resnet50, "mlp": mlp,
+          "jax-mlp": jax_mlp}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ EXPECTED = {
     "small10k": (10_000, 21_762_580),
     "tiny2k": (2_000, 200_000),
     "resnet50": (161, 25_557_032),
+    "resnet152": (467, 60_192_808),
 }
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element, by torch dtype name
@@ -91,14 +92,23 @@ def resnet50() -> list:
     the architecture (torchvision is not always installed): a 7x7 stem, four stages of bottleneck
     blocks, then the classifier. Convolutions have no bias; each is followed by a batch norm
     (weight, bias)."""
+    return _checked("resnet50", _resnet((3, 4, 6, 3)))
+
+
+def resnet152() -> list:
+    """torchvision.models.resnet152()'s parameters, as `resnet50`: stages of 3, 8, 36 and 3
+    blocks, 467 tensors (a long list of mostly small batch-norm tensors)."""
+    return _checked("resnet152", _resnet((3, 8, 36, 3)))
+
+
+def _resnet(stages: tuple) -> list:
     shapes = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
     in_channels = 64
-    for blocks, width in ((3, 64), (4, 128), (6, 256), (3, 512)):
+    for blocks, width in zip(stages, (64, 128, 256, 512)):
         for block in range(blocks):
             shapes += _bottleneck(in_channels, width, downsample=block == 0)
             in_channels = 4 * width  # bottleneck expansion
-    shapes += [(1000, in_channels), (1000,)]  # fc weight, bias
-    return _checked("resnet50", shapes)
+    return shapes + [(1000, in_channels), (1000,)]  # fc weight, bias
 
 
 def _bottleneck(in_channels: int, width: int, downsample: bool) -> list:
@@ -120,6 +130,7 @@ WORKLOADS = {
     "small10k": small10k,
     "tiny2k": tiny2k,
     "resnet50": resnet50,
+    "resnet152": resnet152,
 }
 
 

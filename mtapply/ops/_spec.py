@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _source
+from .._rows import rows_for
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class OpSpec:
     flags: tuple
     arg_fields: tuple
     device_scalars: tuple = ()  # the hyperparameters that may be one-element device arrays
+    # hyperparameters that change every step (a scheduler's lr, the step count), each checked by
+    # `arguments` against an interval of its own whatever the others are: new values of these
+    # are patched into per-tensor rows, checked at their extremes
+    scheduled: tuple = ("lr", "step")
     n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
     master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
     # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
@@ -144,9 +149,8 @@ class OpSpec:
 
     def check_arguments(self, n_tensors: int, **hyper) -> None:
         """Checks hyperparameters as a step would, a per-tensor sequence value by value."""
-        rows = per_tensor_rows(hyper, n_tensors)
-        for row in [hyper] if rows is None else rows[0]:
-            self.arguments(**row)
+        if rows_for(self, hyper, n_tensors, lambda name, value: value) is None:
+            self.arguments(**hyper)
 
     def cpu_run(self, refs: dict, args: dict, grad_scale: float) -> bool:
         """The whole step on the CPU, for ops whose result spans tensors (a global norm);
@@ -170,40 +174,6 @@ def seed_words(seed) -> dict:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     seed = int(seed)
     return {"seed_lo": float(seed & 0xFFFFFFFF), "seed_hi": float(seed >> 32)}
-
-
-def per_tensor_rows(hyper: dict, n_tensors: int):
-    """Where some hyperparameters are given per tensor (a list, tuple or 1-D NumPy array of
-    n_tensors numbers, as param groups make them; a one-element array stays one value for all):
-    (rows, row_of), the hyperparameters of each distinct combination and each tensor's row
-    (int32). None where every value is one."""
-    per_tensor = {name: value for name, value in hyper.items() if not name.endswith("_out") and (
-        isinstance(value, (list, tuple))
-        or (isinstance(value, np.ndarray) and value.ndim == 1 and value.size != 1))}
-    if not per_tensor:
-        return None
-    columns = []
-    for name, values in per_tensor.items():
-        if len(values) != n_tensors:
-            raise ValueError(f"{name} has {len(values)} values for {n_tensors} tensors: give one "
-                             f"per tensor, or one for all")
-        try:
-            columns.append(np.asarray(values, dtype=np.float64).reshape(n_tensors))
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} given per tensor must hold numbers (device scalars are "
-                            f"taken for all tensors only)") from None
-    distinct, row_of = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
-    rows = [dict(hyper, **dict(zip(per_tensor, map(float, values)))) for values in distinct]
-    return rows, row_of.reshape(-1).astype(np.int32)
-
-
-def rows_key(hyper: dict, rows) -> tuple:
-    """What tells two steps' per-tensor rows apart, read without touching a device value: the
-    rows' numbers, and the identity of every other (device) value."""
-    values, row_of = rows
-    numbers = tuple(tuple(v if isinstance(v, (int, float)) or v is None else id(v)
-                          for v in row.values()) for row in values)
-    return tuple(hyper), numbers, row_of.tobytes()
 
 
 def check_number(name: str, value, *, low=None, high=None, high_open=False, low_open=False) -> float:

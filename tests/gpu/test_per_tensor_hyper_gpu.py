@@ -84,3 +84,55 @@ def test_rows_with_a_device_step_replay_in_a_cuda_graph():
         mtapply.adam_step(*cpu, lr=lr, step=t)
     torch.cuda.synchronize()
     _assert_close(gpu, cpu)
+
+
+def test_rows_patched_for_new_lrs_then_found_again_when_they_split():
+    """lrs that change every step within the same rows are patched into the device rows (the
+    plan keeps their origin); rows that split are packed again; both against the CPU path."""
+    gpu, cpu = _lists(4, 4, "cuda"), _lists(4, 4, "cpu")
+    plan = mtapply.adam_plan(*gpu, decoupled_weight_decay=True)
+    weight_decay = (0.0, 0.1, 0.1, 0.0, 0.1, 0.0)
+    lrs = [(1e-3, 1e-3, 2e-3, 1e-3, 2e-3, 1e-3), (8e-4, 8e-4, 3e-3, 8e-4, 3e-3, 8e-4),
+           (5e-4, 5e-4, 1e-3, 5e-4, 1e-3, 5e-4), (5e-4, 5e-4, 1e-3, 6e-4, 1e-3, 5e-4),
+           (4e-4, 7e-4, 2e-3, 4e-4, 2e-3, 4e-4)]
+    origins = []
+    for t, lr in enumerate(lrs, start=1):
+        plan.step(lr=lr, step=t, weight_decay=weight_decay)
+        origins.append(plan._latest_rows.origin)
+        mtapply.adam_step(*cpu, lr=lr, step=t, weight_decay=weight_decay,
+                          decoupled_weight_decay=True)
+    torch.cuda.synchronize()
+    assert origins[0] is origins[1] is origins[2]  # patched
+    assert origins[3] is not origins[2] and origins[4] is origins[3]  # split, then patched
+    _assert_close(gpu, cpu)
+
+
+def test_merged_groups_follow_a_scheduler_on_the_gpu():
+    """mtapply.torch with a group per tensor and flat_grads, lrs set by a scheduler every step
+    and betas changed once, against torch.optim.AdamW."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(5)]).cuda()
+    twin = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(5)]).cuda()
+    twin.load_state_dict(model.state_dict())
+
+    def groups(m):
+        return [{"params": [p], "lr": 1e-2 / (1 + k), "weight_decay": 0.01 * (k % 2)}
+                for k, p in enumerate(m.parameters())]
+
+    import mtapply.torch as mt
+
+    ours = mt.AdamW(groups(model), flat_grads=True)
+    theirs = torch.optim.AdamW(groups(twin), foreach=False)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 0.9 ** t) for o in (ours, theirs)]
+    for t in range(6):
+        x = torch.randn(4, 16, device="cuda")
+        for m, opt, scheduler in ((model, ours, schedulers[0]), (twin, theirs, schedulers[1])):
+            if t == 3:
+                opt.param_groups[2]["betas"] = (0.5, 0.9)
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+            scheduler.step()
+    assert list(ours._bound) == ["merged"]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,119 @@
+"""Param groups that note what was set in them, so that a step over many groups reads nothing
+per group while nothing changed, and only each group's lr when a scheduler set it.
+
+An optimizer's `param_groups` become a `TrackedGroups` list of `TrackedGroup` dicts (copies of
+the dicts it was given); setting a key notes its name (and `ANY` too unless the value is a plain
+number), and any other change of a group or of the list notes `ANY`. They pickle and deep-copy
+as plain lists and dicts.
+"""
+from __future__ import annotations
+
+ANY = "*"  # noted for changes that are not one key set: a group added, a key deleted, ...
+
+
+class GroupChanges:
+    """When each key was last set in one optimizer's param groups, counted in changes: a
+    reader keeps the `version` it has seen and asks what was set `since` then."""
+
+    def __init__(self):
+        self.version = 1
+        self.set_at = {ANY: 1}
+
+    def note(self, name) -> None:
+        self.version += 1
+        self.set_at[name] = self.version
+
+    def since(self, seen: int) -> set:
+        """The names set after version `seen` (ANY for a reader that saw none)."""
+        if seen == self.version:
+            return set()
+        return {name for name, version in self.set_at.items() if version > seen}
+
+
+class TrackedGroup(dict):
+    """A param group noting each key set in it."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, group: dict, changes: GroupChanges):
+        super().__init__(group)
+        self.changes = changes
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.changes.note(key)
+        if type(value) not in (int, float):  # a plain number is the common case (an lr)
+            self.changes.note(ANY)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+def _noting_any(method):
+    def changed(self, *args, **kwargs):
+        self.changes.note(ANY)
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = method.__name__
+    return changed
+
+
+for _name in ("__delitem__", "__ior__", "clear", "pop", "popitem", "update"):
+    setattr(TrackedGroup, _name, _noting_any(getattr(dict, _name)))
+
+
+class TrackedGroups(list):
+    """An optimizer's param groups, tracking the groups put in and noting `ANY` when groups
+    are added, removed or replaced."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, groups, changes: GroupChanges):
+        self.changes = changes
+        super().__init__(map(self._tracked, groups))
+
+    def _tracked(self, group) -> TrackedGroup:
+        if isinstance(group, TrackedGroup) and group.changes is self.changes:
+            return group
+        return TrackedGroup(group, self.changes)
+
+    def append(self, group) -> None:
+        self.changes.note(ANY)
+        super().append(self._tracked(group))
+
+    def insert(self, index, group) -> None:
+        self.changes.note(ANY)
+        super().insert(index, self._tracked(group))
+
+    def extend(self, groups) -> None:
+        self.changes.note(ANY)
+        super().extend(map(self._tracked, groups))
+
+    def __iadd__(self, groups):
+        self.extend(groups)
+        return self
+
+    def __setitem__(self, index, value) -> None:
+        self.changes.note(ANY)
+        super().__setitem__(index, list(map(self._tracked, value)) if isinstance(index, slice)
+                            else self._tracked(value))
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
+for _name in ("__delitem__", "__imul__", "pop", "remove", "clear", "sort", "reverse"):
+    setattr(TrackedGroups, _name, _noting_any(getattr(list, _name)))
+
+
+def tracked(groups: list, changes: GroupChanges) -> TrackedGroups:
+    """`groups` as tracked groups that note into `changes` (the same list if they already do)."""
+    if isinstance(groups, TrackedGroups) and groups.changes is changes:
+        return groups
+    changes.note(ANY)
+    return TrackedGroups(groups, changes)
