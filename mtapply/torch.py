@@ -37,7 +37,7 @@ from __future__ import annotations
 import operator
 import sys
 import weakref
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW
 
 _GRAD = operator.attrgetter("grad")
 _LR = operator.itemgetter("lr")
+_PARAMS = operator.itemgetter("params")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DEREF = weakref.ref.__call__
@@ -183,6 +184,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
         merged = self._merged_group()
+        if merged is not None and not flat:  # lists edited in place are seen, as torch sees them
+            merged["params"] = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
             self._bound.clear()
         for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
@@ -226,6 +229,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                      "flat_grads=False")
         self._flat = FlatGrads([g["params"] for g in self.param_groups])
         self._bound.clear()
+        self._merged = (0, None)  # the groups' params changed: merge them again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._flat_grads:  # the views stay, zeroed: one fill per buffer (set_to_none aside)

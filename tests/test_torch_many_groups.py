@@ -152,3 +152,19 @@ def test_load_state_dict_pickle_and_deepcopy_keep_the_optimizer_working():
     _steps(model, opt, None, "cpu", 2, 4)
     _steps(twin_model, twin, None, "cpu", 2, 4)
     _assert_same(model, twin_model)
+
+
+@pytest.mark.parametrize("flat_grads", [False, True])
+def test_a_param_appended_to_a_group_in_place_is_stepped(flat_grads):
+    a, b = _model("cpu"), _model("cpu")
+    params_a, params_b = list(a.parameters()), list(b.parameters())
+    oa = torch.optim.AdamW(_per_tensor_groups(params_a[:-1], torch.optim.AdamW), lr=1.0,
+                           foreach=False)
+    ob = mt.AdamW(_per_tensor_groups(params_b[:-1], mt.AdamW), lr=1.0, flat_grads=flat_grads)
+    _steps(a, oa, None, "cpu", 0, 2)
+    _steps(b, ob, None, "cpu", 0, 2)
+    oa.param_groups[0]["params"].append(params_a[-1])
+    ob.param_groups[0]["params"].append(params_b[-1])
+    _steps(a, oa, None, "cpu", 2, 4)
+    _steps(b, ob, None, "cpu", 2, 4)
+    _assert_same(a, b)
