@@ -74,34 +74,40 @@ class Projection:
 def project_all(grads: list, projections: list, products: Products | None = None) -> None:
     """R of each grad into its buffer: float32 matrices on a GPU by one batched product per
     shape (given `products`), the others by one matmul each."""
-    terms, of_term = [], {}
-    for grad, projection in zip(grads, projections):
-        if products is not None and batchable(grad) and batchable(projection.ortho):
-            projection.make_buffers(grad)
-            terms.append(("T", "N", projection.ortho, grad, projection.projected) if projection.left
-                         else ("N", "T", grad, projection.ortho, projection.projected))
-            of_term[id(terms[-1])] = (grad, projection)
-        else:
-            projection.project(grad)
-    for term in products.run(terms, alpha=1.0, beta=0.0) if terms else ():
-        grad, projection = of_term[id(term)]
-        projection.project(grad)
+    def term(grad, projection):
+        projection.make_buffers(grad)
+        return (("T", "N", projection.ortho, grad, projection.projected) if projection.left
+                else ("N", "T", grad, projection.ortho, projection.projected))
+
+    _batched(zip(grads, projections), term, lambda grad, projection: projection.project(grad),
+             products, alpha=1.0, beta=0.0)
 
 
 def project_back_all(params: list, projections: list, beta: float, alpha: float,
                      products: Products | None = None) -> None:
     """param = beta param + alpha (P N or N Q) for each param, batched as `project_all`."""
+    def term(param, projection):
+        return (("N", "N", projection.ortho, projection.normalized, param) if projection.left
+                else ("N", "N", projection.normalized, projection.ortho, param))
+
+    _batched(zip(params, projections), term,
+             lambda param, projection: _project_back(param, projection, beta, alpha),
+             products, alpha=alpha, beta=beta)
+
+
+def _batched(pairs, term, alone, products: Products | None, alpha: float, beta: float) -> None:
+    """For each (matrix, projection): its product `term(...)` batched with the others of its
+    shape where both operands batch (given `products`), else `alone(...)`; products that the
+    batch leaves out run alone too."""
     terms, of_term = [], {}
-    for param, projection in zip(params, projections):
-        if products is not None and batchable(param) and batchable(projection.ortho):
-            terms.append(("N", "N", projection.ortho, projection.normalized, param)
-                         if projection.left else
-                         ("N", "N", projection.normalized, projection.ortho, param))
-            of_term[id(terms[-1])] = (param, projection)
+    for matrix, projection in pairs:
+        if products is not None and batchable(matrix) and batchable(projection.ortho):
+            terms.append(term(matrix, projection))
+            of_term[id(terms[-1])] = (matrix, projection)
         else:
-            _project_back(param, projection, beta, alpha)
-    for term in products.run(terms, alpha=alpha, beta=beta) if terms else ():
-        _project_back(*of_term[id(term)], beta, alpha)
+            alone(matrix, projection)
+    for left_out in products.run(terms, alpha=alpha, beta=beta) if terms else ():
+        alone(*of_term[id(left_out)])
 
 
 def _project_back(param, projection, beta: float, alpha: float) -> None:
@@ -311,13 +317,18 @@ class _Torch:
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
+def _svd_projector(xp, grad, rank: int, left: bool):
+    """`projector` in NumPy or CuPy (`xp`)."""
+    u, _, vh = xp.linalg.svd(grad.astype(xp.float32), full_matrices=False)
+    return xp.ascontiguousarray((u[:, :rank] if left else vh[:rank, :]).astype(grad.dtype))
+
+
 class _CuPy:
     @staticmethod
     def projector(grad, rank, left):
         import cupy
 
-        u, _, vh = cupy.linalg.svd(grad.astype(cupy.float32), full_matrices=False)
-        return cupy.ascontiguousarray((u[:, :rank] if left else vh[:rank, :]).astype(grad.dtype))
+        return _svd_projector(cupy, grad, rank, left)
 
     @staticmethod
     def project(ortho, grad, out, left):
@@ -355,8 +366,7 @@ class _NumPy:
     def projector(grad, rank, left):
         import numpy as np
 
-        u, _, vh = np.linalg.svd(grad.astype(np.float32), full_matrices=False)
-        return np.ascontiguousarray((u[:, :rank] if left else vh[:rank, :]).astype(grad.dtype))
+        return _svd_projector(np, grad, rank, left)
 
     @staticmethod
     def project(ortho, grad, out, left):

@@ -330,7 +330,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if (self._compile_options(group) != options or isinstance(group["lr"], torch.Tensor)
                     or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
                 return None
-        return dict(groups[0], params=[p for g in groups for p in g["params"]], groups=groups)
+        return dict(groups[0], params=list(chain.from_iterable(map(_PARAMS, groups))),
+                    groups=groups)
 
     def _part_hyper(self, part, group) -> dict:
         """The hyperparameters of a part: its group's, or in a merged group each tensor's own

@@ -146,3 +146,16 @@ def test_a_patched_column_is_checked_and_names_the_tensor(lr):
         _rows(dict(lr=lr, step=1), first)
     with pytest.raises(ValueError, match=f"tensor {bad}: lr"):
         _rows(dict(lr=lr, step=1))
+
+
+def test_rows_split_across_devices_keep_their_origin_and_patches():
+    """What a plan over several GPUs gives each device: the origin's rows (every row, the
+    device's tensors' row numbers), and a later step's patches over that share."""
+    first = _rows(dict(lr=[1e-3, 2e-3, 1e-3, 3e-3], step=1))
+    share = first.subset(np.array([1, 3]))
+    assert share.origin is share and list(share.row_of) == [1, 2]
+    assert share.checked == first.checked and first.on(share) is share
+    patched = _rows(dict(lr=[5e-4, 1e-3, 5e-4, 2e-3], step=1), first)
+    on_share = patched.on(share)
+    assert on_share.origin is share and list(on_share.row_of) == [1, 2]
+    assert [args["lr"] for args in on_share.checked] == [5e-4, 1e-3, 2e-3]
