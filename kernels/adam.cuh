@@ -5,6 +5,23 @@
 
 namespace mta {
 
+// sqrt(x) and a / b: IEEE, or where MTA_APPROXIMATE is set (kernels whose results carry a larger
+// error anyway) one instruction each within 2 ulp, subnormals flushed to zero
+template <class A> __device__ __forceinline__ A square_root(A x) { return sqrt(x); }
+template <class A> __device__ __forceinline__ A divide(A a, A b) { return a / b; }
+#if MTA_APPROXIMATE
+template <> __device__ __forceinline__ float square_root(float x) {
+  float r;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+template <> __device__ __forceinline__ float divide(float a, float b) {
+  float r;
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#endif
+
 // Kernel arguments: every field is 8 bytes, so the host packs them as an array of words.
 // lr and step may instead be read from device memory (lr_ptr / step_ptr non-null).
 struct AdamArgs {
@@ -69,8 +86,8 @@ struct Adam {
       x[N_SLOTS - 1] = max(x[N_SLOTS - 1], x[EXP_AVG_SQ]);
       second = x[N_SLOTS - 1];
     }
-    const acc_t denom = sqrt(second) / bias_correction2_sqrt + eps;
-    x[PARAM] = x[PARAM] + (-step_size) * (x[EXP_AVG] / denom);
+    const acc_t denom = divide(square_root(second), bias_correction2_sqrt) + eps;
+    x[PARAM] = x[PARAM] + (-step_size) * divide(x[EXP_AVG], denom);
   }
 };
 

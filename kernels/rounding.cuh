@@ -75,16 +75,28 @@ __device__ __forceinline__ void store_bf16_stochastic(char* base, long long i, c
     const uint4 w = rounding.words(i >> 2);
     reinterpret_cast<unsigned short*>(base)[i] = round_bf16_stochastic(v[0], pick(w, int(i & 3)));
   } else {
-    union { uint4 words[W * 2 / 16]; unsigned short vals[W]; } u;
+    unsigned short vals[W];
 #pragma unroll
     for (int q = 0; q < W / 4; ++q) {
       const uint4 w = rounding.words((i >> 2) + q);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) u.vals[4 * q + k] = round_bf16_stochastic(v[4 * q + k], pick(w, k));
+      for (int k = 0; k < 4; ++k) vals[4 * q + k] = round_bf16_stochastic(v[4 * q + k], pick(w, k));
     }
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<unsigned short*>(base) + i);
+    // 8-byte words for 4 values, 16-byte words for whole multiples of 8
+    unsigned short* dst = reinterpret_cast<unsigned short*>(base) + i;
+    if constexpr (W % 8 == 0) {
+      union { uint4 words[W / 8]; unsigned short vals[W]; } u;
 #pragma unroll
-    for (int w = 0; w < W * 2 / 16; ++w) dst[w] = u.words[w];
+      for (int k = 0; k < W; ++k) u.vals[k] = vals[k];
+#pragma unroll
+      for (int w = 0; w < W / 8; ++w) reinterpret_cast<uint4*>(dst)[w] = u.words[w];
+    } else {
+      union { uint2 words[W / 4]; unsigned short vals[W]; } u;
+#pragma unroll
+      for (int k = 0; k < W; ++k) u.vals[k] = vals[k];
+#pragma unroll
+      for (int w = 0; w < W / 4; ++w) reinterpret_cast<uint2*>(dst)[w] = u.words[w];
+    }
   }
 }
 

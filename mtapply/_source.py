@@ -28,9 +28,10 @@ CHUNK_ELEMENTS = 4096
 # fp32 math without flushing denormals, as torch's kernels do.
 COMPILE_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
 # the same with fp32 division and square root to within 2 ulp (fewer instructions), for kernels
-# whose results carry a larger error anyway (8-bit states)
+# whose results carry a larger error anyway (8-bit states); MTA_APPROXIMATE also lets a functor's
+# division and square root (adam.cuh) flush subnormals, one instruction each
 APPROXIMATE_OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=false", "--prec-sqrt=false",
-                       "--fmad=true")
+                       "--fmad=true", "-DMTA_APPROXIMATE=1")
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 

@@ -83,47 +83,68 @@ def midpoints(signed: bool) -> np.ndarray:
     return middle
 
 
-# The kernel finds a code in a few steps: a guide table indexed by the sign, exponent and top
-# GUIDE_BITS mantissa bits of the normalized value (magnitudes clamped to [2**-23, 1]) gives the
-# number of midpoints below the cell; the few midpoints inside the cell are then compared. With
-# 7 bits no cell holds more than one midpoint of either map, for tables of 5.9 kB per map.
-GUIDE_BITS = 7
-GUIDE_LOW, GUIDE_HIGH = (127 - 23) << GUIDE_BITS, 127 << GUIDE_BITS
-GUIDE_CELLS = GUIDE_HIGH - GUIDE_LOW + 1  # cells per sign
+# The kernel finds a code with one table read and one addition. A value's magnitude, clamped to
+# [2**-23, 1], falls in a cell: the top 16 bits of its float32 (exponent and 7 mantissa bits),
+# and no cell of either map holds more than one midpoint. One 32-bit word per cell and sign
+# holds, in its bits 16-23, the number of midpoints below the cell, and below them a threshold
+# chosen so that adding the value's low 16 bits carries exactly when the cell's midpoint lies
+# below the value. Each word has the cell's top 16 bits taken off, so the kernel adds the
+# whole float (for negative values its magnitude bits flipped, which orders them as the values)
+# and reads the code from bits 16-23 of the sum.
+CELL_FLOOR = np.float32(2.0 ** -23)  # magnitudes below share the lowest cell (no midpoint there)
+CELL_LOW, CELL_HIGH = 0x3400, 0x3F80  # top 16 bits of 2**-23 and of 1.0
+CELLS = CELL_HIGH - CELL_LOW + 1  # cells per sign
+_MAGNITUDE = 0x7FFFFFFF
 
 
 @functools.lru_cache(maxsize=None)
-def code_guide(signed: bool) -> tuple:
-    """(guide, steps): guide[sign * GUIDE_CELLS + cell] (uint8) is the number of midpoints
-    below every value of the cell, and no cell holds more than `steps` midpoints, so
-    guide + #{j < steps: midpoints[guide + j] < x} (midpoints past the last one being +inf)
-    is `nearest_code` of any x in the cell."""
-    middle = midpoints(signed).astype(np.float64)
-    first = np.arange(GUIDE_CELLS, dtype=np.uint32) + np.uint32(GUIDE_LOW)
-    starts = (first << np.uint32(23 - GUIDE_BITS)).view(np.float32).astype(np.float64)
-    low, high = starts.copy(), np.append(starts[1:], np.inf)
-    low[0] = 0.0  # the first cell holds every smaller magnitude, the last every larger one
-    guide, steps = [], 0
-    for lo, hi in ((low, high), (-high, -low)):  # positive values, then negative ones
-        below = np.searchsorted(middle, lo, side="left")
-        steps = max(steps, int((np.searchsorted(middle, hi, side="right") - below).max()))
-        guide.append(below)
-    table = np.concatenate(guide).astype(np.uint8)
+def code_words(signed: bool) -> np.ndarray:
+    """The kernel's code table (uint32, read-only): words[negative * CELLS + cell], with the
+    negative half for signed maps only; `guided_code` shows how a code is read from it."""
+    middle = midpoints(signed)
+    middle_bits = middle.view(np.uint32)
+    top = np.arange(CELL_LOW, CELL_HIGH + 1, dtype=np.uint32)
+    words = []
+    for negative in ((False, True) if signed else (False,)):
+        sign = np.uint32(0x80000000 if negative else 0)
+        # the value of the cell nearest minus infinity: its largest magnitude when negative
+        edge = ((top << np.uint32(16)) | np.uint32(0xFFFF if negative else 0) | sign)
+        below = np.searchsorted(middle, edge.view(np.float32), side="left").astype(np.uint32)
+        inside = np.zeros(CELLS, np.uint32)  # no midpoint in the cell: never carries
+        seen = np.zeros(CELLS, bool)
+        for j in np.flatnonzero((middle_bits & np.uint32(0x80000000)) == sign):
+            magnitude = middle_bits[j] & np.uint32(_MAGNITUDE)
+            cell = int(magnitude >> np.uint32(16)) - CELL_LOW
+            if 0 <= cell < CELLS:
+                assert not seen[cell], "two midpoints in one cell"
+                seen[cell] = True
+                low = magnitude & np.uint32(0xFFFF)
+                # positive: carry when low16 > the midpoint's; negative: when low16 < it
+                inside[cell] = low if negative else np.uint32(0xFFFF) - low
+            else:  # every midpoint lies above the clamped lowest cell
+                assert cell >= CELLS or magnitude == 0, "a midpoint below the lowest cell"
+        key_top = (top ^ np.uint32(0x7FFF)) if negative else top
+        words.append((below << np.uint32(16)) + inside - (key_top << np.uint32(16)))
+    table = np.concatenate(words).astype(np.uint32)
     table.setflags(write=False)
-    return table, steps
+    return table
 
 
 def guided_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
-    """`nearest_code` found as the kernel finds it (for tests of the guide)."""
-    guide, steps = code_guide(signed)
+    """`nearest_code` found as the kernel finds it, from `code_words` (for tests of the table).
+
+    The kernel's values never exceed 1 + 2**-7 in magnitude (the cell of 1.0), where the clamp
+    at 1 changes no code; NaN gives 255, which the kernel sets for a block holding a NaN.
+    """
     x = np.asarray(normalized, np.float32).reshape(-1)
-    bits = x.view(np.uint32)
-    magnitude = np.clip((bits & np.uint32(0x7FFFFFFF)) >> np.uint32(23 - GUIDE_BITS),
-                        GUIDE_LOW, GUIDE_HIGH) - GUIDE_LOW
-    code = guide[(bits >> np.uint32(31)) * GUIDE_CELLS + magnitude].astype(np.int64)
-    padded = np.append(midpoints(signed), np.full(steps, np.inf, np.float32))
-    found = code + sum((padded[code + j] < x) for j in range(steps))
-    return np.where(np.isnan(x), 255, found).astype(np.uint8)
+    negative = (x.view(np.uint32) >> np.uint32(31)) if signed else np.zeros(x.size, np.uint32)
+    magnitude = np.abs(x) if signed else x  # second moments are never negative
+    # as the kernel's fmaxf, a NaN gives the floor
+    bits = np.fmin(np.fmax(magnitude, CELL_FLOOR), np.float32(1)).view(np.uint32)
+    key = bits ^ (negative * np.uint32(_MAGNITUDE))
+    cell = (bits >> np.uint32(16)) - np.uint32(CELL_LOW) + negative * np.uint32(CELLS)
+    codes = ((code_words(signed)[cell] + key) >> np.uint32(16)) & np.uint32(0xFF)
+    return np.where(np.isnan(x), 255, codes).astype(np.uint8)
 
 
 def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
@@ -131,6 +152,6 @@ def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
     return np.searchsorted(midpoints(signed), normalized, side="left").astype(np.uint8)
 
 
-__all__ = ["BLOCK", "GUIDE_BITS", "GUIDE_CELLS", "block_absmax", "code_guide",
+__all__ = ["BLOCK", "CELLS", "CELL_FLOOR", "CELL_HIGH", "CELL_LOW", "block_absmax", "code_words",
            "dequantize_blockwise", "dynamic_map", "guided_code", "midpoints", "n_blocks",
            "nearest_code", "quantize_blockwise"]

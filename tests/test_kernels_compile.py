@@ -103,7 +103,7 @@ def test_adam8bit_groups_compile(group, decoupled, maximize):
     functors = spec.functors_for(dtypes)
     assert functors == (("mta::Adam8bit",) if group.startswith("8bit") else ("mta::Adam",))
     source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
-    assert "#include" not in source and "SIGNED_GUIDE[" in source
+    assert "#include" not in source and "CODE_WORDS[" in source
     cubin = _source.compile_offline(source, "sm_90", spec.compile_options(dtypes))
     assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
 

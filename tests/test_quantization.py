@@ -118,19 +118,22 @@ def test_8bit_adamw_tracks_fp32_adamw_on_a_quadratic():
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_the_kernels_guided_search_finds_the_nearest_code(signed):
-    """The kernel's guide (sign, exponent and top mantissa bits -> a few comparisons) gives
-    the same code as the sorted search, for any float32: random bit patterns (denormals, huge,
-    inf, NaN), values of [-1, 1], and each midpoint and its two neighbours."""
+def test_the_kernels_code_table_finds_the_nearest_code(signed):
+    """The kernel's code table (one word per cell of sign, exponent and top mantissa bits, read
+    with one addition) gives the same code as the sorted search, for any float32: random bit
+    patterns (denormals, huge, inf, NaN), values of [-1, 1], and each midpoint, its negation
+    and their neighbours."""
     rng = np.random.default_rng(7)
     middle = quantization.midpoints(signed)
+    edges = np.concatenate([middle, -middle])
     values = np.concatenate([
         rng.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
         rng.uniform(-1, 1, 300_000).astype(np.float32),
-        middle, np.nextafter(middle, np.float32(2)), np.nextafter(middle, np.float32(-2)),
-        np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 2.0**-23, 2.0**-24], np.float32)])
-    guide, steps = quantization.code_guide(signed)
-    assert steps == 1 and guide.size == 2 * quantization.GUIDE_CELLS
+        edges, np.nextafter(edges, np.float32(2)), np.nextafter(edges, np.float32(-2)),
+        np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 2.0**-23, 2.0**-24, -2.0**-23,
+                  1.0078, -1.0078], np.float32)])
+    words = quantization.code_words(signed)
+    assert words.dtype == np.uint32 and words.size == (2 if signed else 1) * quantization.CELLS
     np.testing.assert_array_equal(quantization.guided_code(values, signed),
                                   quantization.nearest_code(values, signed))
 

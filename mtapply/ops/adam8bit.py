@@ -15,25 +15,20 @@ QUANTIZED_CHUNK = 32768
 
 
 def dynamic_maps_source() -> str:
-    """The CUDA constants of both dynamic maps: values, midpoints and code guides
-    (`quantization.code_guide`), the floats as exact hex literals, so that the kernel rounds
-    to the very codes the NumPy format gives."""
-    def array(kind: str, name: str, values) -> str:
-        if kind == "float":
-            literals = ", ".join(f"{float(x).hex()}f" for x in values)
-            return f"__device__ const float {name}[{len(values)}] = {{{literals}}};"
-        # bytes, aligned and padded to whole words, which the kernel copies
-        literals = ", ".join(str(int(x)) for x in values)
-        return (f"__device__ __align__(16) const unsigned char {name}[{-(-len(values) // 4) * 4}] "
-                f"= {{{literals}}};")
-
-    lines = ["namespace mta {", f"constexpr unsigned GUIDE_BITS = {quantization.GUIDE_BITS};"]
+    """The CUDA constants of both dynamic maps: their values, as exact hex literals, and the code
+    tables that find the nearest code (`quantization.code_words`), so that the kernel rounds to
+    the very codes the NumPy format gives."""
+    lines = ["namespace mta {", f"constexpr unsigned CELL_LOW = {quantization.CELL_LOW:#x};",
+             f"constexpr int CODE_CELLS = {quantization.CELLS};",
+             f"constexpr float CELL_FLOOR = {float(quantization.CELL_FLOOR).hex()}f;"]
     for signed, prefix in ((True, "SIGNED"), (False, "UNSIGNED")):
-        guide, steps = quantization.code_guide(signed)
-        lines += [array("float", f"{prefix}_MAP", quantization.dynamic_map(signed)),
-                  array("float", f"{prefix}_MIDPOINTS", quantization.midpoints(signed)),
-                  array("unsigned char", f"{prefix}_GUIDE", guide),
-                  f"constexpr int {prefix}_STEPS = {steps};"]
+        values = ", ".join(f"{float(x).hex()}f" for x in quantization.dynamic_map(signed))
+        lines.append(f"__device__ __align__(16) const float {prefix}_MAP[256] = {{{values}}};")
+    # the signed map's words for both signs, then the unsigned map's, padded to 16-byte words
+    words = np.concatenate([quantization.code_words(True), quantization.code_words(False)])
+    words = np.append(words, np.zeros(-words.size % 4, np.uint32))
+    lines.append(f"__device__ __align__(16) const unsigned CODE_WORDS[{words.size}] = "
+                 f"{{{', '.join(f'{int(w):#x}u' for w in words)}}};")
     return "\n".join(lines + ["}  // namespace mta"]) + "\n"
 
 

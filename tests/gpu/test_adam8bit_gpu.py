@@ -70,6 +70,30 @@ def test_kernel_matches_the_numpy_path(decoupled):
     _assert_close_states((gpu_params, gpu_state), (params, state.lists()), "plan", 1e-3)
 
 
+def test_a_nan_poisons_its_block_as_on_the_cpu():
+    """A NaN grad makes its block's scales NaN, its code 255 and the block's other codes the
+    zero code, exactly as the NumPy path; the other blocks step as usual."""
+    rng = np.random.default_rng(5)
+    shapes = [(256 * 40,)]
+    params = _draw(rng, shapes)
+    state = _quantized_state(rng, params)
+    grads = _draw(rng, shapes)
+    grads[0][256 * 3 + 17] = np.nan
+    gpu_params, gpu_grads = _to_cuda(params), _to_cuda(grads)
+    gpu_state = [_to_cuda(column) for column in state.lists()]
+    mtapply.adam8bit_step(gpu_params, gpu_grads, *gpu_state, lr=1e-3, step=1)
+    mtapply.adam8bit_step(params, grads, *state.lists(), lr=1e-3, step=1)
+    torch.cuda.synchronize()
+    got_m, want_m = gpu_state[0][0].cpu().numpy(), state.lists()[0][0]
+    got_scale = gpu_state[2][0].cpu().numpy()
+    assert np.isnan(got_scale[3]) and np.isnan(state.lists()[2][0][3])
+    assert got_m[256 * 3 + 17] == want_m[256 * 3 + 17] == 255
+    np.testing.assert_array_equal(got_m[256 * 3:256 * 4], want_m[256 * 3:256 * 4])
+    poisoned = np.arange(256 * 40) // 256 == 3
+    np.testing.assert_allclose(np.delete(gpu_params[0].cpu().numpy(), np.flatnonzero(poisoned)),
+                               np.delete(params[0], np.flatnonzero(poisoned)), rtol=1e-5, atol=2e-4)
+
+
 def test_unaligned_tensors_take_the_scalar_path():
     rng = np.random.default_rng(1)
     n = 256 * 30 + 5
