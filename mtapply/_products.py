@@ -7,8 +7,14 @@ on the launch stream, only when an address changes: a step on the same buffers m
 host-to-device bytes and never waits for the device. A shape of one term, or of large matrices
 (cuBLAS's batched kernels suit small ones: one 4096 x 4096 product ran 4x slower batched), is
 left to the caller's own matmul, whose heuristics choose its kernel.
+
+The products follow their framework's float32 matmul precision, as its own matmul would: TF32
+tensor cores where torch allows them (`torch.set_float32_matmul_precision("high")`) or CuPy does
+(`CUPY_TF32=1`), full float32 otherwise.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -17,6 +23,7 @@ from ._dlpack import framework_of
 from ._launch import stream_pointer
 
 _OPS = {"N": 0, "T": 1}  # cublasOperation_t
+_DEFAULT_MATH, _TF32_MATH = 0, 3  # cublasMath_t: CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH
 BATCHED_ELEMENTS = 1 << 22  # the largest operand of a batched product, in elements
 
 
@@ -26,6 +33,15 @@ def batchable(matrix) -> bool:
     if framework == "torch":
         return matrix.is_cuda and str(matrix.dtype) == "torch.float32" and matrix.is_contiguous()
     return framework == "cupy" and str(matrix.dtype) == "float32" and matrix.flags.c_contiguous
+
+
+def tf32_allowed(matrix) -> bool:
+    """Whether float32 products of `matrix`'s framework may round their inputs to TF32."""
+    if framework_of(matrix) == "torch":
+        import torch
+
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return os.environ.get("CUPY_TF32", "0") != "0"
 
 
 def data_ptr(matrix) -> int:
@@ -62,7 +78,8 @@ class Products:
             batch = self._batches.get((key, len(addresses)))
             if batch is None:
                 batch = self._batches[(key, len(addresses))] = _Batch(*key, len(addresses))
-            batch.run(np.asarray(addresses, np.uint64), alpha, beta, stream)
+            batch.run(np.asarray(addresses, np.uint64), alpha, beta, stream,
+                      tf32_allowed(group[0][4]))
         left_ids = set(map(id, left))
         return [term for term in terms if id(term) in left_ids]
 
@@ -81,11 +98,11 @@ def _gemm(op_a, op_b, a_shape, b_shape, c_shape) -> tuple:
 
 
 class _Handle:
-    """CuPy's cuBLAS handle of a device, set to host scalars on `stream` for one call and
-    given back as it was (CuPy launches on it too)."""
+    """CuPy's cuBLAS handle of a device, set to host scalars on `stream` (and TF32 tensor cores
+    or none) for one call and given back as it was (CuPy launches on it too)."""
 
-    def __init__(self, device: int, stream: int):
-        self.device, self.stream = device, stream
+    def __init__(self, device: int, stream: int, tf32: bool):
+        self.device, self.stream, self.tf32 = device, stream, tf32
 
     def __enter__(self) -> int:
         import cupy
@@ -93,9 +110,11 @@ class _Handle:
 
         with cupy.cuda.Device(self.device):
             self.handle = cupy.cuda.device.get_cublas_handle()
-        self.saved = (cublas.getStream(self.handle), cublas.getPointerMode(self.handle))
+        self.saved = (cublas.getStream(self.handle), cublas.getPointerMode(self.handle),
+                      cublas.getMathMode(self.handle))
         cublas.setStream(self.handle, self.stream)
         cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.setMathMode(self.handle, _TF32_MATH if self.tf32 else _DEFAULT_MATH)
         return self.handle
 
     def __exit__(self, *exc) -> None:
@@ -103,6 +122,7 @@ class _Handle:
 
         cublas.setStream(self.handle, self.saved[0])
         cublas.setPointerMode(self.handle, self.saved[1])
+        cublas.setMathMode(self.handle, self.saved[2])
 
 
 class _Batch:
@@ -114,7 +134,8 @@ class _Batch:
         self.table = _tables.MemcpyTable(3 * count * 8, device)
         self.addresses = None
 
-    def run(self, addresses: np.ndarray, alpha: float, beta: float, stream: int) -> None:
+    def run(self, addresses: np.ndarray, alpha: float, beta: float, stream: int,
+            tf32: bool) -> None:
         from cupy_backends.cuda.libs import cublas
 
         if self.addresses is None or not np.array_equal(addresses, self.addresses):
@@ -126,7 +147,7 @@ class _Batch:
         scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the call
         base, step = self.table.ptr, self.count * 8
         trans_a, trans_b, m, n, k, lda, ldb, ldc = self.gemm
-        with _Handle(self.device, stream) as handle:
+        with _Handle(self.device, stream, tf32) as handle:
             cublas.sgemmBatched(handle, trans_a, trans_b, m, n, k, scalars.ctypes.data, base, lda,
                                 base + step, ldb, scalars.ctypes.data + 4, base + 2 * step, ldc,
                                 self.count)

@@ -14,7 +14,9 @@ def test_runner_on_small_matrices(tmp_path, monkeypatch):
     out = tmp_path / "galore.json"
     assert galore.main(["--cases", "tiny", "--steps", "2", "--repeats", "2", "--device", "cpu",
                         "--json", str(out)]) == 0
-    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    all_rows = json.loads(out.read_text())["rows"]
+    assert {row["precision"] for row in all_rows} == {"highest", "high"}
+    rows = {row["variant"]: row for row in all_rows if row["precision"] == "highest"}
     assert {"mtapply", "torch-fused-full-rank"} <= set(rows)
     assert all(row["ms"] > 0 for row in rows.values())
     # rank-8 moments (and projectors) against two full-size moments per matrix

@@ -8,6 +8,9 @@ projected to r rows (or columns), the grad and the projector read for the projec
 projection written, Adam on it (read R, m, v; write the step, m, v), and the back-projection
 (projector and step read, the param read and written): 4 * (3mn + 2(m + n)r + 8 r max(m, n))
 bytes for fp32, counting the longer side's r-wide products.
+
+Each case runs at torch's float32 matmul precision "highest" (float32 products) and "high"
+(TF32 tensor cores), which every variant's matmuls follow (`--precision`).
 """
 from __future__ import annotations
 
@@ -99,14 +102,19 @@ def main(argv=None) -> int:
 
         bandwidth = copy_bandwidth(device)["GBps"]
     rows = []
-    for case in args.cases:
-        shapes, rank = shapes_of(case)
-        floor_ms = floor_bytes(shapes, rank) / bandwidth / 1e6 if bandwidth else None
-        for name, make in variants().items():
-            timing = time_variant(make, shapes, rank, device, args.steps, args.repeats)
-            rows.append({"case": case, "variant": name, "floor_ms": floor_ms, **timing})
-            print(f"{case} {name}: {timing['ms']:.3f} ms, state {timing['state_bytes'] / 2**20:.1f} MiB",
-                  flush=True)
+    saved = torch.get_float32_matmul_precision()
+    for precision in args.precision:  # every variant's matmuls follow it
+        torch.set_float32_matmul_precision(precision)
+        for case in args.cases:
+            shapes, rank = shapes_of(case)
+            floor_ms = floor_bytes(shapes, rank) / bandwidth / 1e6 if bandwidth else None
+            for name, make in variants().items():
+                timing = time_variant(make, shapes, rank, device, args.steps, args.repeats)
+                rows.append({"case": case, "precision": precision, "variant": name,
+                             "floor_ms": floor_ms, **timing})
+                print(f"{case} {precision} {name}: {timing['ms']:.3f} ms, "
+                      f"state {timing['state_bytes'] / 2**20:.1f} MiB", flush=True)
+    torch.set_float32_matmul_precision(saved)
     print(table(rows))
     with open(args.json, "w") as handle:
         json.dump({"device": str(device), "copy_GBps": bandwidth, "rows": rows}, handle, indent=1)
@@ -115,13 +123,15 @@ def main(argv=None) -> int:
 
 
 def table(rows: list) -> str:
-    lines = ["| case | variant | ms per step (wall) | x floor | x mtapply | state MiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    ours = {row["case"]: row["ms"] for row in rows if row["variant"] == "mtapply"}
+    lines = [("| case | float32 matmul precision | variant | ms per step (wall) | x floor | "
+              "x mtapply | state MiB |"), "| --- | --- | --- | --- | --- | --- | --- |"]
+    ours = {(row["case"], row["precision"]): row["ms"] for row in rows
+            if row["variant"] == "mtapply"}
     for row in rows:
         floor = f"{row['ms'] / row['floor_ms']:.2f}" if row["floor_ms"] else "-"
-        lines.append(f"| {row['case']} | {row['variant']} | {row['ms']:.3f} | {floor} | "
-                     f"{row['ms'] / ours[row['case']]:.2f} | {row['state_bytes'] / 2**20:.1f} |")
+        lines.append(f"| {row['case']} | {row['precision']} | {row['variant']} | {row['ms']:.3f} | "
+                     f"{floor} | {row['ms'] / ours[(row['case'], row['precision'])]:.2f} | "
+                     f"{row['state_bytes'] / 2**20:.1f} |")
     return "\n".join(lines)
 
 
@@ -134,6 +144,9 @@ def _parse_args(argv):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", nargs="+", choices=("highest", "high"),
+                        default=["highest", "high"],
+                        help="torch's float32 matmul precision (high: TF32 tensor cores)")
     parser.add_argument("--json", default="galore_results.json")
     return parser.parse_args(argv)
 

@@ -67,3 +67,35 @@ def test_only_float32_row_major_gpu_matrices_are_batched():
     assert not _products.batchable(x.t())  # a transposed view is not row-major
     assert not _products.batchable(x.double()) and not _products.batchable(x.cpu())
     assert not _products.batchable(x.bfloat16())
+
+
+def test_batched_products_follow_torchs_float32_matmul_precision():
+    """At torch's "high" precision the batched products round their inputs to TF32 (errors of
+    some 1e-4 against float64, as torch.matmul's own), at "highest" they keep float32; CuPy's
+    cuBLAS handle gets its math mode back."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    generator = torch.Generator().manual_seed(3)
+    a = [torch.randn(64, 256, generator=generator).cuda() for _ in range(3)]
+    b = [torch.randn(256, 32, generator=generator).cuda() for _ in range(3)]
+    handle = cupy.cuda.device.get_cublas_handle()
+    mode = cublas.getMathMode(handle)
+    saved = torch.get_float32_matmul_precision()
+    errors = {}
+    try:
+        for precision in ("high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            c = [torch.empty(64, 32, device="cuda") for _ in range(3)]
+            products = _products.Products()
+            assert products.run([("N", "N", x, y, z) for x, y, z in zip(a, b, c)],
+                                alpha=1.0, beta=0.0) == []
+            torch.cuda.synchronize()
+            errors[precision] = max(((z.double() - x.double() @ y.double()).abs().max()
+                                     / (x.double() @ y.double()).abs().max()).item()
+                                    for x, y, z in zip(a, b, c))
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert 1e-5 < errors["high"] < 1e-2, errors
+    assert errors["highest"] < 1e-5, errors
+    assert cublas.getMathMode(handle) == mode
