@@ -383,8 +383,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if not _local(p).is_contiguous():
                 raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
-        owner = ({id(q): k for k, g in enumerate(group["groups"]) for q in g["params"]}
-                 if "groups" in group else None)  # a merged group's params keep their group's
+        owner = _owners(group) if "groups" in group else None  # params keep their group's
         for p in params:
             own = group["groups"][owner[id(p)]] if owner else group
             self._init_state(own, p, self.state[p])
@@ -589,6 +588,7 @@ class SGD(_FusedOptimizer):
     state then also counts its steps (`step`), which key the random bits with `seed`."""
 
     _counts_steps = False
+    _merges_groups = True
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
@@ -622,7 +622,8 @@ class SGD(_FusedOptimizer):
             fresh = [p for p in group["params"]
                      if p.grad is not None and self.state[p].get("momentum_buffer") is None]
             if fresh:
-                self._first_step(group, fresh, grad_scale, found_inf)
+                for own, params in _by_group(group, fresh):  # each with its group's options
+                    self._first_step(own, params, grad_scale, found_inf)
                 stepped = set(map(id, fresh))
                 rest = [p for p in group["params"] if id(p) not in stepped]
                 return self._step_params(index, dict(group, params=rest), grad_scale, found_inf)
@@ -667,6 +668,23 @@ class SGD(_FusedOptimizer):
         if self._counts(group):
             hyper["seed"] = group.get("seed", 0)
         return hyper
+
+
+def _owners(merged) -> dict:
+    """id(param) -> the index of its own group, in a merged group."""
+    return {id(q): k for k, g in enumerate(merged["groups"]) for q in g["params"]}
+
+
+def _by_group(group, params) -> list:
+    """(param group, its params among `params`) pairs: the merged group's own groups, else the
+    group itself."""
+    if "groups" not in group:
+        return [(group, params)]
+    owner = _owners(group)
+    by_owner: dict = {}
+    for p in params:
+        by_owner.setdefault(owner[id(p)], []).append(p)
+    return [(group["groups"][k], members) for k, members in by_owner.items()]
 
 
 class _RuleBased(_FusedOptimizer):

@@ -168,3 +168,38 @@ def test_a_param_appended_to_a_group_in_place_is_stepped(flat_grads):
     _steps(a, oa, None, "cpu", 2, 4)
     _steps(b, ob, None, "cpu", 2, 4)
     _assert_same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_groups_with_momentum_step_as_one_plan_like_torch(device, nesterov):
+    """SGD groups of equal compile options (momentum in all, or in none) step as one plan,
+    each tensor with its group's lr, momentum, dampening and decay; a group added mid-run takes
+    its first-step momentum with its own options, as torch.optim.SGD."""
+    def groups(params):
+        return [{"params": [p], "lr": 1e-2 * (1 + k % 5) / 3, "momentum": (0.5, 0.9, 0.8)[k % 3],
+                 "dampening": 0.0 if nesterov else (0.0, 0.1, 0.3)[k % 3], "nesterov": nesterov,
+                 "weight_decay": 0.0 if p.dim() == 1 else 1e-2 * (1 + k % 3)}
+                for k, p in enumerate(params)]
+
+    a, b = _model(device), _model(device)
+    params_a, params_b = list(a.parameters()), list(b.parameters())
+    oa = torch.optim.SGD(groups(params_a)[:-2], lr=1.0, foreach=False)
+    ob = mt.SGD(groups(params_b)[:-2], lr=1.0)
+    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(params_a))]
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors[:len(oa.param_groups)])
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors[:len(ob.param_groups)])
+    _steps(a, oa, sa, device, 0, 4)
+    _steps(b, ob, sb, device, 0, 4)
+    _assert_same(a, b)
+    assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
+    for opt, params in ((oa, params_a), (ob, params_b)):
+        for group in groups(params)[-2:]:
+            opt.add_param_group(group)
+    _steps(a, oa, None, device, 4, 8)
+    _steps(b, ob, None, device, 4, 8)
+    _assert_same(a, b)
+    assert list(ob._bound) == ["merged"]
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(oa.state[p]["momentum_buffer"], ob.state[q]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
