@@ -327,11 +327,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return None
         options = self._compile_options(groups[0])
         for group in groups:
-            if (self._compile_options(group) != options or isinstance(group["lr"], torch.Tensor)
+            if (self._compile_options(group) != options or self._tensor_options(group)
                     or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
                 return None
         return dict(groups[0], params=list(chain.from_iterable(map(_PARAMS, groups))),
                     groups=groups)
+
+    def _tensor_options(self, group) -> bool:
+        """Whether a group gives a hyperparameter as a tensor (its groups then step alone)."""
+        return isinstance(group["lr"], torch.Tensor)
 
     def _part_hyper(self, part, group) -> dict:
         """The hyperparameters of a part: its group's, or in a merged group each tensor's own
@@ -691,6 +695,11 @@ class _RuleBased(_FusedOptimizer):
     """Optimizers run by a rule (`mtapply.rule`): each group's rule and hyperparameters, state
     tensors named after the rule's slots beside the device step counter `step`."""
 
+    _merges_groups = True
+
+    def _tensor_options(self, group) -> bool:
+        return any(isinstance(v, torch.Tensor) for v in self._rule_hyper(group).values())
+
     def _rule(self, group):
         raise NotImplementedError
 
@@ -799,6 +808,8 @@ class ScheduleFreeAdamW(_RuleBased):
     and the steps taken are host numbers in the group (saved with state_dict); each param's
     state holds `z` (a copy of the param at first), `nu` and `step`. lr is a number (the weights
     are computed on the host); a step skipped by GradScaler still advances them."""
+
+    _merges_groups = False  # its per-group running values live in each group
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  warmup_steps=0, weight_lr_power=2.0, *, flat_grads=False):

@@ -203,3 +203,36 @@ def test_sgd_groups_with_momentum_step_as_one_plan_like_torch(device, nesterov):
     for p, q in zip(params_a, params_b):
         torch.testing.assert_close(oa.state[p]["momentum_buffer"], ob.state[q]["momentum_buffer"],
                                    rtol=1e-5, atol=1e-6)
+
+
+RULE_PAIRS = [(torch.optim.Adagrad, mt.Adagrad, dict(lr_decay=1e-3, eps=1e-10)),
+              (torch.optim.RMSprop, mt.RMSprop, dict(alpha=0.95, momentum=0.5))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("torch_cls,mt_cls,options", RULE_PAIRS,
+                         ids=[c.__name__ for c, _, _ in RULE_PAIRS])
+def test_rule_optimizer_groups_step_as_one_plan_like_torch(torch_cls, mt_cls, options, device):
+    """A rule-run optimizer (Adagrad, RMSprop) with a group per tensor steps as one plan, each
+    tensor with its group's lr and decay, under a scheduler; a tensor option steps alone."""
+    def groups(params):
+        return [{"params": [p], "lr": 1e-2 * (1 + k % 5) / 3,
+                 "weight_decay": 0.0 if p.dim() == 1 else 1e-2 * (1 + k % 3)}
+                for k, p in enumerate(params)]
+
+    a, b = _model(device), _model(device)
+    oa = torch_cls(groups(list(a.parameters())), foreach=False, **options)
+    ob = mt_cls(groups(list(b.parameters())), **options)
+    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(oa.param_groups))]
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors)
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors)
+    _steps(a, oa, sa, device, 0, 5)
+    _steps(b, ob, sb, device, 0, 5)
+    _assert_same(a, b)
+    assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
+    ob.param_groups[0]["weight_decay"] = torch.tensor(0.0, device=device)
+    oa.param_groups[0]["weight_decay"] = 0.0
+    _steps(a, oa, sa, device, 5, 6)
+    _steps(b, ob, sb, device, 5, 6)
+    _assert_same(a, b)
+    assert "merged" not in ob._bound
