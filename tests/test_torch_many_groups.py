@@ -46,6 +46,19 @@ def _steps(model, opt, scheduler, device, first, last):
             scheduler.step()
 
 
+def _scheduled_steps(reference, ours, device, steps) -> tuple:
+    """`steps` steps of both (model, optimizer) pairs under LambdaLR, a factor per group; the
+    models then agree. Returns the schedulers."""
+    schedulers = []
+    for model, opt in (reference, ours):
+        factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10)
+                   for k in range(len(opt.param_groups))]
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, factors))
+        _steps(model, opt, schedulers[-1], device, 0, steps)
+    _assert_same(reference[0], ours[0])
+    return tuple(schedulers)
+
+
 def _assert_same(a, b):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -59,12 +72,7 @@ def test_a_group_per_tensor_trains_like_torch_optim(torch_cls, mt_cls, device):
     # the last layer joins later, as add_param_group
     oa = torch_cls(_per_tensor_groups(params_a[:-2], torch_cls), lr=1.0, foreach=False)
     ob = mt_cls(_per_tensor_groups(params_b[:-2], mt_cls), lr=1.0)
-    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(params_a))]
-    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors[:len(oa.param_groups)])
-    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors[:len(ob.param_groups)])
-    _steps(a, oa, sa, device, 0, 4)
-    _steps(b, ob, sb, device, 0, 4)
-    _assert_same(a, b)
+    _scheduled_steps((a, oa), (b, ob), device, 4)
     for opt, params, cls in ((oa, params_a, torch_cls), (ob, params_b, mt_cls)):
         for group in _per_tensor_groups(params, cls)[-2:]:
             opt.add_param_group(group)
@@ -186,12 +194,7 @@ def test_sgd_groups_with_momentum_step_as_one_plan_like_torch(device, nesterov):
     params_a, params_b = list(a.parameters()), list(b.parameters())
     oa = torch.optim.SGD(groups(params_a)[:-2], lr=1.0, foreach=False)
     ob = mt.SGD(groups(params_b)[:-2], lr=1.0)
-    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(params_a))]
-    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors[:len(oa.param_groups)])
-    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors[:len(ob.param_groups)])
-    _steps(a, oa, sa, device, 0, 4)
-    _steps(b, ob, sb, device, 0, 4)
-    _assert_same(a, b)
+    _scheduled_steps((a, oa), (b, ob), device, 4)
     assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
     for opt, params in ((oa, params_a), (ob, params_b)):
         for group in groups(params)[-2:]:
@@ -205,8 +208,8 @@ def test_sgd_groups_with_momentum_step_as_one_plan_like_torch(device, nesterov):
                                    rtol=1e-5, atol=1e-6)
 
 
-RULE_PAIRS = [(torch.optim.Adagrad, mt.Adagrad, dict(lr_decay=1e-3, eps=1e-10)),
-              (torch.optim.RMSprop, mt.RMSprop, dict(alpha=0.95, momentum=0.5))]
+RULE_PAIRS = [(torch.optim.Adagrad, mt.Adagrad, {"lr_decay": 1e-3, "eps": 1e-10}),
+              (torch.optim.RMSprop, mt.RMSprop, {"alpha": 0.95, "momentum": 0.5})]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,12 +226,7 @@ def test_rule_optimizer_groups_step_as_one_plan_like_torch(torch_cls, mt_cls, op
     a, b = _model(device), _model(device)
     oa = torch_cls(groups(list(a.parameters())), foreach=False, **options)
     ob = mt_cls(groups(list(b.parameters())), **options)
-    factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10) for k in range(len(oa.param_groups))]
-    sa = torch.optim.lr_scheduler.LambdaLR(oa, factors)
-    sb = torch.optim.lr_scheduler.LambdaLR(ob, factors)
-    _steps(a, oa, sa, device, 0, 5)
-    _steps(b, ob, sb, device, 0, 5)
-    _assert_same(a, b)
+    sa, sb = _scheduled_steps((a, oa), (b, ob), device, 5)
     assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
     ob.param_groups[0]["weight_decay"] = torch.tensor(0.0, device=device)
     oa.param_groups[0]["weight_decay"] = 0.0
