@@ -28,7 +28,7 @@ static_assert(MTA_CHUNK % QBLOCK == 0, "a chunk must hold whole quantization blo
 
 constexpr int WORDS_TOTAL = 3 * CODE_CELLS;  // the signed map's cells of both signs, then the unsigned's
 
-struct Maps {
+struct __align__(16) Maps {  // copied in 16-byte words
   float value[2][256];  // [signed, unsigned] map values, ascending
   unsigned words[(WORDS_TOTAL + 3) / 4 * 4];
 
