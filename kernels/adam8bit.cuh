@@ -233,7 +233,7 @@ struct Adam8bit {
                           ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
     const long long whole = aligned ? min(job.end, job.numel / QBLOCK * QBLOCK) : job.begin;
     const Adam op(args_of(launch, job.tensor), job.tensor, nullptr);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
     constexpr long long STRIDE = (MTA_BLOCK / 32) * QBLOCK;  // a warp's step through the chunk
     long long start = job.begin + static_cast<long long>(warp) * QBLOCK;
     for (; start < whole; start += STRIDE)
