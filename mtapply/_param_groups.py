@@ -84,18 +84,10 @@ class TrackedGroup(dict):
         return dict, (dict(self),)
 
 
-def _noting_any(method):
+def _noting(name: str, method):
+    """`method`, noting `name` in the object's changes before it runs."""
     def changed(self, *args, **kwargs):
-        self.changes.note(ANY)
-        return method(self, *args, **kwargs)
-
-    changed.__name__ = method.__name__
-    return changed
-
-
-def _noting_params(method):
-    def changed(self, *args, **kwargs):
-        self.changes.note(PARAMS)
+        self.changes.note(name)
         return method(self, *args, **kwargs)
 
     changed.__name__ = method.__name__
@@ -103,10 +95,10 @@ def _noting_params(method):
 
 
 for _name in ("__delitem__", "clear", "pop", "popitem"):
-    setattr(TrackedGroup, _name, _noting_any(getattr(dict, _name)))
+    setattr(TrackedGroup, _name, _noting(ANY, getattr(dict, _name)))
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
               "pop", "remove", "clear", "sort", "reverse"):
-    setattr(TrackedParams, _name, _noting_params(getattr(list, _name)))
+    setattr(TrackedParams, _name, _noting(PARAMS, getattr(list, _name)))
 
 
 class TrackedGroups(list):
@@ -150,7 +142,7 @@ class TrackedGroups(list):
 
 
 for _name in ("__delitem__", "__imul__", "pop", "remove", "clear", "sort", "reverse"):
-    setattr(TrackedGroups, _name, _noting_any(getattr(list, _name)))
+    setattr(TrackedGroups, _name, _noting(ANY, getattr(list, _name)))
 
 
 def tracked(groups: list, changes: GroupChanges) -> TrackedGroups:
