@@ -9,9 +9,10 @@
 // maps. A group whose moments are float32 (small tensors) runs the plain Adam functor.
 // The map values and the code tables (mtapply.quantization.code_words: one table read and one
 // addition find a code) come from the generated dynamic_maps.cuh; each CUDA block loads them
-// into shared memory once for a chunk of many quantization blocks (Adam8bitSpec.chunk_for), and
-// the 8-bit group compiles with approximate fp32 division and square root
-// (Adam8bitSpec.compile_options): the kernel is bound by its instructions.
+// into shared memory once for a chunk of many quantization blocks (Adam8bitSpec.chunk_for), with
+// the chunk's block scales (ChunkScales), and the 8-bit group compiles with approximate fp32
+// division and square root (Adam8bitSpec.compile_options). The step then runs at the speed of
+// its loads and stores.
 #pragma once
 #include "adam.cuh"
 #include "dynamic_maps.cuh"
@@ -27,7 +28,7 @@ static_assert(MTA_CHUNK % QBLOCK == 0, "a chunk must hold whole quantization blo
 
 constexpr int WORDS_TOTAL = 3 * CODE_CELLS;  // the signed map's cells of both signs, then the unsigned's
 
-struct Maps {
+struct __align__(16) Maps {  // copied in 16-byte words
   float value[2][256];  // [signed, unsigned] map values, ascending
   unsigned words[(WORDS_TOTAL + 3) / 4 * 4];
 
@@ -226,13 +227,13 @@ struct Adam8bit {
     maps.load();  // then synchronizes
     if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
     const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
-    // 8-byte words of codes and 16-byte words of params and grads, when every base allows them;
+    // words of codes and of params and grads (GROUP elements each), when every base allows them;
     // blocks from `whole` on are cut by the tensor's end (or unaligned) and go element by element
     const bool aligned = (((job.addresses[PARAM] | job.addresses[GRAD]) & 15) |
                           ((job.addresses[EXP_AVG] | job.addresses[EXP_AVG_SQ]) & 7)) == 0;
     const long long whole = aligned ? min(job.end, job.numel / QBLOCK * QBLOCK) : job.begin;
     const Adam op(args_of(launch, job.tensor), job.tensor, nullptr);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
     constexpr long long STRIDE = (MTA_BLOCK / 32) * QBLOCK;  // a warp's step through the chunk
     long long start = job.begin + static_cast<long long>(warp) * QBLOCK;
     for (; start < whole; start += STRIDE)

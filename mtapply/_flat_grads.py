@@ -46,6 +46,7 @@ class FlatGrads:
                     raise ValueError(f"flat_grads=True needs contiguous params; param {i} of param "
                                      f"group {g} is strided: make it contiguous or use flat_grads=False")
         self.lengths = [len(params) for params in groups]
+        self._layout = [list(params) for params in groups]
         self.buffers = self._allocate(groups)
         twice = self._twice = self.entries * 2  # the rotation reads slices, wrapping around
         self._params = [entry.param for entry in twice]
@@ -92,7 +93,11 @@ class FlatGrads:
         self.mark()
 
     def fits(self, groups: list) -> bool:
-        return list(map(len, map(_PARAMS, groups))) == self.lengths  # C-level: runs every step
+        """O(n), run after the groups' params were edited: whether each group still holds the
+        very params the buffers were made for, in their places."""
+        return (list(map(len, map(_PARAMS, groups))) == self.lengths
+                and all(all(map(operator.is_, params, made))
+                        for params, made in zip(map(_PARAMS, groups), self._layout)))
 
     def intact(self, groups: list) -> bool:
         """O(1): whether every grad is still its view (the groups must `fit`). False when a
@@ -126,8 +131,8 @@ class FlatGrads:
                     f"flat_grads=True: param {entry.position} of param group {entry.group} "
                     f"{problem} since the flat grad buffers were made. The optimizer owns the "
                     "grads: zero them with optimizer.zero_grad() (not model.zero_grad()), do not "
-                    "assign .grad or .data, and do not edit param groups; or make the "
-                    "optimizer with flat_grads=False")
+                    "assign .grad or .data, and edit a group's params only through its list; "
+                    "or make the optimizer with flat_grads=False")
 
     @staticmethod
     def _problem(entry: _Entry, groups: list) -> str:

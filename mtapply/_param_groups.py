@@ -3,12 +3,14 @@ per group while nothing changed, and only each group's lr when a scheduler set i
 
 An optimizer's `param_groups` become a `TrackedGroups` list of `TrackedGroup` dicts (copies of
 the dicts it was given); setting a key notes its name (and `ANY` too unless the value is a plain
-number), and any other change of a group or of the list notes `ANY`. They pickle and deep-copy
-as plain lists and dicts.
+number), and any other change of a group or of the list notes `ANY`. Each group's params list is
+a `TrackedParams`, which notes `PARAMS` when it is edited in place, so that a step learns in O(1)
+that no param was added, removed or replaced. They pickle and deep-copy as plain lists and dicts.
 """
 from __future__ import annotations
 
 ANY = "*"  # noted for changes that are not one key set: a group added, a key deleted, ...
+PARAMS = "params"  # noted when a group's params list is set or edited in place
 
 
 class GroupChanges:
@@ -30,17 +32,37 @@ class GroupChanges:
         return {name for name, version in self.set_at.items() if version > seen}
 
 
+class TrackedParams(list):
+    """A group's params list, noting `PARAMS` when edited in place."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, params, changes: GroupChanges):
+        super().__init__(params)
+        self.changes = changes
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
 class TrackedGroup(dict):
-    """A param group noting each key set in it."""
+    """A param group noting each key set in it; its "params" is a `TrackedParams`."""
 
     __slots__ = ("changes",)
 
     def __init__(self, group: dict, changes: GroupChanges):
         super().__init__(group)
         self.changes = changes
+        if PARAMS in self:
+            dict.__setitem__(self, PARAMS, self._params(self[PARAMS]))
+
+    def _params(self, params):
+        if isinstance(params, TrackedParams) and params.changes is self.changes:
+            return params
+        return TrackedParams(params, self.changes)
 
     def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
+        super().__setitem__(key, self._params(value) if key == PARAMS else value)
         self.changes.note(key)
         if type(value) not in (int, float):  # a plain number is the common case (an lr)
             self.changes.note(ANY)
@@ -50,21 +72,33 @@ class TrackedGroup(dict):
             self[key] = default
         return self[key]
 
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def __reduce__(self):
         return dict, (dict(self),)
 
 
-def _noting_any(method):
+def _noting(name: str, method):
+    """`method`, noting `name` in the object's changes before it runs."""
     def changed(self, *args, **kwargs):
-        self.changes.note(ANY)
+        self.changes.note(name)
         return method(self, *args, **kwargs)
 
     changed.__name__ = method.__name__
     return changed
 
 
-for _name in ("__delitem__", "__ior__", "clear", "pop", "popitem", "update"):
-    setattr(TrackedGroup, _name, _noting_any(getattr(dict, _name)))
+for _name in ("__delitem__", "clear", "pop", "popitem"):
+    setattr(TrackedGroup, _name, _noting(ANY, getattr(dict, _name)))
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
+              "pop", "remove", "clear", "sort", "reverse"):
+    setattr(TrackedParams, _name, _noting(PARAMS, getattr(list, _name)))
 
 
 class TrackedGroups(list):
@@ -108,7 +142,7 @@ class TrackedGroups(list):
 
 
 for _name in ("__delitem__", "__imul__", "pop", "remove", "clear", "sort", "reverse"):
-    setattr(TrackedGroups, _name, _noting_any(getattr(list, _name)))
+    setattr(TrackedGroups, _name, _noting(ANY, getattr(list, _name)))
 
 
 def tracked(groups: list, changes: GroupChanges) -> TrackedGroups:

@@ -101,33 +101,37 @@ _MAGNITUDE = 0x7FFFFFFF
 def code_words(signed: bool) -> np.ndarray:
     """The kernel's code table (uint32, read-only): words[negative * CELLS + cell], with the
     negative half for signed maps only; `guided_code` shows how a code is read from it."""
-    middle = midpoints(signed)
-    middle_bits = middle.view(np.uint32)
-    top = np.arange(CELL_LOW, CELL_HIGH + 1, dtype=np.uint32)
-    words = []
-    for negative in ((False, True) if signed else (False,)):
-        sign = np.uint32(0x80000000 if negative else 0)
-        # the value of the cell nearest minus infinity: its largest magnitude when negative
-        edge = ((top << np.uint32(16)) | np.uint32(0xFFFF if negative else 0) | sign)
-        below = np.searchsorted(middle, edge.view(np.float32), side="left").astype(np.uint32)
-        inside = np.zeros(CELLS, np.uint32)  # no midpoint in the cell: never carries
-        seen = np.zeros(CELLS, bool)
-        for j in np.flatnonzero((middle_bits & np.uint32(0x80000000)) == sign):
-            magnitude = middle_bits[j] & np.uint32(_MAGNITUDE)
-            cell = int(magnitude >> np.uint32(16)) - CELL_LOW
-            if 0 <= cell < CELLS:
-                assert not seen[cell], "two midpoints in one cell"
-                seen[cell] = True
-                low = magnitude & np.uint32(0xFFFF)
-                # positive: carry when low16 > the midpoint's; negative: when low16 < it
-                inside[cell] = low if negative else np.uint32(0xFFFF) - low
-            else:  # every midpoint lies above the clamped lowest cell
-                assert cell >= CELLS or magnitude == 0, "a midpoint below the lowest cell"
-        key_top = (top ^ np.uint32(0x7FFF)) if negative else top
-        words.append((below << np.uint32(16)) + inside - (key_top << np.uint32(16)))
-    table = np.concatenate(words).astype(np.uint32)
+    halves = [_cell_words(midpoints(signed), negative)
+              for negative in ((False, True) if signed else (False,))]
+    table = np.concatenate(halves).astype(np.uint32)
     table.setflags(write=False)
     return table
+
+
+def _cell_words(middle: np.ndarray, negative: bool) -> np.ndarray:
+    """The words of one sign's cells: the midpoints below each cell in bits 16-23, plus the
+    threshold of the cell's midpoint (if any), less the cell's top 16 bits as the kernel adds
+    them (a negative value's magnitude bits flipped)."""
+    sign = np.uint32(0x80000000 if negative else 0)
+    top = np.arange(CELL_LOW, CELL_HIGH + 1, dtype=np.uint32)
+    # the value of each cell nearest minus infinity: its largest magnitude when negative
+    edge = (top << np.uint32(16)) | np.uint32(0xFFFF if negative else 0) | sign
+    below = np.searchsorted(middle, edge.view(np.float32), side="left").astype(np.uint32)
+    inside = np.zeros(CELLS, np.uint32)  # no midpoint in the cell: never carries
+    seen = np.zeros(CELLS, bool)
+    middle_bits = middle.view(np.uint32)
+    for magnitude in middle_bits[(middle_bits & np.uint32(0x80000000)) == sign] & np.uint32(_MAGNITUDE):
+        cell = int(magnitude >> np.uint32(16)) - CELL_LOW
+        assert cell >= 0 or magnitude == 0, "a midpoint below the lowest cell"
+        if 0 <= cell < CELLS:
+            assert not seen[cell], "two midpoints in one cell"
+            seen[cell] = True
+            low = magnitude & np.uint32(0xFFFF)
+            # positive values carry when their low 16 bits exceed the midpoint's; negative ones,
+            # whose low bits the kernel flips, when theirs are below it
+            inside[cell] = low if negative else np.uint32(0xFFFF) - low
+    key_top = (top ^ np.uint32(0x7FFF)) if negative else top
+    return (below << np.uint32(16)) + inside - (key_top << np.uint32(16))
 
 
 def guided_code(normalized: np.ndarray, signed: bool) -> np.ndarray:

@@ -49,7 +49,7 @@ from . import lars as _lars
 from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
-from ._param_groups import GroupChanges, tracked
+from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
            "GaLoreAdamW", "Lion", "RMSprop",
@@ -138,6 +138,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._flat = None
         self._group_changes = GroupChanges()
         self._merged = (0, None)  # (changes version, the merged group or None)
+        self._groups_seen = 0  # the changes version at which the params were last looked at
         super().__init__(params, defaults)
         self._bound: dict = {}
         if self._flat_grads:
@@ -152,6 +153,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._bound, self._flat = {}, None  # the flat buffers are made again at the next step
         self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
         self._merged = (0, None)
+        self._groups_seen = 0
         self.param_groups = tracked(self.param_groups, self._group_changes)
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
@@ -172,20 +174,23 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._fused_step()
+        if torch.compiler.is_compiling():  # being traced: the launch stays out of the graph
+            _fused_step_outside_graphs(self)
+        else:  # (torch.compiler.disable's wrapper would cost every eager step)
+            self._fused_step()
         return loss
 
-    @torch.compiler.disable  # under torch.compile the launch stays out of the graph
-    @torch.no_grad()
     def _fused_step(self) -> None:
+        with torch.no_grad():
+            self._grouped_steps()
+
+    def _grouped_steps(self) -> None:
+        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         flat = self._flat_grads_in_place()
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
-        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
-        merged = self._merged_group()
-        if merged is not None and not flat:  # lists edited in place are seen, as torch sees them
-            merged["params"] = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
+        merged = self._merged_group()  # params edited in place merge again, as torch sees them
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
             self._bound.clear()
         for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
@@ -214,10 +219,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _refresh_flat(self) -> bool:
         """Makes the flat buffers again if there are none or the param groups changed since
         (then True: the grads were just moved into new views)."""
-        if self._flat is not None and self._flat.fits(self.param_groups):
+        if self._flat is not None and (not self._params_moved() or self._flat.fits(self.param_groups)):
             return False
         self._make_flat()
         return True
+
+    def _params_moved(self) -> bool:
+        """Whether params may have been added to, removed from or replaced in the groups since
+        the last call: O(1), as the tracked groups note it."""
+        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
+        changes = self._group_changes
+        moved = bool(changes.since(self._groups_seen) & {ANY, PARAMS})
+        self._groups_seen = changes.version
+        return moved
 
     def _make_flat(self) -> None:
         """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
@@ -445,6 +459,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 _HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(_FusedOptimizer._plain_step)
+_fused_step_outside_graphs = torch.compiler.disable(_FusedOptimizer._fused_step)
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _optimizer_module = sys.modules[torch.optim.Optimizer.__module__]
 

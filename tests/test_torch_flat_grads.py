@@ -142,8 +142,8 @@ def test_a_change_behind_the_optimizer_is_reported_before_any_write(change, monk
         p.grad = None
     elif change == "replaced storage":
         p.data = p.data.clone()
-    elif change == "edited group":
-        opt.param_groups[0]["params"][1] = torch.nn.Parameter(p.detach().clone())
+    elif change == "edited group":  # behind its list's back: the list's own edits are seen
+        list.__setitem__(opt.param_groups[0]["params"], 1, torch.nn.Parameter(p.detach().clone()))
     else:
         model[3].bias.requires_grad_(True)
         model[3].bias.grad = torch.ones_like(model[3].bias)

@@ -176,6 +176,15 @@ def test_a_param_appended_to_a_group_in_place_is_stepped(flat_grads):
     _steps(a, oa, None, "cpu", 2, 4)
     _steps(b, ob, None, "cpu", 2, 4)
     _assert_same(a, b)
+    # then removed from one group and put in another's place in place: seen at the next step
+    for opt in (oa, ob):
+        moved = opt.param_groups[0]["params"].pop()
+        opt.param_groups[3]["params"] += [moved]
+        opt.param_groups[1]["params"][0], opt.param_groups[2]["params"][0] = (
+            opt.param_groups[2]["params"][0], opt.param_groups[1]["params"][0])
+    _steps(a, oa, None, "cpu", 4, 6)
+    _steps(b, ob, None, "cpu", 4, 6)
+    _assert_same(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
