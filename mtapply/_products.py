@@ -6,7 +6,8 @@ share. The operands' addresses live in device tables (`_tables.MemcpyTable`) tha
 on the launch stream, only when an address changes: a step on the same buffers moves no
 host-to-device bytes and never waits for the device. A shape of one term, or of large matrices
 (cuBLAS's batched kernels suit small ones: one 4096 x 4096 product ran 4x slower batched), is
-left to the caller's own matmul, whose heuristics choose its kernel.
+left to the caller's own matmul, whose heuristics choose its kernel. `BoundProducts` groups a
+step's terms once, for steps that repeat them with operands that may move.
 
 The products follow their framework's float32 matmul precision, as its own matmul would: TF32
 tensor cores where torch allows them (`torch.set_float32_matmul_precision("high")`) or CuPy does
@@ -35,9 +36,9 @@ def batchable(matrix) -> bool:
     return framework == "cupy" and str(matrix.dtype) == "float32" and matrix.flags.c_contiguous
 
 
-def tf32_allowed(matrix) -> bool:
-    """Whether float32 products of `matrix`'s framework may round their inputs to TF32."""
-    if framework_of(matrix) == "torch":
+def framework_tf32(framework: str) -> bool:
+    """Whether the framework's float32 products may round their inputs to TF32."""
+    if framework == "torch":
         import torch
 
         return bool(torch.backends.cuda.matmul.allow_tf32)
@@ -63,25 +64,62 @@ class Products:
     def run(self, terms: list, *, alpha: float, beta: float) -> list:
         """Runs the terms (op_a, op_b, a, b, c) that batch, ops "N" or "T", every matrix float32,
         row-major and on a GPU, c of op(a) @ op(b)'s shape; returns the others, in order."""
+        bound = BoundProducts(terms, self._batch)
+        addresses = operand_addresses([term[2:] for term in terms])
+        left = set(bound.run(addresses, alpha=alpha, beta=beta))
+        return [term for k, term in enumerate(terms) if k in left]
+
+    def _batch(self, key: tuple, count: int) -> _Batch:
+        batch = self._batches.get((key, count))
+        if batch is None:
+            batch = self._batches[(key, count)] = _Batch(*key, count)
+        return batch
+
+
+class BoundProducts:
+    """Terms of fixed ops, shapes and devices, grouped once into batches (one per shape that
+    several terms share, its matrices small enough) and terms left to the caller: a step whose
+    operands may move (`run`) computes only their addresses. Each batch is its own (with its
+    address table) unless `batch_of(key, count)` gives them."""
+
+    def __init__(self, terms: list, batch_of=None):
+        batch_of = batch_of or (lambda key, count: _Batch(*key, count))
         shapes: dict = {}
-        for term in terms:
-            op_a, op_b, a, b, c = term
+        for k, (op_a, op_b, a, b, c) in enumerate(terms):
             key = (op_a, op_b, tuple(a.shape), tuple(b.shape), tuple(c.shape), device_id(c))
-            shapes.setdefault(key, []).append(term)
-        left = []
-        for key, group in shapes.items():
-            if len(group) == 1 or max(map(_elements, key[2:5])) > BATCHED_ELEMENTS:
-                left += group
-                continue
-            addresses = [(data_ptr(a), data_ptr(b), data_ptr(c)) for *_, a, b, c in group]
-            stream = stream_pointer(None, framework_of(group[0][4]), key[-1])
-            batch = self._batches.get((key, len(addresses)))
-            if batch is None:
-                batch = self._batches[(key, len(addresses))] = _Batch(*key, len(addresses))
-            batch.run(np.asarray(addresses, np.uint64), alpha, beta, stream,
-                      tf32_allowed(group[0][4]))
-        left_ids = set(map(id, left))
-        return [term for term in terms if id(term) in left_ids]
+            shapes.setdefault(key, []).append(k)
+        self.batches, left = [], []  # (the terms' indices, _Batch)
+        for key, indices in shapes.items():
+            if len(indices) == 1 or max(map(_elements, key[2:5])) > BATCHED_ELEMENTS:
+                left += indices
+            else:
+                self.batches.append((np.asarray(indices), batch_of(key, len(indices))))
+        self.left = sorted(left)  # the indices of the terms the caller runs
+        self.devices: dict = {}  # device -> its batches (one handle each)
+        for indices, batch in self.batches:
+            self.devices.setdefault(batch.device, []).append((indices, batch))
+        self.framework = framework_of(terms[0][4]) if terms else None
+
+    def run(self, addresses: np.ndarray, *, alpha: float, beta: float) -> list:
+        """Runs the batches over the operands at `addresses` (uint64, one row (a, b, c) per
+        bound term, in its order: `operand_addresses`); returns the indices of the terms left
+        to the caller (`self.left`)."""
+        if not self.batches:
+            return self.left
+        scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the calls
+        tf32 = framework_tf32(self.framework)
+        for device, batches in self.devices.items():
+            stream = stream_pointer(None, self.framework, device)
+            with _Handle(device, stream, tf32) as handle:
+                for indices, batch in batches:
+                    batch.run(addresses[indices], scalars, handle, stream)
+        return self.left
+
+
+def operand_addresses(operands: list) -> np.ndarray:
+    """The (a, b, c) addresses of each term's operands, one row per term."""
+    return np.fromiter((data_ptr(matrix) for term in operands for matrix in term), np.uint64,
+                       3 * len(operands)).reshape(-1, 3)
 
 
 def _elements(shape) -> int:
@@ -134,8 +172,9 @@ class _Batch:
         self.table = _tables.MemcpyTable(3 * count * 8, device)
         self.addresses = None
 
-    def run(self, addresses: np.ndarray, alpha: float, beta: float, stream: int,
-            tf32: bool) -> None:
+    def run(self, addresses: np.ndarray, scalars: np.ndarray, handle: int, stream: int) -> None:
+        """The batch's products at `addresses` ((a, b, c) per row), alpha and beta in `scalars`
+        (float32, host memory), by `handle` set to `stream`."""
         from cupy_backends.cuda.libs import cublas
 
         if self.addresses is None or not np.array_equal(addresses, self.addresses):
@@ -144,11 +183,9 @@ class _Batch:
             self.table.write(table.view(np.uint8), stream)
             self.addresses = addresses
         self.table.before_launch(stream)
-        scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the call
         base, step = self.table.ptr, self.count * 8
         trans_a, trans_b, m, n, k, lda, ldb, ldc = self.gemm
-        with _Handle(self.device, stream, tf32) as handle:
-            cublas.sgemmBatched(handle, trans_a, trans_b, m, n, k, scalars.ctypes.data, base, lda,
-                                base + step, ldb, scalars.ctypes.data + 4, base + 2 * step, ldc,
-                                self.count)
+        cublas.sgemmBatched(handle, trans_a, trans_b, m, n, k, scalars.ctypes.data, base,
+                            lda, base + step, ldb, scalars.ctypes.data + 4, base + 2 * step, ldc,
+                            self.count)
         self.table.launched_on(stream)

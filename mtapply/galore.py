@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import _calls
 from ._dlpack import framework_of
-from ._products import Products, batchable
+from ._products import BoundProducts, batchable, data_ptr, operand_addresses
 from .engine import Plan
 from .ops.adam import AdamSpec
 
@@ -53,11 +55,12 @@ class Projection:
 
     def refresh(self, grad, rank: int) -> None:
         """A projector from the grad's first `rank` singular vectors (all of them where the
-        matrix has fewer, as galore-torch takes them)."""
+        matrix has fewer, as galore-torch takes them), and the buffers it needs."""
         self.ortho = projector(grad, rank, self.left)
+        self.make_buffers(grad)
 
     def make_buffers(self, grad) -> None:
-        """R's and N's buffers (made at the first step, kept after)."""
+        """R's and N's buffers for the projector (kept while their shape fits it)."""
         rows, cols = grad.shape
         k = self.ortho.shape[1] if self.left else self.ortho.shape[0]
         shape = (k, cols) if self.left else (rows, k)
@@ -71,43 +74,103 @@ class Projection:
         _linear(grad).project(self.ortho, grad, self.projected, self.left)
 
 
-def project_all(grads: list, projections: list, products: Products | None = None) -> None:
-    """R of each grad into its buffer: float32 matrices on a GPU by one batched product per
-    shape (given `products`), the others by one matmul each."""
-    def term(grad, projection):
-        projection.make_buffers(grad)
-        return (("T", "N", projection.ortho, grad, projection.projected) if projection.left
-                else ("N", "T", grad, projection.ortho, projection.projected))
-
-    _batched(zip(grads, projections), term, lambda grad, projection: projection.project(grad),
-             products, alpha=1.0, beta=0.0)
+def _projection_term(matrix, projection) -> tuple:
+    """R's product for a grad (or its param, which has the grad's layout)."""
+    return (("T", "N", projection.ortho, matrix, projection.projected) if projection.left
+            else ("N", "T", matrix, projection.ortho, projection.projected))
 
 
-def project_back_all(params: list, projections: list, beta: float, alpha: float,
-                     products: Products | None = None) -> None:
-    """param = beta param + alpha (P N or N Q) for each param, batched as `project_all`."""
-    def term(param, projection):
-        return (("N", "N", projection.ortho, projection.normalized, param) if projection.left
-                else ("N", "N", projection.normalized, projection.ortho, param))
-
-    _batched(zip(params, projections), term,
-             lambda param, projection: _project_back(param, projection, beta, alpha),
-             products, alpha=alpha, beta=beta)
+def _back_term(param, projection) -> tuple:
+    """The product P N (or N Q) that writes `param`."""
+    return (("N", "N", projection.ortho, projection.normalized, param) if projection.left
+            else ("N", "N", projection.normalized, projection.ortho, param))
 
 
-def _batched(pairs, term, alone, products: Products | None, alpha: float, beta: float) -> None:
-    """For each (matrix, projection): its product `term(...)` batched with the others of its
-    shape where both operands batch (given `products`), else `alone(...)`; products that the
-    batch leaves out run alone too."""
-    terms, of_term = [], {}
-    for matrix, projection in pairs:
-        if products is not None and batchable(matrix) and batchable(projection.ortho):
-            terms.append(term(matrix, projection))
-            of_term[id(terms[-1])] = (matrix, projection)
-        else:
-            alone(matrix, projection)
-    for left_out in products.run(terms, alpha=alpha, beta=beta) if terms else ():
-        alone(*of_term[id(left_out)])
+class _StepProducts:
+    """Products of the same terms every step: float32 GPU matrices batched by shape (bound
+    once), the others by their framework's matmul one by one (`alone(k)`). `addresses` holds
+    the batched terms' operands, one row each; a caller rewrites the cells that move."""
+
+    def __init__(self, terms: list):
+        self.batched = [k for k, term in enumerate(terms) if all(map(batchable, term[2:]))]
+        self.bound = BoundProducts([terms[k] for k in self.batched]) if self.batched else None
+        left = self.bound.left if self.bound else []
+        self.alone = sorted(set(range(len(terms))) - set(self.batched)
+                            | {self.batched[k] for k in left})
+        self.readdress(terms)
+
+    def readdress(self, terms: list) -> None:
+        """The operands' addresses of `terms` (the bound terms with new operands)."""
+        self.addresses = operand_addresses([terms[k][2:] for k in self.batched])
+
+    def run(self, alone, *, alpha: float, beta: float) -> None:
+        if self.bound is not None:
+            self.bound.run(self.addresses, alpha=alpha, beta=beta)
+        for k in self.alone:
+            alone(k)
+
+
+class ProjectedStep:
+    """The step of fixed lists of projected matrices (params, projections, moments), bound
+    once: the products that project the grads, a plan of the Adam step over the projections
+    (writing N), and the products that write the params back. A step then reads each grad's
+    address and layout, and nothing else per matrix.
+
+    The grads must have their params' shapes, dtypes and devices (as torch's `.grad` has):
+    a grad that is not row-major makes every product of that step run alone."""
+
+    def __init__(self, params: list, projections: list, exp_avgs: list, exp_avg_sqs: list):
+        self.params, self.projections = params, projections
+        self.plan = Plan(_NORMALIZED_STEP, {
+            "params": [p.normalized for p in projections],
+            "grads": [p.projected for p in projections],
+            "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
+        # a grad has its param's layout, so the param stands for it in the terms
+        self._forward = _StepProducts(self._forward_terms())
+        self._back = _StepProducts(self._back_terms())
+        self._orthos = [p.ortho for p in projections]  # the projectors addressed
+        batched = self._forward.batched
+        self._grad_cells = (np.arange(len(batched)),  # each batched grad's (row, column)
+                            np.array([1 if projections[k].left else 0 for k in batched], np.intp))
+
+    def _forward_terms(self) -> list:
+        return [_projection_term(param, projection)
+                for param, projection in zip(self.params, self.projections)]
+
+    def _back_terms(self) -> list:
+        return [_back_term(param, projection)
+                for param, projection in zip(self.params, self.projections)]
+
+    def run(self, grads: list, *, lr: float, step: int, betas, eps: float, weight_decay: float,
+            scale: float, correct_bias: bool = True) -> None:
+        """One step: R of each grad, Adam on R writing N, then W = (1 - lr wd)(W + scale P N)."""
+        if any(p.ortho is not ortho for p, ortho in zip(self.projections, self._orthos)):
+            self._forward.readdress(self._forward_terms())  # refreshed projectors
+            self._back.readdress(self._back_terms())
+            self._orthos = [p.ortho for p in self.projections]
+        self._project(grads)
+        self.plan.step(**adam_arguments(lr, step, betas, eps, 0.0, correct_bias))
+        decay = 1.0 - lr * weight_decay
+        params, projections = self.params, self.projections
+        self._back.run(lambda k: _project_back(params[k], projections[k], decay, decay * scale),
+                       alpha=decay * scale, beta=decay)
+
+    def _project(self, grads: list) -> None:
+        projections = self.projections
+        batched = [grads[k] for k in self._forward.batched]
+        if not all(map(_row_major, batched)):
+            for grad, projection in zip(grads, projections):
+                projection.project(grad)
+            return
+        if batched:
+            self._forward.addresses[self._grad_cells] = np.fromiter(
+                map(data_ptr, batched), np.uint64, len(batched))
+        self._forward.run(lambda k: projections[k].project(grads[k]), alpha=1.0, beta=0.0)
+
+
+def _row_major(matrix) -> bool:
+    contiguous = getattr(matrix, "is_contiguous", None)  # torch; else CuPy
+    return contiguous() if contiguous is not None else matrix.flags.c_contiguous
 
 
 def _project_back(param, projection, beta: float, alpha: float) -> None:
@@ -127,46 +190,28 @@ def moment_shape(shape, rank: int, left: bool) -> tuple:
     return (min(rank, rows, cols), cols) if left else (rows, min(rank, rows, cols))
 
 
-class BufferPlans:
-    """Plans of the projected Adam step, each bound to the buffers and moments it steps. They
-    belong to the optimizer and stay put between refreshes, so a step finds its plan by their
-    identities alone (the plan holds them, so no identity is reused while it lives). Beside
-    them, the batched products of the projections (`products`)."""
+class ProjectedSteps:
+    """The optimizer's `ProjectedStep`s, each bound to the params, work buffers and moments it
+    steps. They stay put between refreshes, so a step finds its own by their identities alone
+    (it holds them, so no identity is reused while it lives)."""
 
-    KEEP = 4  # plans kept (one per set of params stepped together)
+    KEEP = 4  # steps kept (one per set of params stepped together)
 
     def __init__(self):
-        self._plans: dict = {}
-        self.products = Products()
+        self._steps: dict = {}
 
-    def step(self, tensors: dict, arguments: dict) -> None:
-        key = tuple(id(t) for column in tensors.values() for t in column)
-        plan = self._plans.pop(key, None)
-        if plan is None:
-            plan = Plan(_NORMALIZED_STEP, tensors)
-        self._plans[key] = plan  # the latest last
-        while len(self._plans) > self.KEEP:
-            del self._plans[next(iter(self._plans))]
-        plan.step(**arguments)
-
-
-def step_projected(params: list, projections: list, exp_avgs: list, exp_avg_sqs: list, *,
-                   lr: float, step: int, betas, eps: float, weight_decay: float, scale: float,
-                   correct_bias: bool = True, plans: BufferPlans | None = None) -> None:
-    """The Adam steps of projected grads (already in their buffers) and the params written
-    back: one mtapply launch (by a plan of `plans`, else a one-call step), then one GEMM per
-    matrix."""
-    tensors = {"params": [p.normalized for p in projections],
-               "grads": [p.projected for p in projections],
-               "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    arguments = adam_arguments(lr, step, betas, eps, 0.0, correct_bias)
-    if plans is None:
-        _calls.step(_NORMALIZED_STEP, tensors, **arguments)
-    else:
-        plans.step(tensors, arguments)
-    decay = 1.0 - lr * weight_decay
-    project_back_all(params, projections, decay, decay * scale,
-                     None if plans is None else plans.products)
+    def get(self, params: list, projections: list, exp_avgs: list,
+            exp_avg_sqs: list) -> ProjectedStep:
+        key = (tuple(map(id, params)) + tuple(map(id, exp_avgs)) + tuple(map(id, exp_avg_sqs))
+               + tuple(id(p.projected) for p in projections)
+               + tuple(id(p.normalized) for p in projections))
+        bound = self._steps.pop(key, None)
+        if bound is None:
+            bound = ProjectedStep(params, projections, exp_avgs, exp_avg_sqs)
+        self._steps[key] = bound  # the latest last
+        while len(self._steps) > self.KEEP:
+            del self._steps[next(iter(self._steps))]
+        return bound
 
 
 def step_plain(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, *, lr: float,
@@ -216,7 +261,7 @@ class GaLoreState:
     exp_avgs: list = field(default_factory=list)
     exp_avg_sqs: list = field(default_factory=list)
     projections: list = field(default_factory=list)
-    plans: BufferPlans = field(default_factory=BufferPlans, repr=False)
+    steps: ProjectedSteps = field(default_factory=ProjectedSteps, repr=False)
 
     def nbytes(self) -> int:
         """Bytes of the moments and projectors (not of the work buffers)."""
@@ -250,9 +295,14 @@ def galore_adamw_step(params, grads, state: GaLoreState, *, lr, step: int, betas
     if len(grads) != len(params) or len(state.projections) != len(params):
         raise ValueError(f"params has {len(params)} tensors, grads {len(grads)} and the state "
                          f"{len(state.projections)}: pass one grad and one state entry per param")
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        if _layout(grad) != _layout(param):
+            raise ValueError(f"grads[{i}] is {_describe(grad)} but params[{i}] is "
+                             f"{_describe(param)}: pass each param's grad, of its shape, dtype "
+                             f"and device")
     refresh = (step - 1) % state.update_proj_gap == 0
     projected, plain = [], []
-    for i, (param, grad, projection) in enumerate(zip(params, grads, state.projections)):
+    for i, (grad, projection) in enumerate(zip(grads, state.projections)):
         if projection is None:
             plain.append(i)
             continue
@@ -262,16 +312,26 @@ def galore_adamw_step(params, grads, state: GaLoreState, *, lr, step: int, betas
     options = dict(lr=lr, step=step, betas=betas, eps=eps, weight_decay=weight_decay,
                    correct_bias=correct_bias)
     if projected:
-        project_all([grads[i] for i in projected], [state.projections[i] for i in projected],
-                    state.plans.products)
-        step_projected([params[i] for i in projected], [state.projections[i] for i in projected],
-                       [state.exp_avgs[i] for i in projected],
-                       [state.exp_avg_sqs[i] for i in projected], scale=state.scale,
-                       plans=state.plans, **options)
+        bound = state.steps.get([params[i] for i in projected],
+                                [state.projections[i] for i in projected],
+                                [state.exp_avgs[i] for i in projected],
+                                [state.exp_avg_sqs[i] for i in projected])
+        bound.run([grads[i] for i in projected], scale=state.scale, **options)
     if plain:
         step_plain([params[i] for i in plain], [grads[i] for i in plain],
                    [state.exp_avgs[i] for i in plain], [state.exp_avg_sqs[i] for i in plain],
                    **options)
+
+
+def _layout(array) -> tuple:
+    device = getattr(array, "device", "cpu")
+    return (framework_of(array), tuple(array.shape), str(array.dtype),
+            str(getattr(device, "id", device)))
+
+
+def _describe(array) -> str:
+    framework, shape, dtype, device = _layout(array)
+    return f"{dtype} {shape} on {device} ({framework})"
 
 
 # the linear algebra of each framework

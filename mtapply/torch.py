@@ -35,7 +35,6 @@ on mtapply's NumPy backend.
 from __future__ import annotations
 
 import operator
-import sys
 import weakref
 from itertools import chain, repeat
 
@@ -49,6 +48,7 @@ from . import lars as _lars
 from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
+from ._optimizer_step import lean_step
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
@@ -158,16 +158,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 
-    def step(self, closure=None):
-        if (_profiler_enabled() or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
-                or _optimizer_module._global_optimizer_pre_hooks
-                or _optimizer_module._global_optimizer_post_hooks):
-            return _HOOKED_STEP(self, closure)
-        return self._plain_step(closure)
-
-    # torch.optim wraps `step` in a profiler range that it enters even when no profiler runs;
-    # `step` does what that wrapper does (the hooks, the range) only when there is any to do
-    step.hooked = True
+    step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
 
     def _plain_step(self, closure=None):
         loss = None
@@ -458,10 +449,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-_HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(_FusedOptimizer._plain_step)
 _fused_step_outside_graphs = torch.compiler.disable(_FusedOptimizer._fused_step)
-_profiler_enabled = torch._C._autograd._profiler_enabled
-_optimizer_module = sys.modules[torch.optim.Optimizer.__module__]
 
 
 class Adam(_FusedOptimizer):

@@ -2,9 +2,12 @@
 mtapply's GaLore steps (`mtapply.galore`)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import galore
+from ._optimizer_step import lean_step
 from .galore import PROJECTION_TYPES, Projection, projection_side
 
 
@@ -23,10 +26,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       correct_bias=correct_bias))
         self._projections: dict = {}  # param -> its Projection (projector and work buffers)
-        self._plans = galore.BufferPlans()
+        self._steps = galore.ProjectedSteps()
+        self._bound: dict = {}  # group index -> its _BoundGroup
+        self._version = 0  # moves on wherever the state may change under the bound groups
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
+        self._version = getattr(self, "_version", 0) + 1  # (torch's __init__ comes here first)
         group = self.param_groups[-1]
         if "rank" in group:
             galore.check_options(group["lr"], group["weight_decay"], group["eps"], group["betas"],
@@ -35,45 +41,70 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 raise ValueError(f"proj_type {group.get('proj_type')!r}: use one of "
                                  f"{', '.join(PROJECTION_TYPES)}")
 
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
+        super().__setstate__(state)
+        self._projections, self._steps, self._bound = {}, galore.ProjectedSteps(), {}
+        self._version = 0
+
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
-        self._plans = galore.BufferPlans()  # the plans' moments are the replaced ones
+        self._steps = galore.ProjectedSteps()  # the bound steps' moments are the replaced ones
+        self._version += 1
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
+
+    def _plain_step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            projected, plain = {}, {}  # step count -> the params stepped with it
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = state.get("step", 0)
-                if "rank" in group and p.dim() == 2:
-                    self._project(group, p, state, step)
-                    projected.setdefault(step + 1, []).append(p)
-                else:
-                    if "exp_avg" not in state:
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                    plain.setdefault(step + 1, []).append(p)
-                state["step"] = step + 1
-            options = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                           weight_decay=group["weight_decay"], correct_bias=group["correct_bias"])
-            for step, params in projected.items():
-                galore.project_all([p.grad for p in params], [self._projections[p] for p in params],
-                                   self._plans.products)
-                galore.step_projected(params, [self._projections[p] for p in params],
-                                      *self._moments(params), step=step,
-                                      scale=group.get("scale", 1.0), plans=self._plans,
-                                      **options)
-            for step, params in plain.items():
-                galore.step_plain(params, [p.grad for p in params], *self._moments(params),
-                                  step=step, **options)
+        with torch.no_grad():
+            self._grouped_steps()
         return loss
+
+    def _grouped_steps(self) -> None:
+        for index, group in enumerate(self.param_groups):
+            bound = self._bound.get(index)
+            if bound is None or not bound.step(group, self._version):
+                self._bound[index] = self._unbound_step(group)
+
+    def _unbound_step(self, group) -> _BoundGroup | None:
+        """A step that looks at every param (and refreshes the projectors that are due);
+        returns the group's step bound for the next steps where every param has a grad and
+        one step count."""
+        projected, plain = {}, {}  # step count -> the params stepped with it
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            step = state.get("step", 0)
+            if "rank" in group and p.dim() == 2:
+                self._project(group, p, state, step)
+                projected.setdefault(step + 1, []).append(p)
+            else:
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                plain.setdefault(step + 1, []).append(p)
+            state["step"] = step + 1
+        options = _options(group)
+        for step, params in projected.items():
+            projections = [self._projections[p] for p in params]
+            bound = self._steps.get(params, projections, *self._moments(params))
+            bound.run([p.grad for p in params], step=step, scale=group.get("scale", 1.0),
+                      **options)
+        for step, params in plain.items():
+            galore.step_plain(params, [p.grad for p in params], *self._moments(params),
+                              step=step, **options)
+        counts = set(projected) | set(plain)
+        stepped = sum(map(len, projected.values())) + sum(map(len, plain.values()))
+        if len(counts) != 1 or stepped != len(group["params"]):
+            return None
+        (count,) = counts
+        return _BoundGroup(group["params"], [self.state[p] for p in group["params"]], count,
+                           projected.get(count, []), bound if projected else None,
+                           plain.get(count, []), *self._moments(plain.get(count, [])),
+                           self._version)
 
     def _project(self, group, p, state, step: int) -> None:
         """The projector and the buffers of R and N; a fresh projector every update_proj_gap steps
@@ -82,11 +113,12 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if projection is None or projection.ortho is not state.get("ortho"):
             projection = self._projections[p] = Projection(state.get("left", False),
                                                            state.get("ortho"))
+            if projection.ortho is not None:
+                projection.make_buffers(p.grad)
         if projection.ortho is None or step % group.get("update_proj_gap", 200) == 0:
             projection.left = projection_side(p.shape, group.get("proj_type", "std")) == "left"
             projection.refresh(p.grad, group["rank"])
             state["ortho"], state["left"] = projection.ortho, projection.left
-        projection.make_buffers(p.grad)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(projection.projected)
             state["exp_avg_sq"] = torch.zeros_like(projection.projected)
@@ -94,6 +126,48 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def _moments(self, params) -> tuple:
         return ([self.state[p]["exp_avg"] for p in params],
                 [self.state[p]["exp_avg_sq"] for p in params])
+
+
+def _options(group) -> dict:
+    return {"lr": group["lr"], "betas": group["betas"], "eps": group["eps"],
+            "weight_decay": group["weight_decay"], "correct_bias": group["correct_bias"]}
+
+
+class _BoundGroup:
+    """A group's step while its params stay, each has a grad, all share one step count, no
+    projector is due for a refresh and the optimizer's state is not replaced (`version`): the
+    grads are read, the step counts written, and the bound steps run."""
+
+    def __init__(self, params: list, states: list, count: int, projected: list, bound,
+                 plain: list, exp_avgs: list, exp_avg_sqs: list, version: int):
+        self.params, self.states, self.count, self.version = list(params), states, count, version
+        self.projected, self.bound = projected, bound
+        self.plain, self.plain_moments = plain, (exp_avgs, exp_avg_sqs)
+        projected_ids = set(map(id, projected))  # (both lists follow the group's order)
+        self.projected_at = [k for k, p in enumerate(params) if id(p) in projected_ids]
+        self.plain_at = [k for k, p in enumerate(params) if id(p) not in projected_ids]
+
+    def step(self, group, version: int) -> bool:
+        """One step, or False (and nothing done) where the bound step no longer fits."""
+        params = group["params"]
+        if (version != self.version or len(params) != len(self.params)
+                or not all(map(operator.is_, params, self.params))
+                or (self.projected and self.count % group.get("update_proj_gap", 200) == 0)):
+            return False
+        grads = [p.grad for p in params]
+        if any(grad is None for grad in grads):
+            return False
+        self.count += 1
+        for state in self.states:
+            state["step"] = self.count
+        options = _options(group)
+        if self.projected:
+            self.bound.run([grads[k] for k in self.projected_at], step=self.count,
+                           scale=group.get("scale", 1.0), **options)
+        if self.plain:
+            galore.step_plain(self.plain, [grads[k] for k in self.plain_at],
+                              *self.plain_moments, step=self.count, **options)
+        return True
 
 
 __all__ = ["GaLoreAdamW"]

@@ -77,3 +77,17 @@ def test_state_memory_and_checks():
         galore_state(params, rank=4, proj_type="full")
     with pytest.raises(TypeError, match="GaLore takes torch tensors, CuPy or NumPy arrays"):
         galore_state([[[1.0, 2.0]]], rank=1)
+
+
+def test_a_grad_of_another_shape_or_dtype_is_refused_before_anything_is_written():
+    rng = np.random.default_rng(3)
+    params = _draw(rng)
+    state = galore_state(params, rank=4)
+    before = [p.copy() for p in params]
+    for k, bad in ((0, np.ones((20, 30), np.float32)), (2, np.ones(7, np.float64))):
+        grads = _draw(rng)
+        grads[k] = bad
+        with pytest.raises(ValueError, match=rf"grads\[{k}\] is .* but params\[{k}\] is"):
+            galore_adamw_step(params, grads, state, lr=1e-2, step=1)
+    assert all(np.array_equal(a, b) for a, b in zip(params, before))
+    assert all(p is None or p.ortho is None for p in state.projections)  # no refresh ran

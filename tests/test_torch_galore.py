@@ -125,9 +125,10 @@ def test_bad_groups_are_refused():
         mt.GaLoreAdamW(model.parameters(), lr=1.0, weight_decay=1.0)
 
 
-def test_projected_steps_keep_one_bound_plan():
-    """The projected Adam step runs a plan bound to the optimizer's own buffers: the same plan
-    every step, projector refreshes included, and a fresh one for moments a load replaced."""
+def test_projected_steps_keep_one_bound_step():
+    """The projected matrices step by a ProjectedStep bound to the optimizer's own buffers
+    (its products and its Adam plan): the same one every step, projector refreshes included,
+    and a fresh one for moments a load replaced."""
     model = _model()
     opt = mt.GaLoreAdamW(_groups(model, rank=4, update_proj_gap=2), lr=1e-2)
     seen = []
@@ -135,11 +136,60 @@ def test_projected_steps_keep_one_bound_plan():
         opt.zero_grad()
         _loss(model, k).backward()
         opt.step()
-        seen.append(list(opt._plans._plans.values()))
-    assert all(len(plans) == 1 and plans[0] is seen[0][0] for plans in seen)
+        seen.append(list(opt._steps._steps.values()))
+    assert all(len(steps) == 1 and steps[0] is seen[0][0] for steps in seen)
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     opt.zero_grad()
     _loss(model, 5).backward()
     opt.step()
-    (plan,) = opt._plans._plans.values()
-    assert plan is not seen[0][0]
+    (bound,) = opt._steps._steps.values()
+    assert bound is not seen[0][0]
+
+
+def _always_unbound(monkeypatch):
+    monkeypatch.setattr("mtapply.torch_galore._BoundGroup.step", lambda self, group, version: False)
+
+
+@pytest.mark.parametrize("deepcopied", [False, True])
+def test_bound_group_steps_equal_the_steps_that_look_at_every_param(deepcopied, monkeypatch):
+    """Steps between refreshes run a bound group step; the same run where every step looks at
+    every param gives the same params and state: through a param without a grad for a step,
+    a refresh, a state_dict load and (`deepcopied`) a deepcopy of model and optimizer."""
+    runs = []
+    for unbound in (False, True):
+        if unbound:
+            _always_unbound(monkeypatch)
+        model = _model()
+        opt = mt.GaLoreAdamW(_groups(model, rank=4, update_proj_gap=4, scale=0.5), lr=1e-2,
+                             weight_decay=0.05)
+        for k in range(12):
+            if k == 9 and deepcopied:
+                model, opt = copy.deepcopy((model, opt))  # torch's fields; bound steps anew
+            opt.zero_grad()
+            _loss(model, k).backward()
+            if k == 5:
+                model[2].weight.grad = None  # not stepped this time
+            if k == 7:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            opt.step()
+        runs.append((model, opt))
+    (fast, fast_opt), (slow, slow_opt) = runs
+    for p, q in zip(fast.parameters(), slow.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        a, b = fast_opt.state[p], slow_opt.state[q]
+        assert a["step"] == b["step"] and torch.equal(a["exp_avg"], b["exp_avg"])
+    assert fast_opt.state[fast[2].weight]["step"] == 11 and fast_opt.state[fast[0].weight]["step"] == 12
+
+
+def test_a_step_between_refreshes_runs_the_bound_group_step(monkeypatch):
+    model = _model()
+    opt = mt.GaLoreAdamW(_groups(model, rank=4, update_proj_gap=100), lr=1e-2)
+    calls = []
+    unbound = type(opt)._unbound_step
+    monkeypatch.setattr(type(opt), "_unbound_step",
+                        lambda self, group: calls.append(1) or unbound(self, group))
+    for k in range(4):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+    assert len(calls) == 2  # the first step of each group; the others ran bound

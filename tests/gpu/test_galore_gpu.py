@@ -112,3 +112,31 @@ def test_functional_steps_on_cupy_arrays_follow_numpy():
                                   step=t, weight_decay=0.01)
     for a, b in zip(device, host):
         np.testing.assert_allclose(cupy.asnumpy(a), b, rtol=1e-4, atol=2e-5)
+
+
+def test_batched_projections_and_a_grad_of_another_layout_follow_the_cpu():
+    """Matrices that share a shape project as batched products, bound once; a step whose grad is
+    a transposed view (not row-major) projects every matrix by its own matmul. Both follow the
+    CPU's steps."""
+    shapes = [(96, 64)] * 3 + [(64, 96)] * 3 + [(80, 48)]
+    generator = torch.Generator().manual_seed(5)
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.1) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    initial = [p.detach().clone() for p in cpu]
+    galore = dict(rank=8, update_proj_gap=100, scale=0.25)
+    opts = [mt.GaLoreAdamW([{"params": params, **galore}], lr=1e-2, weight_decay=0.01)
+            for params in (cpu, gpu)]
+    for k in range(6):
+        for p, q in zip(cpu, gpu):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.cuda()
+        if k == 3:
+            gpu[1].grad = gpu[1].grad.t().contiguous().t()  # the same values, column-major
+            assert not gpu[1].grad.is_contiguous()
+        for opt in opts:
+            opt.step()
+    (bound,) = opts[1]._steps._steps.values()
+    assert len(bound._forward.bound.batches) == 2 and len(bound._back.bound.batches) == 2
+    for a, b, start in zip(cpu, gpu, initial):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=2e-5)
+        assert (a.detach() - start).abs().max() > 1e-3  # the steps moved every matrix

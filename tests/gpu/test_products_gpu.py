@@ -99,3 +99,23 @@ def test_batched_products_follow_torchs_float32_matmul_precision():
     assert 1e-5 < errors["high"] < 1e-2, errors
     assert errors["highest"] < 1e-5, errors
     assert cublas.getMathMode(handle) == mode
+
+
+def test_bound_products_run_moved_operands_and_leave_the_lone_terms():
+    """Terms bound once run again over new operands of the same shapes: the batches follow the
+    new addresses; a shape of one term is left to the caller, by its index."""
+    generator = torch.Generator().manual_seed(1)
+    terms = _terms(generator)
+    lone = ("N", "N", torch.randn(5, 3, device="cuda"), torch.randn(3, 2, device="cuda"),
+            torch.randn(5, 2, device="cuda"))
+    bound = _products.BoundProducts(terms + [lone])
+    assert bound.left == [len(terms)] and len(bound.batches) == 4
+    for step in range(3):
+        moved = [(oa, ob, a + step, b.clone(), torch.full_like(c, float("nan")))
+                 for oa, ob, a, b, c in terms]
+        # beta 0: the NaNs in c are not read
+        expected = _expected([(*t[:4], torch.zeros_like(t[4])) for t in moved], 0.5, 0.0)
+        addresses = _products.operand_addresses([t[2:] for t in moved] + [lone[2:]])
+        assert bound.run(addresses, alpha=0.5, beta=0.0) == [len(terms)]
+        for (*_, c), want in zip(moved, expected):
+            torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
