@@ -63,6 +63,7 @@ class Plan:
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
+        self._repeat = None  # the latest launching step on one GPU (`_Repeat`)
 
     def _launchers(self, stream):
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
@@ -101,6 +102,7 @@ class Plan:
     def forget_stream(self) -> None:
         """Steps without `stream=` launch on the framework's current stream from now on."""
         self._stream = None
+        self._repeat = None
 
     def step(self, *, stream=None, grad_scale=None, found_inf=None, after_pass=None,
              **hyper) -> None:
@@ -114,6 +116,11 @@ class Plan:
         is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
+        repeat = self._repeat
+        if repeat is not None and after_pass is None and repeat.matches(self, stream, grad_scale,
+                                                                         found_inf, hyper):
+            repeat.launch()  # the same arguments as the latest step: its launches again
+            return
         rows = self._rows(hyper)
         if rows is not None and not len(rows.firsts):
             return  # no tensor: nothing to check the per-tensor values against
@@ -137,6 +144,9 @@ class Plan:
                 raise ValueError("after_pass needs the plan's tensors on one GPU")
             self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
                            after_pass, rows)
+            self._repeat = None
+            if isinstance(self._cuda, _Launcher) and after_pass is None and _repeatable(hyper):
+                self._repeat = _Repeat(self, stream, grad_scale, found_inf, hyper)
 
     def _rows(self, hyper: dict) -> Rows | None:
         """The checked rows where hyperparameters are given per tensor, else None. On a GPU
@@ -169,6 +179,7 @@ class Plan:
         check_lists({first: self._refs[first], slot: tensors})
         chosen = self._stream if stream is None else stream
         launch_stream = (lambda device: self._stream_for(device[1], chosen)) if self._cuda else None
+        self._repeat = None  # the tables change
         fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
         addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
         check_no_overlap(self._extents({slot: addresses}), self.spec.written)
@@ -205,6 +216,7 @@ class Plan:
         caller holds alive: every overlap is checked before anything changes, then the tables
         are uploaded once."""
         moved = {slot: np.asarray(addresses, np.uint64) for slot, addresses in moved.items()}
+        self._repeat = None  # the tables change
         for slot, addresses in moved.items():
             if len(addresses) != self._n:
                 raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has "
@@ -330,6 +342,50 @@ def _device_label(device: tuple) -> str:
     return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
 
 
+class _Repeat:
+    """A plan's latest launching step on one GPU, with what it was given: a step given the same
+    (numbers equal; device arrays, tuples of per-tensor values and streams the same objects) on
+    the same stream and device issues the same launches again, their argument words, rows and
+    tables unchanged, without the checks and packing of a first step. Whatever changes the
+    tables drops it."""
+
+    def __init__(self, plan, stream, grad_scale, found_inf, hyper: dict):
+        self.stream, self.grad_scale, self.found_inf = stream, grad_scale, found_inf
+        self.hyper = dict(hyper)
+        self.device_id = plan._cuda.device_id
+        self.raw_stream = plan._stream_for(self.device_id, plan._stream if stream is None else stream)
+        self.launches = plan._cuda.launch_order()
+
+    def matches(self, plan, stream, grad_scale, found_inf, hyper: dict) -> bool:
+        if not (_same(stream, self.stream) and _same(grad_scale, self.grad_scale)
+                and _same(found_inf, self.found_inf) and hyper.keys() == self.hyper.keys()):
+            return False
+        held = self.hyper
+        for name, value in hyper.items():
+            if not _same(value, held[name]):
+                return False
+        import cupy
+
+        return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)
+                == self.raw_stream and cupy.cuda.runtime.getDevice() == self.device_id)
+
+    def launch(self) -> None:
+        for launch in self.launches:
+            launch.launch(self.raw_stream)
+
+
+def _repeatable(hyper: dict) -> bool:
+    """Whether a step can be known again by its values' identities: no list or NumPy array,
+    which could change in place (a tuple of per-tensor values cannot)."""
+    return not any(isinstance(value, (list, np.ndarray)) for value in hyper.values())
+
+
+def _same(value, held) -> bool:
+    """The same object, or an equal Python number of the same type."""
+    return value is held or (type(value) is type(held) and type(value) in (float, int)
+                             and value == held)
+
+
 class _Launcher:
     """The kernels, tables, workspaces and argument words of a plan's groups on one GPU."""
 
@@ -412,6 +468,12 @@ class _Launcher:
             group.pointers = self.pointers[group.indices]
         self.upload(stream)
         return self
+
+    def launch_order(self) -> list:
+        """The launches of a step without hooks or rows, in `run`'s order."""
+        busy = [passes for passes in self.launches if passes[0].n_blocks]
+        n_passes = len(self.launches[0]) if self.launches else 0
+        return [passes[p] for p in range(n_passes) for passes in busy]
 
     def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
             rows=None) -> None:

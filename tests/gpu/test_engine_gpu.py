@@ -297,3 +297,67 @@ def test_tensor_above_two_to_the_31_elements():
     assert_matches(p[idx], expected[0], "bfloat16", "params at the 2**31 boundary", 2.0)
     assert_matches(m[idx], expected[1], "bfloat16", "exp_avgs at the 2**31 boundary", 2.0)
     assert not torch.equal(p[idx], before[0])
+
+
+def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
+    """A step given what the latest one was given (the same numbers, the same device arrays)
+    launches the same kernels without packing their arguments again; a new number, a rebind
+    or another stream packs them again. Each step against the float64 reference."""
+    from mtapply._launch import KernelLaunch
+
+    packs = []
+    set_args = KernelLaunch.set_args
+    monkeypatch.setattr(KernelLaunch, "set_args",
+                        lambda self, *a, **k: packs.append(1) or set_args(self, *a, **k))
+    params, grads, ms, vs, _ = adam_state([(1000,), (CHUNK + 3,), (0,), (5,)], seed=21)
+    counter = torch.tensor([0.0], device="cuda")
+    plan = mtapply.adam_plan(params, grads, ms, vs)
+    side = torch.cuda.Stream()
+    for t, (lr, rebind, on_side) in enumerate([(1e-2, False, False), (1e-2, False, False),
+                                               (1e-2, False, False), (2e-2, False, False),
+                                               (2e-2, True, False), (2e-2, False, True)], 1):
+        if rebind:
+            grads = [torch.randn_like(g) for g in grads]
+            plan.rebind("grads", grads)
+        expected = reference_step(params, grads, ms, vs, None, lr=lr, step=t, weight_decay=0.1)
+        counter.fill_(t)
+        before = len(packs)
+        if on_side:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                plan.step(lr=lr, step=counter, weight_decay=0.1)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            plan.step(lr=lr, step=counter, weight_decay=0.1)
+        assert (len(packs) == before) == (t in (2, 3)), t  # repeated at steps 2 and 3 only
+        for i, e in enumerate(expected):
+            assert_matches(params[i], e[0], "float32", f"step {t} params[{i}]")
+            assert_matches(vs[i], e[2], "float32", f"step {t} exp_avg_sqs[{i}]")
+
+
+def test_a_repeated_step_with_per_tensor_values_follows_the_reference(monkeypatch):
+    """Per-tensor values as a tuple (which cannot change in place) repeat by identity; a list
+    is read again every step, so an edit in place is seen."""
+    from mtapply._launch import KernelLaunch
+
+    packs = []
+    set_args = KernelLaunch.set_args
+    monkeypatch.setattr(KernelLaunch, "set_args",
+                        lambda self, *a, **k: packs.append(1) or set_args(self, *a, **k))
+    params, grads, ms, vs, _ = adam_state([(700,), (CHUNK + 5,), (9,)], seed=23)
+    plan = mtapply.adam_plan(params, grads, ms, vs)
+    counter = torch.tensor([0.0], device="cuda")
+    lrs = (1e-2, 2e-2, 3e-2)
+    as_list = [1e-2, 2e-2, 3e-2]
+    for t, (lr, repeats) in enumerate([(lrs, False), (lrs, True), (as_list, False),
+                                       (as_list, False)], 1):
+        if t == 4:
+            as_list[1] = 5e-2  # edited in place: read again
+        expected = [reference_step([p], [g], [m], [v], None, lr=r, step=t)[0]
+                    for p, g, m, v, r in zip(params, grads, ms, vs, lr)]
+        counter.fill_(t)
+        before = len(packs)
+        plan.step(lr=lr, step=counter)
+        assert (len(packs) == before) == repeats, t
+        for i, e in enumerate(expected):
+            assert_matches(params[i], e[0], "float32", f"step {t} params[{i}]")
