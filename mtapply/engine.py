@@ -353,7 +353,8 @@ class _Repeat:
         self.stream, self.grad_scale, self.found_inf = stream, grad_scale, found_inf
         self.hyper = dict(hyper)
         self.device_id = plan._cuda.device_id
-        self.raw_stream = plan._stream_for(self.device_id, plan._stream if stream is None else stream)
+        self.raw_stream = plan._stream_for(self.device_id,
+                                           plan._stream if stream is None else stream)
         self.launches = plan._cuda.launch_order()
 
     def matches(self, plan, stream, grad_scale, found_inf, hyper: dict) -> bool:
