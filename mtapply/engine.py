@@ -365,6 +365,10 @@ class _Repeat:
         for name, value in hyper.items():
             if not _same(value, held[name]):
                 return False
+        return self.current(plan, stream)
+
+    def current(self, plan, stream=None) -> bool:
+        """Whether a step given `stream` would launch on this one's stream and device."""
         import cupy
 
         return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)

@@ -123,6 +123,37 @@ class _Bound:
         self.grad_refs = list(map(weakref.ref, grads))
 
 
+class _LatestStep:
+    """A flat_grads step whose groups all stepped by their bound parts, each part's plan
+    repeating what it was given: while no group changes (`version`), the grads stay in their
+    views and no GradScaler step comes, a step is the parts' counters and launches again."""
+
+    def __init__(self, parts: list, repeats: list, version: int):
+        self.parts, self.repeats, self.version = parts, repeats, version
+
+    @classmethod
+    def of(cls, parts: list, version: int) -> _LatestStep | None:
+        if any(part.plan is None or part.plan._repeat is None or part.sums is not None
+               or part.after_pass is not None for part in parts):
+            return None
+        return cls(parts, [part.plan._repeat for part in parts], version)
+
+    def repeat(self, optimizer) -> bool:
+        """The step again, or False (nothing done) where it no longer applies."""
+        if (optimizer._group_changes.version != self.version
+                or not optimizer._flat.intact(optimizer.param_groups)):
+            return False
+        for part, repeat in zip(self.parts, self.repeats):
+            if part.plan._repeat is not repeat or not repeat.current(part.plan):
+                return False
+        for part, repeat in zip(self.parts, self.repeats):
+            if part.counter is not None:
+                part.counter.add_(1)
+            repeat.launch()
+        optimizer._flat.mark()
+        return True
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """What the mtapply optimizers share: binding groups to plans, AMP, device step counters."""
 
@@ -139,6 +170,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._group_changes = GroupChanges()
         self._merged = (0, None)  # (changes version, the merged group or None)
         self._groups_seen = 0  # the changes version at which the params were last looked at
+        self._latest = None  # the latest step, where a step may repeat it (`_LatestStep`)
         super().__init__(params, defaults)
         self._bound: dict = {}
         if self._flat_grads:
@@ -154,6 +186,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
         self._merged = (0, None)
         self._groups_seen = 0
+        self._latest = None
         self.param_groups = tracked(self.param_groups, self._group_changes)
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
@@ -179,6 +212,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
         found_inf = getattr(self, "found_inf", None)
+        if self._latest is not None and grad_scale is None and found_inf is None:
+            if self._latest.repeat(self):
+                return
+        self._latest = None
+        stepped = []  # the parts stepped, where every group stepped by its bound parts
         flat = self._flat_grads_in_place()
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
         merged = self._merged_group()  # params edited in place merge again, as torch sees them
@@ -189,13 +227,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if bound is not None and bound.complete and bound.options == self._compile_options(group):
                 for part in bound.parts:  # O(1) in the number of params
                     self._step_part(part, group, grad_scale, found_inf)
+                if stepped is not None:
+                    stepped += bound.parts
             else:
                 self._step_group(index, group, grad_scale, found_inf)
+                stepped = None
                 if self._flat is not None and index in self._bound:
                     self._bound[index].complete = self._bound[index].key == tuple(
                         id(p) for p in group["params"] if p.requires_grad)
         if self._flat is not None:
             self._flat.mark()
+        if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
+            self._latest = _LatestStep.of(stepped, self._group_changes.version)
+
+    @classmethod
+    def _repeats_steps(cls) -> bool:
+        """Whether a step's host work is that of its parts' launches alone (no work across
+        groups, no per-group host work), so that a step repeating the latest may skip it."""
+        return (cls._before_groups is _FusedOptimizer._before_groups
+                and cls._step_group is _FusedOptimizer._step_group
+                and cls._step_part is _FusedOptimizer._step_part)
 
     def _flat_grads_in_place(self) -> bool:
         """With flat_grads: whether every grad is still its view into the flat buffers (an
@@ -234,6 +285,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                      "flat_grads=False")
         self._flat = FlatGrads([g["params"] for g in self.param_groups])
         self._bound.clear()
+        self._latest = None
         self._merged = (0, None)  # the groups' params changed: merge them again
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -49,6 +49,11 @@ def test_plain_numbers_note_their_key_and_other_values_also_any():
     assert _noted(changes, lambda: groups[0].__setitem__("betas", (0.9, 0.99))) == {"betas", ANY}
     assert _noted(changes, lambda: groups.append({"params": [5]})) >= {ANY}
     assert _noted(changes, lambda: None) == set()
+    # the same number again changes nothing; another type or value does
+    assert _noted(changes, lambda: groups[0].__setitem__("lr", 0.5)) == set()
+    assert _noted(changes, lambda: groups[0].__setitem__("lr", 1)) == {"lr"}
+    assert _noted(changes, lambda: groups[0].__setitem__("lr", float("nan"))) == {"lr"}
+    assert groups[0]["lr"] != groups[0]["lr"]
 
 
 def test_groups_pickle_and_deep_copy_as_plain_containers():

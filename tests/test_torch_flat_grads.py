@@ -244,3 +244,25 @@ def test_grad_scaler_and_a_cuda_graph_of_the_whole_step_with_flat_grads():
         plain_step(reference, plain)
     torch.cuda.synchronize()
     _assert_same(reference, model)
+
+
+@pytest.mark.gpu
+def test_steps_that_repeat_the_latest_follow_torch_under_a_scheduler(monkeypatch):
+    """Between the scheduler's lr changes (every third step; it sets the same lr in between) a
+    step repeats the latest one's launches, and the run follows torch.optim.AdamW."""
+    repeated = []
+    repeat = mt._LatestStep.repeat
+    monkeypatch.setattr(mt._LatestStep, "repeat",
+                        lambda self, opt: repeated.append(repeat(self, opt)) or repeated[-1])
+    batches = _batches("cuda", 12)
+    models = [_model("cuda") for _ in range(2)]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    opts = [mt.AdamW(_groups(models[0], kw["lr"]), flat_grads=True, **kw),
+            torch.optim.AdamW(_groups(models[1], kw["lr"]), foreach=False, **kw)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.5 ** (k // 3)) for o in opts]
+    for k, batch in enumerate(batches):
+        for model, opt, scheduler in zip(models, opts, schedulers):
+            _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad())
+            scheduler.step()
+    _assert_same(models[1], models[0])
+    assert repeated.count(True) >= 6  # two of every three steps, after the first ones
