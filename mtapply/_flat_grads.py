@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-CHECKED_PER_STEP = 64  # params whose grad and storage are verified per step, in rotation
+CHECKED_PER_STEP = 16  # params whose grad and storage are verified per step, in rotation
 PLACED_PER_STEP = 8  # params whose place in their group is verified per step, in rotation
 _PARAMS = operator.itemgetter("params")
 _GRAD = operator.attrgetter("grad")
