@@ -7,7 +7,9 @@ does after the default `zero_grad()`. The reallocation itself is not timed, only
 With `flat_grads=True` the step is timed at 1,000, 10,000 and 100,000 params, and called from a
 `torch.compile`d function; and with one param group per tensor (each its own lr and decay, as
 `--op adam-groups` makes them) for the tensor lists of gpt2-124M and resnet152, steady and with
-every group's lr set before each step as a scheduler does (the setting is not timed).
+every group's lr set before each step as a scheduler does (the setting is not timed). The
+flat_grads rows run in interleaved rounds (one order, then the reverse), each row the median of
+its rounds' medians, so that the host's load moves them all alike.
 """
 from __future__ import annotations
 
@@ -63,28 +65,41 @@ def _time_flat_steps(torch, opt, params, steps: int, step=None, before=None) -> 
     return float(np.median(times[3:])) * 1e6
 
 
-def _group_rows(torch, mt, steps: int) -> list:
+def _group_rows(torch, mt, steps: int) -> tuple:
     """Host time of a step over one group per tensor, gpt2-124M's and resnet152's lists of
-    tensors (at 256 elements each), against torch's fused AdamW on the same groups."""
+    tensors (at 256 elements each): torch's fused AdamW's rows, and mtapply's flat_grads cases
+    for `_interleaved`."""
     from .adam_groups import groups
     from .workloads import EXPECTED
 
-    rows = []
+    rows, flat = [], []
     for workload in ("gpt2-124M", "resnet152"):
         n = EXPECTED[workload][0]
         for scheduled in (False, True):
-            for name in ("mtapply.torch.AdamW(flat_grads=True)", "torch.optim.AdamW(fused)"):
-                params = _params(torch, n, 256)
-                if name.startswith("torch"):
-                    opt = torch.optim.AdamW(groups(params), fused=True)
-                else:
-                    opt = mt.AdamW(groups(params), flat_grads=True)
-                before = _lr_decay(opt) if scheduled else None
-                us = (_time_steps(torch, opt, params, steps, False, before) if name.startswith("torch")
-                      else _time_flat_steps(torch, opt, params, steps, before=before))
-                label = f"{name} [{n} groups{', each lr set' if scheduled else ''}]"
-                rows.append((label, "in place", us, n))
-    return rows
+            suffix = f"[{n} groups{', each lr set' if scheduled else ''}]"
+            params = _params(torch, n, 256)
+            opt = torch.optim.AdamW(groups(params), fused=True)
+            before = _lr_decay(opt) if scheduled else None
+            rows.append((f"torch.optim.AdamW(fused) {suffix}", "in place",
+                         _time_steps(torch, opt, params, steps, False, before), n))
+            params = _params(torch, n, 256)
+            opt = mt.AdamW(groups(params), flat_grads=True)
+            flat.append((f"mtapply.torch.AdamW(flat_grads=True) {suffix}", n, opt, params, None,
+                         _lr_decay(opt) if scheduled else None))
+    return rows, flat
+
+
+def _interleaved(torch, cases: list, steps: int, rounds: int) -> list:
+    """The flat_grads cases timed in rounds, in one order and then the reverse; each row the
+    median of its rounds' medians."""
+    times = {k: [] for k in range(len(cases))}
+    for r in range(rounds):
+        order = range(len(cases)) if r % 2 == 0 else reversed(range(len(cases)))
+        for k in order:
+            _, _, opt, params, step, before = cases[k]
+            times[k].append(_time_flat_steps(torch, opt, params, steps, step, before))
+    return [(label, "in place", float(np.median(times[k])), n)
+            for k, (label, n, *_) in enumerate(cases)]
 
 
 def _lr_decay(opt):
@@ -100,6 +115,9 @@ def main(argv=None) -> None:
     parser.add_argument("--params", type=int, default=10_000)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--flat-steps", type=int, default=100,
+                        help="steps per round of each flat_grads row")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
     import torch
 
@@ -113,17 +131,19 @@ def main(argv=None) -> None:
             opt = make(params)
             us = _time_steps(torch, opt, params, args.steps, reallocate)
             rows.append((f"{name} [{args.params} params]", "reallocated" if reallocate else "in place", us))
+    flat = []  # (label, n, optimizer, params, step, before): timed in interleaved rounds
     for n in (1_000, args.params, 100_000):
         params = _params(torch, n, args.size)
         opt = mt.AdamW(params, lr=1e-3, flat_grads=True)
-        rows.append((f"mtapply.torch.AdamW(flat_grads=True) [{n} params]", "in place",
-                     _time_flat_steps(torch, opt, params, args.steps), n))
+        flat.append((f"mtapply.torch.AdamW(flat_grads=True) [{n} params]", n, opt, params, None,
+                     None))
     params = _params(torch, args.params, args.size)
     opt = mt.AdamW(params, lr=1e-3, flat_grads=True)
-    compiled = torch.compile(lambda: opt.step())
-    rows.append(("same, step() in torch.compile", "in place",
-                 _time_flat_steps(torch, opt, params, args.steps, compiled), args.params))
-    rows += _group_rows(torch, mt, args.steps)
+    flat.append(("same, step() in torch.compile", args.params, opt, params,
+                 torch.compile(lambda: opt.step()), None))
+    group_rows, group_flat = _group_rows(torch, mt, args.steps)
+    flat += group_flat
+    rows += _interleaved(torch, flat, args.flat_steps, args.rounds) + group_rows
     print(f"optimizer.step() wall time, params of {args.size} elements (median us)")
     for name, grads, us, *n in rows:
         n = n[0] if n else args.params
