@@ -102,6 +102,31 @@ def _interleaved(torch, cases: list, steps: int, rounds: int) -> list:
             for k, (label, n, *_) in enumerate(cases)]
 
 
+def _repeat_parts(torch, case) -> str:
+    """Where a repeated flat_grads step's host time goes (the case's optimizer, stepped)."""
+    label, _, opt, params, _, _ = case
+    latest = opt._latest
+    if latest is None:
+        return f"{label}: the latest step is not repeated"
+    part, repeat = latest.parts[0], latest.repeats[0]
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(200):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        return float(np.median(times)) * 1e6
+
+    parts = {"flat buffers' checks": lambda: opt._flat._check_some(opt.param_groups),
+             "step counter add_": lambda: part.counter.add_(0),
+             "kernel launch": repeat.launch, "stream check": lambda: repeat.current(part.plan)}
+    return (f"parts of a repeated step, {label} (median us): "
+            + ", ".join(f"{name} {median_us(fn):.1f}" for name, fn in parts.items()))
+
+
 def _lr_decay(opt):
     """What a scheduler does before a step: a new lr in every group."""
     def decay() -> None:
@@ -148,6 +173,7 @@ def main(argv=None) -> None:
     for name, grads, us, *n in rows:
         n = n[0] if n else args.params
         print(f"  {name:52s} grads {grads:11s} {us:10.1f} us  ({us / n * 1e3:.1f} ns/param)")
+    print(_repeat_parts(torch, group_flat[0]))
 
 
 if __name__ == "__main__":
