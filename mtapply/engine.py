@@ -117,10 +117,13 @@ class Plan:
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
         repeat = self._repeat
-        if repeat is not None and after_pass is None and repeat.matches(self, stream, grad_scale,
-                                                                         found_inf, hyper):
-            repeat.launch()  # the same arguments as the latest step: its launches again
-            return
+        if repeat is not None and after_pass is None:
+            changed = repeat.changes(self, stream, grad_scale, found_inf, hyper)
+            if changed is not None:  # the latest step again, or with other plain numbers
+                if changed:
+                    repeat.renumber(self, hyper)
+                repeat.launch()
+                return
         rows = self._rows(hyper)
         if rows is not None and not len(rows.firsts):
             return  # no tensor: nothing to check the per-tensor values against
@@ -146,7 +149,8 @@ class Plan:
                            after_pass, rows)
             self._repeat = None
             if isinstance(self._cuda, _Launcher) and after_pass is None and _repeatable(hyper):
-                self._repeat = _Repeat(self, stream, grad_scale, found_inf, hyper)
+                self._repeat = _Repeat(self, stream, grad_scale, found_inf, hyper, (scale, skip),
+                                       rows is None)
 
     def _rows(self, hyper: dict) -> Rows | None:
         """The checked rows where hyperparameters are given per tensor, else None. On a GPU
@@ -343,29 +347,39 @@ def _device_label(device: tuple) -> str:
 
 
 class _Repeat:
-    """A plan's latest launching step on one GPU, with what it was given: a step given the same
+    """A plan's latest launching step on one GPU, with what it was given. A step given the same
     (numbers equal; device arrays, tuples of per-tensor values and streams the same objects) on
     the same stream and device issues the same launches again, their argument words, rows and
-    tables unchanged, without the checks and packing of a first step. Whatever changes the
-    tables drops it."""
+    tables unchanged, without the checks and packing of a first step; one that differs only in
+    plain numbers (a scheduled lr, a step count given as a number) has them checked and packed,
+    and launches the same. Whatever changes the tables drops it."""
 
-    def __init__(self, plan, stream, grad_scale, found_inf, hyper: dict):
+    def __init__(self, plan, stream, grad_scale, found_inf, hyper: dict, packed: tuple,
+                 renumberable: bool):
         self.stream, self.grad_scale, self.found_inf = stream, grad_scale, found_inf
         self.hyper = dict(hyper)
+        self.packed = packed  # grad_scale and found_inf as the launches take them
+        self.renumberable = renumberable  # no per-tensor rows: the launches' words hold every value
         self.device_id = plan._cuda.device_id
         self.raw_stream = plan._stream_for(self.device_id,
                                            plan._stream if stream is None else stream)
         self.launches = plan._cuda.launch_order()
 
-    def matches(self, plan, stream, grad_scale, found_inf, hyper: dict) -> bool:
+    def changes(self, plan, stream, grad_scale, found_inf, hyper: dict) -> dict | None:
+        """The plain numbers in which `hyper` differs ({} for none), or None where this step
+        is not the latest one again."""
         if not (_same(stream, self.stream) and _same(grad_scale, self.grad_scale)
                 and _same(found_inf, self.found_inf) and hyper.keys() == self.hyper.keys()):
-            return False
-        held = self.hyper
+            return None
+        changed, held = {}, self.hyper
         for name, value in hyper.items():
-            if not _same(value, held[name]):
-                return False
-        return self.current(plan, stream)
+            old = held[name]
+            if _same(value, old):
+                continue
+            if not (self.renumberable and type(value) in _NUMBERS and type(old) in _NUMBERS):
+                return None
+            changed[name] = value
+        return changed if self.current(plan, stream) else None
 
     def current(self, plan, stream=None) -> bool:
         """Whether a step given `stream` would launch on this one's stream and device."""
@@ -374,9 +388,19 @@ class _Repeat:
         return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)
                 == self.raw_stream and cupy.cuda.runtime.getDevice() == self.device_id)
 
+    def renumber(self, plan, hyper: dict) -> None:
+        """Checks `hyper` and packs it into the launches' words (raises before any change)."""
+        args = plan.spec.arguments(**{k: plan._scalar(k, v) for k, v in hyper.items()})
+        for launch in self.launches:
+            launch.set_args(args, *self.packed)
+        self.hyper = dict(hyper)
+
     def launch(self) -> None:
         for launch in self.launches:
             launch.launch(self.raw_stream)
+
+
+_NUMBERS = (float, int)
 
 
 def _repeatable(hyper: dict) -> bool:
@@ -387,7 +411,7 @@ def _repeatable(hyper: dict) -> bool:
 
 def _same(value, held) -> bool:
     """The same object, or an equal Python number of the same type."""
-    return value is held or (type(value) is type(held) and type(value) in (float, int)
+    return value is held or (type(value) is type(held) and type(value) in _NUMBERS
                              and value == held)
 
 

@@ -301,14 +301,20 @@ def test_tensor_above_two_to_the_31_elements():
 
 def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
     """A step given what the latest one was given (the same numbers, the same device arrays)
-    launches the same kernels without packing their arguments again; a new number, a rebind
-    or another stream packs them again. Each step against the float64 reference."""
+    launches the same kernels without packing their arguments again; a new number is checked
+    and packed into the same launches; a rebind or another stream takes the whole first-step
+    path. Each step against the float64 reference."""
     from mtapply._launch import KernelLaunch
 
-    packs = []
+    packs, first_steps = [], []
     set_args = KernelLaunch.set_args
     monkeypatch.setattr(KernelLaunch, "set_args",
                         lambda self, *a, **k: packs.append(1) or set_args(self, *a, **k))
+    from mtapply import engine
+
+    rows = engine.Plan._rows
+    monkeypatch.setattr(engine.Plan, "_rows",
+                        lambda self, hyper: first_steps.append(1) or rows(self, hyper))
     params, grads, ms, vs, _ = adam_state([(1000,), (CHUNK + 3,), (0,), (5,)], seed=21)
     counter = torch.tensor([0.0], device="cuda")
     plan = mtapply.adam_plan(params, grads, ms, vs)
@@ -330,9 +336,17 @@ def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
         else:
             plan.step(lr=lr, step=counter, weight_decay=0.1)
         assert (len(packs) == before) == (t in (2, 3)), t  # repeated at steps 2 and 3 only
+        assert len(first_steps) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 3}[t], t  # 4: renumbered
         for i, e in enumerate(expected):
             assert_matches(params[i], e[0], "float32", f"step {t} params[{i}]")
             assert_matches(vs[i], e[2], "float32", f"step {t} exp_avg_sqs[{i}]")
+    plan.step(lr=2e-2, step=counter, weight_decay=0.1)  # the latest step, on the current stream
+    torch.cuda.synchronize()
+    kept, seen = [p.clone() for p in params], len(first_steps)
+    with pytest.raises(ValueError, match="lr"):  # a renumbered step checks its numbers
+        plan.step(lr=-1.0, step=counter, weight_decay=0.1)
+    torch.cuda.synchronize()
+    assert len(first_steps) == seen and all(torch.equal(a, b) for a, b in zip(params, kept))
 
 
 def test_a_repeated_step_with_per_tensor_values_follows_the_reference(monkeypatch):
