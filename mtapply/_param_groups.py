@@ -3,9 +3,9 @@ per group while nothing changed, and only each group's lr when a scheduler set i
 
 An optimizer's `param_groups` become a `TrackedGroups` list of `TrackedGroup` dicts (copies of
 the dicts it was given); setting a key notes its name (and `ANY` too unless the value is a plain
-number; a number equal to the one held changes nothing), and any other change of a group or of the list notes `ANY`. Each group's params list is
-a `TrackedParams`, which notes `PARAMS` when it is edited in place, so that a step learns in O(1)
-that no param was added, removed or replaced. They pickle and deep-copy as plain lists and dicts.
+number; a number equal to the one held changes nothing), and any other change of a group or of
+the list notes `ANY`. Each group's params list is a `TrackedParams`, which notes `PARAMS` when it
+is edited in place, so that a step learns in O(1) that no param was added, removed or replaced. They pickle and deep-copy as plain lists and dicts.
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ class TrackedGroup(dict):
         return TrackedParams(params, self.changes)
 
     def __setitem__(self, key, value) -> None:
-        if type(value) in (int, float) and type(self.get(key)) is type(value) and self[key] == value:
+        if (type(value) in (int, float) and type(self.get(key)) is type(value)
+                and self[key] == value):
             return  # the same number again: a scheduler sets every group's lr at every step
         super().__setitem__(key, self._params(value) if key == PARAMS else value)
         self.changes.note(key)

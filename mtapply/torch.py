@@ -406,9 +406,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if names == {"lr"}:  # as a scheduler sets them: plain numbers
                 groups = group["groups"]
                 lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))
-                lrs = lrs[part.group_of]  # a tuple: per-tensor values a repeated step knows by identity
-                part.hyper = dict(part.hyper,
-                                  lr=float(lrs[0]) if lrs.min() == lrs.max() else tuple(lrs.tolist()))
+                lrs = lrs[part.group_of]  # as a tuple, which a repeated step knows by identity
+                lr = float(lrs[0]) if lrs.min() == lrs.max() else tuple(lrs.tolist())
+                part.hyper = dict(part.hyper, lr=lr)
             else:
                 part.hyper = self._merged_hyper(part, group["groups"])
             part.hyper_at = changes.version

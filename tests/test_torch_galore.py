@@ -178,7 +178,8 @@ def test_bound_group_steps_equal_the_steps_that_look_at_every_param(deepcopied, 
         torch.testing.assert_close(p, q, rtol=0, atol=0)
         a, b = fast_opt.state[p], slow_opt.state[q]
         assert a["step"] == b["step"] and torch.equal(a["exp_avg"], b["exp_avg"])
-    assert fast_opt.state[fast[2].weight]["step"] == 11 and fast_opt.state[fast[0].weight]["step"] == 12
+    assert fast_opt.state[fast[2].weight]["step"] == 11
+    assert fast_opt.state[fast[0].weight]["step"] == 12
 
 
 def test_a_step_between_refreshes_runs_the_bound_group_step(monkeypatch):
