@@ -1,5 +1,6 @@
 // Adam / AdamW per-element update, matching torch.optim.Adam and AdamW.
-// Compile-time flags (from the generated preamble): MTA_AMSGRAD, MTA_DECOUPLED, MTA_MAXIMIZE.
+// Compile-time flags (from the generated preamble): MTA_AMSGRAD, MTA_DECOUPLED, MTA_MAXIMIZE,
+// MTA_DECAY_MASK (weight decay scaled per tensor by decay_array: a mask of 1s and 0s).
 #pragma once
 #include "walker.cuh"
 
@@ -33,6 +34,9 @@ struct AdamArgs {
   double beta2;
   double eps;
   double weight_decay;
+#if MTA_DECAY_MASK
+  const float* decay_array;  // per tensor of the group: its weight decay's factor
+#endif
 #if MTA_STOCHASTIC
   double seed_lo, seed_hi;     // the 64-bit seed's words
   const int* sr_tensor_array;  // the caller's index of each tensor of the group
@@ -60,12 +64,17 @@ struct Adam {
     rounding.init(a.seed_lo, a.seed_hi, step, a.sr_tensor_array, tensor);
 #endif
     (void)tensor;
+#if MTA_DECAY_MASK
+    const double wd = a.weight_decay * static_cast<double>(a.decay_array[tensor]);
+#else
+    const double wd = a.weight_decay;
+#endif
     beta1_weight = acc_t(1.0 - a.beta1);
     beta2 = acc_t(a.beta2);
     one_minus_beta2 = acc_t(1.0 - a.beta2);
     eps = acc_t(a.eps);
-    weight_decay = acc_t(a.weight_decay);
-    decay = acc_t(1.0 - lr * a.weight_decay);
+    weight_decay = acc_t(wd);
+    decay = acc_t(1.0 - lr * wd);
     step_size = acc_t(lr / (1.0 - pow(a.beta1, step)));
     bias_correction2_sqrt = acc_t(sqrt(1.0 - pow(a.beta2, step)));
   }

@@ -229,13 +229,21 @@ class _Adam(_Rule):
     name, state_type, slots = "adam", AdamState, ("mu", "nu")
     plan_slots = ("params", "exp_avgs", "exp_avg_sqs", "grads")
 
-    def __init__(self, b1, b2, eps, weight_decay):
+    def __init__(self, b1, b2, eps, weight_decay, mask=None):
         self.hyper = dict(beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay)
         _check(AdamSpec().arguments, lr=0.0, step=1, **self.hyper)
         self.reads_params = weight_decay != 0
+        self.mask = mask  # optax.adamw's: weight decay on the leaves where it is True
+
+    def statics(self, params, treedef) -> tuple:
+        """The weight-decay flag of each leaf, where a mask leaves some out."""
+        if self.mask is None or self.hyper["weight_decay"] == 0:
+            return ()
+        decays = _mask_leaves(self.mask, params, treedef, "mask")
+        return () if all(decays) else decays
 
     def spec(self, statics):
-        return AdamSpec(decoupled_weight_decay=True)
+        return AdamSpec(decoupled_weight_decay=True, decay_mask=statics or None)
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, **self.hyper)
@@ -951,11 +959,10 @@ def _refuse(name: str, **options) -> None:
 
 
 def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0, mask=None):
-    _refuse(name, eps_root=(eps_root, 0.0), mu_dtype=(mu_dtype, None), nesterov=(nesterov, False),
-            mask=(mask, None))
+    _refuse(name, eps_root=(eps_root, 0.0), mu_dtype=(mu_dtype, None), nesterov=(nesterov, False))
     if callable(weight_decay):
         raise TypeError(f"mtapply.optax.{name}: weight_decay must be a number, not a schedule")
-    return _Adam(b1, b2, eps, weight_decay)
+    return _Adam(b1, b2, eps, weight_decay, mask)
 
 
 def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
@@ -985,9 +992,11 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None
           flat_state=True) -> optax.GradientTransformation:
     """optax.adamw on mtapply's fused kernel: p -= lr * (u + weight_decay * p), u as in `adam`.
 
-    Args as optax.adamw; weight_decay is a number; mask (weight decay on some leaves only),
-    eps_root, mu_dtype and nesterov only take their defaults; flat_state as in `adam`. Params
-    are required by update.
+    Args as optax.adamw; weight_decay is a number; mask, as optax's (a pytree of bools like
+    params, or a callable of params giving one: weight decay only where True), is fixed per
+    tree when the step is traced and read by the kernel per tensor, so the whole tree stays
+    one call; eps_root, mu_dtype and nesterov only take their defaults; flat_state as in
+    `adam`. Params are required by update.
     """
     rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
     return _transformation(rule, learning_rate, flat_state)

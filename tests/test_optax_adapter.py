@@ -116,6 +116,13 @@ def _sgd_states(ours, theirs):
         yield "trace", ours.trace, theirs[0].trace
 
 
+def _matrices(params):
+    """optax's usual weight-decay mask: decay on matrices, none on vectors and scalars."""
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+MASK_TREE = {"w": False, "b": True, "deep": {"k": True, "s": False}}
+
 CASES = {  # name -> (ours, optax's, state pairs)
     "adam": (lambda: mtx.adam(1e-2), lambda: optax.adam(1e-2), _adam_states),
     "adam-betas": (lambda: mtx.adam(3e-2, b1=0.5, b2=0.9, eps=1e-6),
@@ -125,6 +132,11 @@ CASES = {  # name -> (ours, optax's, state pairs)
     "adamw-tree-state": (lambda: mtx.adamw(1e-2, weight_decay=0.1, flat_state=False),
                          lambda: optax.adamw(1e-2, weight_decay=0.1), _adam_states),
     "adamw-default-wd": (lambda: mtx.adamw(1e-3), lambda: optax.adamw(1e-3), _adam_states),
+    "adamw-mask": (lambda: mtx.adamw(1e-2, weight_decay=0.1, mask=_matrices),
+                   lambda: optax.adamw(1e-2, weight_decay=0.1, mask=_matrices), _adam_states),
+    "adamw-mask-tree": (lambda: mtx.adamw(1e-2, weight_decay=0.1, mask=MASK_TREE),
+                        lambda: optax.adamw(1e-2, weight_decay=0.1, mask=MASK_TREE),
+                        _adam_states),
     "sgd": (lambda: mtx.sgd(0.1), lambda: optax.sgd(0.1), _sgd_states),
     "sgd-momentum": (lambda: mtx.sgd(0.05, momentum=0.9), lambda: optax.sgd(0.05, momentum=0.9),
                      _sgd_states),

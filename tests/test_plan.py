@@ -174,3 +174,30 @@ def test_100000_tensors_plan_into_one_launch():
     assert not blocks[:, 1].any()
     np.testing.assert_array_equal(got_numels, numels)
     np.testing.assert_array_equal(got_pointers, pointers)
+
+
+def test_adam_decay_mask_scales_weight_decay_per_tensor_and_is_checked():
+    """AdamSpec(decay_mask=...) (mtapply.optax.adamw's mask): no weight decay where a tensor's
+    flag is False, as the float64 reference with weight_decay 0; a mask of another length is
+    refused, naming it, before anything is written."""
+    from mtapply import reference
+    from mtapply.engine import Plan
+    from mtapply.ops import AdamSpec
+
+    rng = np.random.default_rng(7)
+    tensors = {name: [rng.standard_normal(n).astype(np.float32) for n in (5, 9)]
+               for name in ("params", "grads", "exp_avgs", "exp_avg_sqs")}
+    for v in tensors["exp_avg_sqs"]:
+        np.abs(v, out=v)
+    want = [reference.adam(*(tensors[k][i].astype(np.float64) for k in tensors), None, lr=0.1,
+                           step=3, weight_decay=wd, decoupled_weight_decay=True)
+            for i, wd in enumerate((0.5, 0.0))]
+    spec = AdamSpec(decoupled_weight_decay=True, decay_mask=[True, False])
+    Plan(spec, tensors).step(lr=0.1, step=3, weight_decay=0.5)
+    for i, (p, m, v, _) in enumerate(want):
+        np.testing.assert_allclose(tensors["params"][i], p, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(tensors["exp_avg_sqs"][i], v, rtol=1e-6, atol=1e-7)
+    before = [p.copy() for p in tensors["params"]]
+    with pytest.raises(ValueError, match="decay_mask has 1 flags but params has 2"):
+        Plan(AdamSpec(decoupled_weight_decay=True, decay_mask=[True]), tensors)
+    assert all(np.array_equal(a, b) for a, b in zip(tensors["params"], before))

@@ -121,6 +121,28 @@ def test_follows_optax_over_many_steps(gpu, rule, form, donate):
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_adamw_weight_decay_mask_follows_optax_in_one_call(gpu, form):
+    """optax.adamw's mask (decay on matrices only): one mtapply_step for the whole tree, the
+    kernel reading each tensor's flag, and the steps of optax.adamw with the same mask."""
+    def matrices(params):
+        return jax.tree.map(lambda x: x.ndim > 1, params)
+
+    rng = np.random.default_rng(4)
+    params = _tree(rng, gpu)
+    grads_seq = [_tree(rng, gpu) for _ in range(STEPS)]
+    mine, state, lowered = _run(_make("adamw", form, mask=matrices), form, params, grads_seq,
+                                True)
+    theirs, their_state, _ = _run(optax.adamw(1e-3, weight_decay=0.1, mask=matrices), "optax",
+                                  params, grads_seq, True)
+    assert _custom_calls(lowered).count("mtapply_step") == 1
+    for got, want in zip(jax.tree.leaves((mine, state.nu)),
+                         jax.tree.leaves((theirs, their_state[0].nu))):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(np.abs(want).max(initial=0), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_bfloat16_and_mixed_dtype_trees(gpu, form):
     rng = np.random.default_rng(3)
     params = {"b": _tree(rng, gpu, jnp.bfloat16), "f": _tree(rng, gpu)}
