@@ -198,9 +198,6 @@ OPS = {
         plan=mtapply.adam_plan,  # the public entry points of the op
         step=mtapply.adam_step,
         flag_sets=_ADAM_FLAGS,
-        # and a per-tensor weight-decay mask (mtapply.optax.adamw's mask)
-        compile_flag_sets=_ADAM_FLAGS + [dict(decoupled_weight_decay=True,
-                                              decay_mask=[True, False])],
         hyper_sets=_ADAM_HYPER,
         reference=_adam_reference,
         init_state=_adam_state,

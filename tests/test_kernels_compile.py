@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (with nvidia-cuda-nvrtc) is not "
                     "installed: kernels cannot be compiled offline")
 
-from mtapply import REGISTRY, _source  # noqa: E402
-from mtapply.ops import UTILITIES  # noqa: E402
-
 from _registry import OPS  # noqa: E402
+
+from mtapply import REGISTRY, _source  # noqa: E402
+from mtapply.ops import UTILITIES, AdamSpec  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -46,6 +46,12 @@ def variants():
             spec = spec_cls(**OPS[name]["flag_sets"][0]).with_param_mode(mode)
             for sig_name in ("float32", "bfloat16"):
                 yield pytest.param(spec, (sig_name,) * len(spec.slots), id=f"{name}-{mode}-{sig_name}")
+    for masked in (AdamSpec(decoupled_weight_decay=True, decay_mask=[True, False]),
+                   AdamSpec(decoupled_weight_decay=True, decay_mask=[True, False],
+                            master_weights=True)):  # mtapply.optax.adamw's weight-decay mask
+        for sig_name, dtypes in dtype_signatures(len(masked.slots), masked.master_weights).items():
+            master = "+MASTER" if masked.master_weights else ""
+            yield pytest.param(masked, dtypes, id=f"adam-DECAY_MASK{master}-{sig_name}")
     for name, spec_cls in UTILITIES.items():
         for flags in ([{"into_outputs": False}, {"into_outputs": True}] if name == "scale" else [{}]):
             spec = spec_cls(**flags)

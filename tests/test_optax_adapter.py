@@ -435,8 +435,6 @@ def test_unsupported_options_and_bad_hyperparameters():
         mtx.adam(1e-3, eps_root=1e-8)
     with pytest.raises(NotImplementedError, match="nesterov"):
         mtx.adam(1e-3, nesterov=True)
-    with pytest.raises(NotImplementedError, match="mask"):
-        mtx.adamw(1e-3, mask=lambda p: p)
     with pytest.raises(NotImplementedError, match="accumulator_dtype"):
         mtx.sgd(1e-3, accumulator_dtype=jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="nesterov"):
@@ -450,6 +448,9 @@ def test_unsupported_options_and_bad_hyperparameters():
     params = {"w": jnp.ones(3), "b": jnp.ones(2)}
     tx = mtx.lars(0.1, weight_decay=0.1, trust_ratio_mask={"w": True, "b": False})
     with pytest.raises(ValueError, match="same weight_decay_mask"):
+        tx.update(params, tx.init(params), params)
+    tx = mtx.adamw(0.1, weight_decay=0.1, mask=lambda p: p)  # arrays, not bools
+    with pytest.raises(TypeError, match="mask must hold Python bools"):
         tx.update(params, tx.init(params), params)
 
 
