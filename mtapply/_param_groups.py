@@ -5,7 +5,8 @@ An optimizer's `param_groups` become a `TrackedGroups` list of `TrackedGroup` di
 the dicts it was given); setting a key notes its name (and `ANY` too unless the value is a plain
 number; a number equal to the one held changes nothing), and any other change of a group or of
 the list notes `ANY`. Each group's params list is a `TrackedParams`, which notes `PARAMS` when it
-is edited in place, so that a step learns in O(1) that no param was added, removed or replaced. They pickle and deep-copy as plain lists and dicts.
+is edited in place, so that a step learns in O(1) that no param was added, removed or replaced.
+They pickle and deep-copy as plain lists and dicts.
 """
 from __future__ import annotations
 

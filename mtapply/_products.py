@@ -1,13 +1,13 @@
 """Many float32 matrix products of one shape in one cuBLAS call.
 
-`Products.run` takes terms C = alpha op(A) op(B) + beta C over row-major CUDA matrices (torch
-tensors or CuPy arrays) and issues one cublasSgemmBatched per distinct shape that several terms
-share. The operands' addresses live in device tables (`_tables.MemcpyTable`) that are uploaded,
-on the launch stream, only when an address changes: a step on the same buffers moves no
-host-to-device bytes and never waits for the device. A shape of one term, or of large matrices
-(cuBLAS's batched kernels suit small ones: one 4096 x 4096 product ran 4x slower batched), is
-left to the caller's own matmul, whose heuristics choose its kernel. `BoundProducts` groups a
-step's terms once, for steps that repeat them with operands that may move.
+`BoundProducts` takes terms C = alpha op(A) op(B) + beta C over row-major CUDA matrices (torch
+tensors or CuPy arrays), groups them once by shape, and at each `run` issues one
+cublasSgemmBatched per distinct shape that several terms share. The operands' addresses live
+in device tables (`_tables.MemcpyTable`) that are uploaded, on the launch stream, only when an
+address changes: a step on the same buffers moves no host-to-device bytes and never waits for
+the device. A shape of one term, or of large matrices (cuBLAS's batched kernels suit small
+ones: one 4096 x 4096 product ran 4x slower batched), is left to the caller's own matmul,
+whose heuristics choose its kernel.
 
 The products follow their framework's float32 matmul precision, as its own matmul would: TF32
 tensor cores where torch allows them (`torch.set_float32_matmul_precision("high")`) or CuPy does
@@ -54,36 +54,13 @@ def device_id(matrix) -> int:
     return device.index if hasattr(device, "index") else device.id
 
 
-class Products:
-    """Batched row-major products, one cuBLAS call per (ops, shapes); the address tables are
-    kept per shape and rewritten only when an address changes."""
-
-    def __init__(self):
-        self._batches: dict = {}  # (ops, shapes, count) -> _Batch
-
-    def run(self, terms: list, *, alpha: float, beta: float) -> list:
-        """Runs the terms (op_a, op_b, a, b, c) that batch, ops "N" or "T", every matrix float32,
-        row-major and on a GPU, c of op(a) @ op(b)'s shape; returns the others, in order."""
-        bound = BoundProducts(terms, self._batch)
-        addresses = operand_addresses([term[2:] for term in terms])
-        left = set(bound.run(addresses, alpha=alpha, beta=beta))
-        return [term for k, term in enumerate(terms) if k in left]
-
-    def _batch(self, key: tuple, count: int) -> _Batch:
-        batch = self._batches.get((key, count))
-        if batch is None:
-            batch = self._batches[(key, count)] = _Batch(*key, count)
-        return batch
-
-
 class BoundProducts:
     """Terms of fixed ops, shapes and devices, grouped once into batches (one per shape that
-    several terms share, its matrices small enough) and terms left to the caller: a step whose
-    operands may move (`run`) computes only their addresses. Each batch is its own (with its
-    address table) unless `batch_of(key, count)` gives them."""
+    several terms share, its matrices small enough), each with its own address table, and
+    terms left to the caller: a step whose operands may move (`run`) passes only their
+    addresses."""
 
-    def __init__(self, terms: list, batch_of=None):
-        batch_of = batch_of or (lambda key, count: _Batch(*key, count))
+    def __init__(self, terms: list):
         shapes: dict = {}
         for k, (op_a, op_b, a, b, c) in enumerate(terms):
             key = (op_a, op_b, tuple(a.shape), tuple(b.shape), tuple(c.shape), device_id(c))
@@ -93,7 +70,7 @@ class BoundProducts:
             if len(indices) == 1 or max(map(_elements, key[2:5])) > BATCHED_ELEMENTS:
                 left += indices
             else:
-                self.batches.append((np.asarray(indices), batch_of(key, len(indices))))
+                self.batches.append((np.asarray(indices), _Batch(*key, len(indices))))
         self.left = sorted(left)  # the indices of the terms the caller runs
         self.devices: dict = {}  # device -> its batches (one handle each)
         for indices, batch in self.batches:

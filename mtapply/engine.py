@@ -498,11 +498,17 @@ class _Launcher:
         self.upload(stream)
         return self
 
+    def _busy(self) -> list:
+        """The groups with blocks to launch."""
+        return [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
+
+    def _n_passes(self) -> int:
+        return len(self.launches[0]) if self.launches else 0
+
     def launch_order(self) -> list:
         """The launches of a step without hooks or rows, in `run`'s order."""
-        busy = [passes for passes in self.launches if passes[0].n_blocks]
-        n_passes = len(self.launches[0]) if self.launches else 0
-        return [passes[p] for p in range(n_passes) for passes in busy]
+        busy = self._busy()
+        return [self.launches[k][p] for p in range(self._n_passes()) for k in busy]
 
     def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
             rows=None) -> None:
@@ -518,13 +524,13 @@ class _Launcher:
         if switch:
             device.__enter__()
         try:
-            busy = [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
+            busy = self._busy()
             for k in busy:
                 self.tables[k].before_launch(stream)
                 self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream)
             # every pass and hook runs even with nothing to launch here: ranks that all-reduce
             # between passes must all reach the hook
-            n_passes = len(self.launches[0]) if self.launches else 0
+            n_passes = self._n_passes()
             for p in range(n_passes):
                 for k in busy:
                     launch = self.launches[k][p]

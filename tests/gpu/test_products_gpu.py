@@ -1,7 +1,7 @@
-"""Batched row-major float32 products (mtapply._products): every op combination and several
-shapes in one call against torch.matmul in float64 (a shape of one product, or of large
-matrices, left to the caller), alpha and beta, and operands that move
-between calls (the address tables are rewritten) or stay (nothing is uploaded)."""
+"""Batched row-major float32 products (mtapply._products.BoundProducts): every op combination
+and several shapes in one call against torch.matmul in float64 (a shape of one product, or of
+large matrices, left to the caller), alpha and beta, and operands that move between calls (the
+address tables are rewritten) or stay (nothing is uploaded)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -34,6 +34,10 @@ def _expected(terms, alpha, beta):
             for oa, ob, a, b, c in terms]
 
 
+def _run(bound, terms, alpha, beta) -> list:
+    return bound.run(_products.operand_addresses([t[2:] for t in terms]), alpha=alpha, beta=beta)
+
+
 def test_batched_products_match_matmul_and_follow_moved_operands():
     generator = torch.Generator().manual_seed(0)
     terms = _terms(generator)
@@ -41,24 +45,25 @@ def test_batched_products_match_matmul_and_follow_moved_operands():
             torch.randn(5, 2, device="cuda"))  # the only product of its shape
     large = ("N", "T", torch.randn(4096, 1025, device="cuda"), torch.randn(2, 1025, device="cuda"),
              torch.randn(4096, 2, device="cuda"))
-    products = _products.Products()
     before = [lone[4].clone(), large[4].clone()]
-    left = products.run([lone] + terms + [large, large], alpha=1.0, beta=0.0)
-    assert list(map(id, left)) == [id(lone), id(large), id(large)]
+    with_others = _products.BoundProducts([lone] + terms + [large, large])
+    assert _run(with_others, [lone] + terms + [large, large], 1.0, 0.0) == [
+        0, len(terms) + 1, len(terms) + 2]
     assert torch.equal(lone[4], before[0]) and torch.equal(large[4], before[1])
+    bound = _products.BoundProducts(terms)
     for alpha, beta in ((1.0, 0.0), (0.5, 0.9)):
         expected = _expected(terms, alpha, beta)
-        assert products.run(terms, alpha=alpha, beta=beta) == []
+        assert _run(bound, terms, alpha, beta) == []
         for (*_, c), want in zip(terms, expected):
             torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
     # new outputs and inputs for half the terms: the tables follow them
     moved = [(oa, ob, a.clone() if k % 2 else a, b, c.clone() * 2 if k % 2 else c)
              for k, (oa, ob, a, b, c) in enumerate(terms)]
     expected = _expected(moved, 1.0, 1.0)
-    assert products.run(moved, alpha=1.0, beta=1.0) == []
+    assert _run(bound, moved, 1.0, 1.0) == []
     for (*_, c), want in zip(moved, expected):
         torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
-    assert len(products._batches) == 4
+    assert len(bound.batches) == 4
 
 
 def test_only_float32_row_major_gpu_matrices_are_batched():
@@ -87,9 +92,8 @@ def test_batched_products_follow_torchs_float32_matmul_precision():
         for precision in ("high", "highest"):
             torch.set_float32_matmul_precision(precision)
             c = [torch.empty(64, 32, device="cuda") for _ in range(3)]
-            products = _products.Products()
-            assert products.run([("N", "N", x, y, z) for x, y, z in zip(a, b, c)],
-                                alpha=1.0, beta=0.0) == []
+            terms = [("N", "N", x, y, z) for x, y, z in zip(a, b, c)]
+            assert _run(_products.BoundProducts(terms), terms, 1.0, 0.0) == []
             torch.cuda.synchronize()
             errors[precision] = max(((z.double() - x.double() @ y.double()).abs().max()
                                      / (x.double() @ y.double()).abs().max()).item()
@@ -115,7 +119,6 @@ def test_bound_products_run_moved_operands_and_leave_the_lone_terms():
                  for oa, ob, a, b, c in terms]
         # beta 0: the NaNs in c are not read
         expected = _expected([(*t[:4], torch.zeros_like(t[4])) for t in moved], 0.5, 0.0)
-        addresses = _products.operand_addresses([t[2:] for t in moved] + [lone[2:]])
-        assert bound.run(addresses, alpha=0.5, beta=0.0) == [len(terms)]
+        assert _run(bound, moved + [lone], 0.5, 0.0) == [len(terms)]
         for (*_, c), want in zip(moved, expected):
             torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-4)
