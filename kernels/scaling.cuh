@@ -1,5 +1,5 @@
 // Elementwise list utilities: scaling (in place, or into outputs with MTA_OUT), unscaling with
-// non-finite detection (torch.amp's unscale), and zeroing.
+// non-finite detection (torch.amp's unscale), adding a number, and zeroing.
 #pragma once
 #include "walker.cuh"
 
@@ -47,6 +47,19 @@ struct Unscale {
     if (!isfinite(x[0])) *found_inf = 1.0f;  // every writer stores the same value
     if (factor != acc_t(1)) x[0] = x[0] * factor;
   }
+};
+
+// x += factor (e.g. device step counters, advanced where found_inf is not set).
+struct Add {
+  static constexpr int N_SLOTS = 1, N_SUMS = 0, GRAD = -1;
+  static constexpr unsigned WRITTEN = 1u;
+  using Args = ScaleArgs;
+
+  acc_t addend;
+
+  __device__ Add(const Args& a, int, const float*) : addend(scale_factor(a)) {}
+
+  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS]) const { x[0] = x[0] + addend; }
 };
 
 struct Zero {

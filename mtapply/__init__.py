@@ -5,7 +5,7 @@
 
 updates whole lists of tensors in one kernel launch per (device, dtype) group on the GPU, or
 with NumPy on the CPU. `mtapply.adam_plan(...)` binds the lists once for O(1)-host-cost steps.
-List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `zero_`.
+List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `add_`, `zero_`.
 `mtapply.adam8bit_step(...)` keeps Adam's moments in 8 bits (`mtapply.adam8bit_state`).
 `mtapply.rule(...)` makes a fused optimizer of a few lines of update (see `mtapply.rules`).
 """
@@ -18,12 +18,12 @@ from .lars import lars_plan, lars_step
 from .norms import clip_grad_norm_, l2_norms
 from .ops import REGISTRY, AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .rules import Rule, rule
-from .scaling import scale_, unscale_, zero_
+from .scaling import add_, scale_, unscale_, zero_
 from .sgd import sgd_plan, sgd_step
 
 __version__ = "0.1.0"
 
-__all__ = ["Adam8bitState", "AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec",
+__all__ = ["add_", "Adam8bitState", "AdamSpec", "LAMBSpec", "LARSSpec", "Plan", "REGISTRY", "Rule", "SGDSpec",
            "adam8bit_plan", "adam8bit_state", "adam8bit_step", "adam_plan", "adam_step",
            "GaLoreState", "galore_adamw_step", "galore_state", "clip_grad_norm_", "l2_norms", "lamb_plan", "lamb_step", "lars_plan",
            "lars_step", "rule", "scale_", "sgd_plan", "sgd_step", "unscale_", "zero_", "__version__"]

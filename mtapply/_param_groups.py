@@ -63,13 +63,19 @@ class TrackedGroup(dict):
         return TrackedParams(params, self.changes)
 
     def __setitem__(self, key, value) -> None:
-        if (type(value) in (int, float) and type(self.get(key)) is type(value)
-                and self[key] == value):
-            return  # the same number again: a scheduler sets every group's lr at every step
-        super().__setitem__(key, self._params(value) if key == PARAMS else value)
+        kind = type(value)
+        if kind is float or kind is int:  # the common case (a scheduler's lr): kept short
+            held = dict.get(self, key)
+            if type(held) is kind and held == value:
+                return  # the same number again: a scheduler sets every group's lr every step
+            dict.__setitem__(self, key, value)
+            changes = self.changes
+            changes.version += 1
+            changes.set_at[key] = changes.version
+            return
+        dict.__setitem__(self, key, self._params(value) if key == PARAMS else value)
         self.changes.note(key)
-        if type(value) not in (int, float):  # a plain number is the common case (an lr)
-            self.changes.note(ANY)
+        self.changes.note(ANY)
 
     def setdefault(self, key, default=None):
         if key not in self:

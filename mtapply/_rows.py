@@ -6,7 +6,7 @@ from two small device tables. What a step costs on the host:
 
 - the sequences of the previous step again (equal, or the same tuples): nothing is packed;
 - only scheduled values (lr) changed, one value still per row: one column is checked at its
-  extremes and patched in the packed rows, one async copy;
+  extremes and patched: on a GPU, into the slots the rows read it from (one small async copy);
 - anything else: the rows are found and checked again.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Rows:
     device rows of the origin can be patched in place.
     """
 
-    __slots__ = ("hyper", "columns", "row_of", "firsts", "origin", "patched", "_checked")
+    __slots__ = ("hyper", "columns", "row_of", "firsts", "origin", "patched", "_checked",
+                 "_numbers", "_checked_range")
 
     def __init__(self, hyper: dict, columns: dict, row_of: np.ndarray, firsts: np.ndarray,
                  checked=None, origin=None, patched=None):
@@ -33,6 +34,8 @@ class Rows:
         self.origin = self if origin is None else origin
         self.patched = patched or {}
         self._checked = checked
+        self._numbers = {}  # name -> one float64 per row, of the origin's checked numbers
+        self._checked_range = {}  # scheduled name -> (low, high): values checked in patches
 
     @property
     def checked(self) -> list:
@@ -47,6 +50,20 @@ class Rows:
         if self._checked is not None:
             return self._checked[0]
         return self._patch_row(self.origin.checked[0], 0)
+
+    def holds_numbers(self, name: str) -> bool:
+        """Whether every row holds `name` as a number (not a device value)."""
+        return name in self.hyper and all(type(row[name]) is float for row in self.origin.checked)
+
+    def per_row(self, name: str) -> np.ndarray:
+        """The value of `name` in each row (float64), for a name that every row holds as a
+        number."""
+        if name in self.patched:
+            return self.patched[name]
+        numbers = self.origin._numbers
+        if name not in numbers:
+            numbers[name] = np.array([row[name] for row in self.origin.checked], np.float64)
+        return numbers[name]
 
     def _patch_row(self, args: dict, r: int) -> dict:
         return dict(args, **{name: float(values[r]) for name, values in self.patched.items()})
@@ -136,8 +153,15 @@ def _patch(spec, hyper: dict, previous: Rows, changed: dict, scalar):
 def _check_extremes(spec, hyper: dict, previous: Rows, name: str, column: np.ndarray,
                     scalar) -> None:
     """A scheduled value is checked against an interval of its own, whatever the others: the
-    extremes of its rows' values stand for every value between (NaN fails as an extreme too).
-    A refused value is looked up again tensor by tensor, to name the first such tensor."""
+    extremes of its rows' values stand for every value between (NaN fails as an extreme too),
+    and so does the range of the values already checked since the origin (a decaying lr
+    checks only its new minimum). A refused value is looked up again tensor by tensor, to name
+    the first such tensor."""
+    low, high = float(column.min()), float(column.max())
+    checked = previous.origin._checked_range
+    known_low, known_high = checked.get(name, (np.inf, -np.inf))
+    if known_low <= low and high <= known_high:
+        return
     row = {k: float(previous.columns[k][0]) if k in previous.columns else v
            for k, v in hyper.items()}
 
@@ -145,12 +169,14 @@ def _check_extremes(spec, hyper: dict, previous: Rows, name: str, column: np.nda
         spec.arguments(**{k: scalar(k, v) for k, v in dict(row, **{name: value}).items()})
 
     try:
-        check(float(column.min()))
-        check(float(column.max()))
+        for extreme in (low, high):
+            if not known_low <= extreme <= known_high:
+                check(extreme)
     except (TypeError, ValueError):
         for i, value in enumerate(column[previous.row_of].tolist()):
             _name_tensor(i, check, value)
         raise
+    checked[name] = (min(low, known_low), max(high, known_high))
 
 
 def _new_rows(spec, hyper: dict, columns: dict, scalar) -> Rows:
@@ -184,8 +210,8 @@ def _column(name: str, values, n_tensors: int) -> np.ndarray:
     if len(values) != n_tensors:
         raise ValueError(f"{name} has {len(values)} values for {n_tensors} tensors: give one "
                          f"per tensor, or one for all")
-    try:
-        return np.asarray(values, dtype=np.float64).reshape(n_tensors)
+    try:  # a copy: the caller may change its array in place before the next step
+        return np.array(values, dtype=np.float64).reshape(n_tensors)
     except (TypeError, ValueError):
         raise TypeError(f"{name} given per tensor must hold numbers (device scalars are taken "
                         f"for all tensors only)") from None

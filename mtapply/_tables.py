@@ -2,7 +2,9 @@
 
 memcpy: the table lives in device memory; a change is staged in pinned host memory and copied
   on the launch stream, so it is ordered with the launches. Staging buffers form a ring guarded
-  by events: a buffer is never refilled while a copy may still read it.
+  by events: a buffer is never refilled while a copy may still read it. The ring grows (to a
+  bound) rather than waiting, so a host that runs steps ahead of the GPU is not held back by a
+  table written every step.
 unified: the table lives in managed memory that the host writes directly. Two buffers alternate,
   and the host writes a buffer only once the launches that read it have finished (an event), so
   host writes never race a kernel.
@@ -60,6 +62,9 @@ class _Event:
         if self.recorded:
             _runtime().eventSynchronize(self.handle)
 
+    def done(self) -> bool:
+        return not self.recorded or _runtime().eventQuery(self.handle) == 0
+
     def wait_on(self, stream: int) -> None:
         if self.recorded:
             _runtime().streamWaitEvent(stream, self.handle, 0)
@@ -74,7 +79,8 @@ class _Event:
 class MemcpyTable:
     """A table in device memory, updated by async copies on the launch stream."""
 
-    RING = 2
+    RING = 2  # staging buffers to start with
+    MAX_RING = 16  # beyond this many copies in flight, a write waits for the oldest
 
     def __init__(self, nbytes: int, device_id: int):
         import cupy
@@ -83,7 +89,7 @@ class MemcpyTable:
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
             self._device = cupy.cuda.alloc(max(nbytes, 16))
-            self._staging = [cupy.cuda.alloc_pinned_memory(max(nbytes, 16)) for _ in range(self.RING)]
+            self._staging = [self._pinned() for _ in range(self.RING)]
             self._copied = [_Event() for _ in range(self.RING)]
             self._reader_done = _Event()
         self._next = 0
@@ -119,15 +125,32 @@ class MemcpyTable:
         if self._reader_stream is not None and self._reader_stream != stream:
             self._reader_done.record(self._reader_stream)
             self._reader_done.wait_on(stream)
-        k = self._next
-        self._next = (k + 1) % self.RING
-        self._copied[k].wait_host()  # normally long done: the ring was filled a step ago
+        k = self._free_staging()
         staging = self._staging[k]
         np.frombuffer(staging, dtype=np.uint8, count=table.nbytes)[:] = table
         _runtime().memcpyAsync(self._device.ptr, staging.ptr, table.nbytes, _H2D, stream)
         self._copied[k].record(stream)
         self._last_copy = self._copied[k]
         self._ordered_streams = {stream}
+
+    def _pinned(self):
+        import cupy
+
+        return cupy.cuda.alloc_pinned_memory(max(self.nbytes, 16))
+
+    def _free_staging(self) -> int:
+        """The next staging buffer of the ring, once no copy reads it: a buffer is added in
+        front of one still in flight, up to MAX_RING, after which the oldest is waited for."""
+        k = self._next
+        if not self._copied[k].done() and len(self._staging) < self.MAX_RING:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                self._staging.insert(k, self._pinned())
+                self._copied.insert(k, _Event())
+        self._copied[k].wait_host()  # done, unless MAX_RING copies are in flight
+        self._next = (k + 1) % len(self._staging)
+        return k
 
 
 class UnifiedTable:

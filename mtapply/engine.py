@@ -119,9 +119,8 @@ class Plan:
         repeat = self._repeat
         if repeat is not None and after_pass is None:
             changed = repeat.changes(self, stream, grad_scale, found_inf, hyper)
-            if changed is not None:  # the latest step again, or with other plain numbers
-                if changed:
-                    repeat.renumber(self, hyper)
+            # the latest step again, or with other numbers
+            if changed is not None and (not changed or repeat.renumber(self, hyper)):
                 repeat.launch()
                 return
         rows = self._rows(hyper)
@@ -148,9 +147,10 @@ class Plan:
             self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
                            after_pass, rows)
             self._repeat = None
-            if isinstance(self._cuda, _Launcher) and after_pass is None and _repeatable(hyper):
+            if isinstance(self._cuda, _Launcher) and after_pass is None and _repeatable(hyper,
+                                                                                    rows):
                 self._repeat = _Repeat(self, stream, grad_scale, found_inf, hyper, (scale, skip),
-                                       rows is None)
+                                       rows)
 
     def _rows(self, hyper: dict) -> Rows | None:
         """The checked rows where hyperparameters are given per tensor, else None. On a GPU
@@ -348,35 +348,49 @@ def _device_label(device: tuple) -> str:
 
 class _Repeat:
     """A plan's latest launching step on one GPU, with what it was given. A step given the same
-    (numbers equal; device arrays, tuples of per-tensor values and streams the same objects) on
-    the same stream and device issues the same launches again, their argument words, rows and
-    tables unchanged, without the checks and packing of a first step; one that differs only in
-    plain numbers (a scheduled lr, a step count given as a number) has them checked and packed,
-    and launches the same. Whatever changes the tables drops it."""
+    (numbers equal; device arrays, tuples and streams the same objects; per-tensor lists and
+    arrays of equal values) on the same stream and device issues the same launches again,
+    their argument words, rows and tables unchanged, without the checks and packing of a first
+    step. One that differs only in plain numbers (a scheduled lr, a step count given as a
+    number) has them checked and then packed into the launches' words, or where the step has
+    per-tensor rows, written into the rows' slots (see _RowTables); it launches the same.
+    Whatever changes the tables drops it."""
 
     def __init__(self, plan, stream, grad_scale, found_inf, hyper: dict, packed: tuple,
-                 renumberable: bool):
+                 rows: Rows | None):
         self.stream, self.grad_scale, self.found_inf = stream, grad_scale, found_inf
         self.hyper = dict(hyper)
         self.packed = packed  # grad_scale and found_inf as the launches take them
-        self.renumberable = renumberable  # no per-tensor rows: the launches' words hold every value
+        self.rows = rows  # per-tensor rows (their columns hold the per-tensor values), or None
         self.device_id = plan._cuda.device_id
         self.raw_stream = plan._stream_for(self.device_id,
                                            plan._stream if stream is None else stream)
         self.launches = plan._cuda.launch_order()
+        # the numbers that may change: all of them without rows; with rows, the slotted ones
+        self.slotted = plan._cuda.slotted_names(rows) if rows is not None else None
 
     def changes(self, plan, stream, grad_scale, found_inf, hyper: dict) -> dict | None:
-        """The plain numbers in which `hyper` differs ({} for none), or None where this step
-        is not the latest one again."""
+        """The numbers in which `hyper` differs ({} for none), or None where this step is not
+        the latest one again."""
         if not (_same(stream, self.stream) and _same(grad_scale, self.grad_scale)
                 and _same(found_inf, self.found_inf) and hyper.keys() == self.hyper.keys()):
             return None
         changed, held = {}, self.hyper
+        columns = self.rows.columns if self.rows is not None else {}
         for name, value in hyper.items():
             old = held[name]
-            if _same(value, old):
+            if name in columns:  # values given per tensor: a list or array may change in place
+                if value is old and type(value) is tuple:
+                    continue
+                if name not in self.slotted:
+                    if _equal_column(value, columns[name]):
+                        continue
+                    return None
+                # slotted: `renumber` compares the values (its rows are the latest again)
+            elif _same(value, old):
                 continue
-            if not (self.renumberable and type(value) in _NUMBERS and type(old) in _NUMBERS):
+            elif not (type(value) in _NUMBERS and type(old) in _NUMBERS) or (
+                    self.slotted is not None and name not in self.slotted):
                 return None
             changed[name] = value
         return changed if self.current(plan, stream) else None
@@ -388,12 +402,23 @@ class _Repeat:
         return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)
                 == self.raw_stream and cupy.cuda.runtime.getDevice() == self.device_id)
 
-    def renumber(self, plan, hyper: dict) -> None:
-        """Checks `hyper` and packs it into the launches' words (raises before any change)."""
-        args = plan.spec.arguments(**{k: plan._scalar(k, v) for k, v in hyper.items()})
-        for launch in self.launches:
-            launch.set_args(args, *self.packed)
+    def renumber(self, plan, hyper: dict) -> bool:
+        """Checks `hyper` (raising before any change) and makes the launches take it; False
+        where its rows no longer fit the launches (tensors of one row now differ)."""
+        if self.rows is None:
+            args = plan.spec.arguments(**{k: plan._scalar(k, v) for k, v in hyper.items()})
+            for launch in self.launches:
+                launch.set_args(args, *self.packed)
+        else:
+            rows = plan._rows(hyper)
+            if rows is not self.rows:
+                if rows.origin is not self.rows.origin or not set(rows.patched) <= set(
+                        self.slotted):
+                    return False
+                plan._cuda.write_slots(rows, self.raw_stream)
+                self.rows = rows
         self.hyper = dict(hyper)
+        return True
 
     def launch(self) -> None:
         for launch in self.launches:
@@ -403,10 +428,21 @@ class _Repeat:
 _NUMBERS = (float, int)
 
 
-def _repeatable(hyper: dict) -> bool:
-    """Whether a step can be known again by its values' identities: no list or NumPy array,
-    which could change in place (a tuple of per-tensor values cannot)."""
-    return not any(isinstance(value, (list, np.ndarray)) for value in hyper.values())
+def _repeatable(hyper: dict, rows: Rows | None) -> bool:
+    """Whether a step can be known again: each value a number, a device value (by identity:
+    the kernel reads it), or given per tensor (compared by value); not a list or NumPy array
+    of one value for all, which could change in place unseen."""
+    columns = rows.columns if rows is not None else {}
+    return not any(isinstance(value, (list, np.ndarray)) for name, value in hyper.items()
+                   if name not in columns)
+
+
+def _equal_column(value, column: np.ndarray) -> bool:
+    """Whether per-tensor `value` (a sequence of numbers) equals the held column."""
+    try:
+        return np.array_equal(np.asarray(value, np.float64), column)
+    except (TypeError, ValueError):
+        return False
 
 
 def _same(value, held) -> bool:
@@ -423,7 +459,7 @@ class _Launcher:
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
         self.launches, self.tables, self._memory = [], [], []
-        self._rows = _RowTables(device_id)
+        self._rows = _RowTables(spec, device_id)
         self.all_sums = None
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
@@ -434,6 +470,8 @@ class _Launcher:
             self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
                                                spec.arg_fields) for f in functions])
             self.tables.append(None)
+        # groups whose rows read scheduled values from float32 slots (see _RowTables)
+        self._slotted = [_source.math_type(group.dtypes) == "float" for group in self.groups]
         with cupy_device(device_id):
             if spec.n_sums:
                 self._attach_sums(spec.n_sums, numels, stream)
@@ -505,6 +543,18 @@ class _Launcher:
     def _n_passes(self) -> int:
         return len(self.launches[0]) if self.launches else 0
 
+    def slotted_names(self, rows: Rows) -> tuple:
+        """The names whose new values reach every launch of `rows` (the latest step's) by the
+        slots alone: the slots' names, where every busy group reads them there."""
+        if rows is None or rows.origin is not self._rows.slots._origin or not all(
+                self._slotted[k] for k in self._busy()):
+            return ()
+        return self._rows.slots.names
+
+    def write_slots(self, rows: Rows, stream: int) -> None:
+        """The slots hold `rows`, which differ from the latest step's in slotted names only."""
+        self._rows.slots.hold(rows, self._rows.scheduled, stream)
+
     def launch_order(self) -> list:
         """The launches of a step without hooks or rows, in `run`'s order."""
         busy = self._busy()
@@ -525,9 +575,11 @@ class _Launcher:
             device.__enter__()
         try:
             busy = self._busy()
+            self._rows.prepare(rows, stream)
             for k in busy:
                 self.tables[k].before_launch(stream)
-                self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream)
+                self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream,
+                                 self._slotted[k])
             # every pass and hook runs even with nothing to launch here: ranks that all-reduce
             # between passes must all reach the hook
             n_passes = self._n_passes()
@@ -567,30 +619,45 @@ def _device_copy(values: np.ndarray, stream: int):
 class _RowTables:
     """The device tables of per-tensor hyperparameters, per launch group: the args rows (packed
     as each group's launches read them: their array addresses differ) and each tensor's row.
-    Rewritten, by async copies on the launch stream, only when their bytes change; rows that
-    differ from the held ones in scheduled columns only are patched in place."""
+    Rewritten, by async copies on the launch stream, only when their bytes change.
 
-    def __init__(self, device_id: int):
+    Scheduled values that every row holds as a number (lr, a step count) are not packed into
+    the rows of groups of float32 math: those rows read them as device scalars, from slots
+    that all groups share, so that new values cost one small copy and the rows stay as they
+    are. Groups of float64 math keep them in their rows, in double, patched in place."""
+
+    def __init__(self, spec, device_id: int):
         self.device_id = device_id
+        self.scheduled = tuple(name for name in spec.scheduled if name in spec.device_scalars)
+        self.slots = _Slots(device_id)
         self._tables: dict = {}  # group -> _HeldRows
 
+    def prepare(self, rows: Rows | None, stream: int) -> None:
+        """Writes the slots of `rows`, once per step before the groups are placed."""
+        if rows is not None:
+            self.slots.hold(rows, self.scheduled, stream)
+
     def place(self, k: int, launches: list, indices: np.ndarray, rows: Rows | None,
-              stream: int) -> None:
-        """Points group k's launches at its tables for `rows` (None: at the launch's args)."""
+              stream: int, slotted: bool) -> None:
+        """Points group k's launches at its tables for `rows` (None: at the launch's args);
+        `slotted`: the group reads scheduled values from the slots."""
         if rows is None:
             for launch in launches:
                 launch.set_rows(0, 0)
             return
+        slots = self.slots if slotted else None
         held = self._tables.get(k)
-        if held is None or held.rows is not rows:
-            if held is not None and held.rows.origin is rows.origin:
-                for name, per_row in rows.patched.items():
-                    held.words.view(np.float64)[:, launches[0].row_word(name)] = per_row
+        if held is None or held.rows.origin is not rows.origin or held.slot_table is not (
+                slots and slots.table):
+            held = self._tables[k] = _HeldRows.packed(held, launches[0], indices, rows, stream,
+                                                      self.device_id, slots)
+        elif held.rows is not rows:
+            in_words = [name for name in rows.patched if name not in held.slot_names]
+            for name in in_words:
+                held.words.view(np.float64)[:, launches[0].row_word(name)] = rows.patched[name]
+            if in_words:
                 held.rows_table.write(held.words.reshape(-1).view(np.uint8), stream)
-                held.rows = rows
-            else:
-                held = self._tables[k] = _HeldRows.packed(held, launches[0], indices, rows,
-                                                          stream, self.device_id)
+            held.rows = rows
         for table in (held.rows_table, held.row_of_table):
             table.before_launch(stream)
         for launch in launches:
@@ -599,8 +666,46 @@ class _RowTables:
     def launched_on(self, k: int, stream: int) -> None:
         held = self._tables.get(k)
         if held is not None:
-            for table in (held.rows_table, held.row_of_table):
-                table.launched_on(stream)
+            for table in (held.rows_table, held.row_of_table, held.slot_table):
+                if table is not None:
+                    table.launched_on(stream)
+
+
+class _Slots:
+    """Scheduled values of the rows, as float32 device scalars: slot (name, row) at
+    `ptr(name, row)`. Written when the values change, by one async copy."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self.names: tuple = ()  # the slotted names, for the rows of `origin`
+        self.table = None
+        self._origin = None
+        self._rows = None
+        self._values = None  # float32 (names, rows), as the table holds them
+
+    def hold(self, rows: Rows, scheduled: tuple, stream: int) -> None:
+        """The slots hold `rows`' values (written where they differ)."""
+        if rows is not self._rows:
+            if rows.origin is not self._origin:
+                self.names = tuple(name for name in scheduled if rows.holds_numbers(name))
+                self._origin = rows.origin
+            values = np.array([rows.per_row(name) for name in self.names], np.float32)
+            if not self.names:
+                self.table = None
+            elif self.table is None or self.table.nbytes != values.nbytes:
+                self.table = _tables.MemcpyTable(values.nbytes, self.device_id)
+                self._values = None
+            if self.table is not None and (self._values is None
+                                           or not np.array_equal(values, self._values)):
+                self.table.write(values.reshape(-1).view(np.uint8), stream)
+            self._values, self._rows = values, rows
+        if self.table is not None:
+            self.table.before_launch(stream)
+
+    def scalar(self, name: str, row: int) -> DeviceScalar:
+        n_rows = self._values.shape[1]
+        return DeviceScalar(ptr=self.table.ptr + 4 * (self.names.index(name) * n_rows + row),
+                            obj=self.table)
 
 
 @dataclasses.dataclass
@@ -612,13 +717,19 @@ class _HeldRows:
     words: np.ndarray  # uint64, one line of argument words per row
     row_of: np.ndarray  # int32, the row of each of the group's tensors
     rows: Rows
+    slot_table: object  # the slots' table its rows point into, or None
+    slot_names: tuple  # the names its rows read from the slots
 
     @classmethod
     def packed(cls, held, launch, indices: np.ndarray, rows: Rows, stream: int,
-               device_id: int) -> _HeldRows:
-        """`rows` packed for `launch`, uploaded where the bytes differ from `held`'s."""
-        words = np.frombuffer(b"".join(map(launch.row_words, rows.checked)), np.uint64)
-        words = words.reshape(len(rows.checked), -1).copy()
+               device_id: int, slots) -> _HeldRows:
+        """`rows` packed for `launch` (reading `slots`, or None), uploaded where the bytes
+        differ from `held`'s."""
+        names = slots.names if slots is not None and slots.table is not None else ()
+        checked = [dict(args, **{name: slots.scalar(name, r) for name in names})
+                   for r, args in enumerate(rows.checked)] if names else rows.checked
+        words = np.frombuffer(b"".join(map(launch.row_words, checked)), np.uint64)
+        words = words.reshape(len(checked), -1).copy()
         row_of = np.ascontiguousarray(rows.row_of[indices], np.int32)
         rows_table = _table_for(held and held.rows_table, words.nbytes, device_id)
         row_of_table = _table_for(held and held.row_of_table, row_of.nbytes, device_id)
@@ -628,7 +739,8 @@ class _HeldRows:
         if held is None or row_of_table is not held.row_of_table or not np.array_equal(
                 row_of, held.row_of):
             row_of_table.write(row_of.view(np.uint8), stream)
-        return cls(rows_table, row_of_table, words, row_of, rows)
+        return cls(rows_table, row_of_table, words, row_of, rows,
+                   slots.table if names else None, names)
 
 
 def _table_for(table, nbytes: int, device_id: int):

@@ -1,8 +1,8 @@
-"""The public elementwise list utilities: scale, unscale (AMP), zero."""
+"""The public elementwise list utilities: scale, unscale (AMP), add, zero."""
 from __future__ import annotations
 
 from . import _calls
-from .ops.scaling import ScaleSpec, UnscaleSpec, ZeroSpec
+from .ops.scaling import AddSpec, ScaleSpec, UnscaleSpec, ZeroSpec
 
 
 def scale_(tensors, factor, *, outputs=None, stream=None, table_mode=None) -> None:
@@ -27,6 +27,14 @@ def unscale_(grads, inv_scale, found_inf, *, stream=None, table_mode=None) -> No
     """
     _calls.step(UnscaleSpec(), {"tensors": grads}, table_mode=table_mode, stream=stream,
                 factor=inv_scale, found_inf_out=found_inf)
+
+
+def add_(tensors, value, *, stream=None, table_mode=None) -> None:
+    """Adds `value` (a number, or a one-element float32 device array read by the kernel) to
+    every element of a list, in place, in one launch per (device, dtype) group."""
+    AddSpec().arguments(value=value)
+    _calls.step(AddSpec(), {"tensors": tensors}, table_mode=table_mode, stream=stream,
+                value=value)
 
 
 def zero_(tensors, *, stream=None, table_mode=None) -> None:

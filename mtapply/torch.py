@@ -25,8 +25,8 @@ Params whose storage was replaced (`p.data = ...`) are bound again; a grad tenso
 storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
 
 The step count lives on the device, one counter per plan, shared by the plan's params (their
-`state["step"]` is that counter), so `GradScaler`'s `found_inf` can leave it unchanged without a
-host synchronisation. SGD's first momentum step creates the buffers on the host's side: if that
+`state["step"]` is that counter), advanced by a launch that `GradScaler`'s `found_inf` skips, so
+a skipped step leaves it unchanged without a host synchronisation. SGD's first momentum step creates the buffers on the host's side: if that
 very step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD
 leaves them uninitialised there). `lr` may be a float or a 0-d/one-element float32 tensor on the params'
 device (capturable: a CUDA graph of the whole training step replays correctly). CPU params run
@@ -49,6 +49,8 @@ from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 from ._optimizer_step import lean_step
+from .engine import Plan
+from .ops.scaling import AddSpec
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
@@ -73,6 +75,9 @@ class _Part:
 
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
+        # on a GPU, advances the counter before the step reads it, unless found_inf is set
+        self.count = (Plan(AddSpec(), {"tensors": [counter]})
+                      if counter is not None and counter.is_cuda else None)
         self.device = params[0].device
         self.group_of = None  # in a merged group: each param's group index
         self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
@@ -82,6 +87,18 @@ class _Part:
             self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
         if plan is not None:
             plan.release("grads")  # the plan must not keep this step's grads alive
+
+    def advance(self, by: float, skip) -> None:
+        """Adds `by` to the step counter: on a GPU by a launch that `skip` (found_inf) cancels;
+        on the CPU at once, since the step's checks read it (`settle` takes a skipped one back)."""
+        if self.count is not None:
+            self.count.step(value=by, found_inf=skip)
+        else:
+            self.counter.add_(by)
+
+    def settle(self, skip) -> None:
+        if self.count is None and skip is not None:
+            self.counter.sub_(skip.reshape(()).clamp(max=1.0))  # a skipped step does not count
 
     def on_device(self, flag):
         """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
@@ -124,32 +141,47 @@ class _Bound:
 
 
 class _LatestStep:
-    """A flat_grads step whose groups all stepped by their bound parts, each part's plan
-    repeating what it was given: while no group changes (`version`), the grads stay in their
-    views and no GradScaler step comes, a step is the parts' counters and launches again."""
+    """A flat_grads step whose groups all stepped by their bound parts, each part's plans
+    repeating what they were given. While the grads stay in their views and no GradScaler step
+    comes, a step is the parts' counters and launches again; where only lrs were set since (a
+    scheduler), each part steps with its new lrs, which its plan takes in place (new words, or
+    new slots of its rows)."""
 
-    def __init__(self, parts: list, repeats: list, version: int):
-        self.parts, self.repeats, self.version = parts, repeats, version
+    def __init__(self, parts: list, version: int):
+        self.parts, self.version = parts, version  # parts: (group index, _Part)
+        self.repeats = [(part.count and part.count._repeat, part.plan._repeat)
+                        for _, part in parts]
 
     @classmethod
     def of(cls, parts: list, version: int) -> _LatestStep | None:
         if any(part.plan is None or part.plan._repeat is None or part.sums is not None
-               or part.after_pass is not None for part in parts):
+               or part.after_pass is not None
+               or (part.count is not None and part.count._repeat is None) for _, part in parts):
             return None
-        return cls(parts, [part.plan._repeat for part in parts], version)
+        return cls(parts, version)
 
     def repeat(self, optimizer) -> bool:
         """The step again, or False (nothing done) where it no longer applies."""
-        if (optimizer._group_changes.version != self.version
+        changes = optimizer._group_changes
+        scheduled = changes.version != self.version
+        if ((scheduled and changes.since(self.version) != {"lr"})
                 or not optimizer._flat.intact(optimizer.param_groups)):
             return False
-        for part, repeat in zip(self.parts, self.repeats):
-            if part.plan._repeat is not repeat or not repeat.current(part.plan):
+        for (_, part), (count, step) in zip(self.parts, self.repeats):
+            if (part.plan._repeat is not step or not step.current(part.plan)
+                    or (count is not None and part.count._repeat is not count)):
                 return False
-        for part, repeat in zip(self.parts, self.repeats):
-            if part.counter is not None:
-                part.counter.add_(1)
-            repeat.launch()
+        if scheduled:
+            merged = optimizer._merged_group()
+            for index, part in self.parts:
+                group = merged if index == "merged" else optimizer.param_groups[index]
+                optimizer._step_part(part, group, None, None)
+            optimizer._latest = _LatestStep.of(self.parts, changes.version)
+        else:
+            for count, step in self.repeats:
+                if count is not None:
+                    count.launch()
+                step.launch()
         optimizer._flat.mark()
         return True
 
@@ -228,7 +260,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 for part in bound.parts:  # O(1) in the number of params
                     self._step_part(part, group, grad_scale, found_inf)
                 if stepped is not None:
-                    stepped += bound.parts
+                    stepped += [(index, part) for part in bound.parts]
             else:
                 self._step_group(index, group, grad_scale, found_inf)
                 stepped = None
@@ -405,9 +437,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             names = changes.since(part.hyper_at) if part.hyper is not None else None
             if names == {"lr"}:  # as a scheduler sets them: plain numbers
                 groups = group["groups"]
-                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))
-                lrs = lrs[part.group_of]  # as a tuple, which a repeated step knows by identity
-                lr = float(lrs[0]) if lrs.min() == lrs.max() else tuple(lrs.tolist())
+                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))[part.group_of]
+                lr = float(lrs[0]) if lrs.min() == lrs.max() else lrs
                 part.hyper = dict(part.hyper, lr=lr)
             else:
                 part.hyper = self._merged_hyper(part, group["groups"])
@@ -426,18 +457,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if part.sums is not None:
             part.sums.zero_()  # empty shards add nothing: their rows are never written
         if part.counter is not None:
-            part.counter.add_(1)
+            part.advance(1.0, skip)
             hyper["step"] = part.counter
         try:
             part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
         except Exception:
             if part.counter is not None:
-                part.counter.sub_(1)
+                part.advance(-1.0, skip)
             raise
         finally:
             part.plan.release("grads")
-        if part.counter is not None and skip is not None:
-            part.counter.sub_(skip.reshape(()).clamp(max=1.0))  # a skipped step does not count
+        if part.counter is not None:
+            part.settle(skip)
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:

@@ -1,4 +1,4 @@
-"""List utilities on the CPU backend: norms, clipping, scale, unscale, zero, against float64
+"""List utilities on the CPU backend: norms, clipping, scale, unscale, add, zero, against float64
 and against torch's own functions where torch has one."""
 import numpy as np
 import pytest
@@ -123,3 +123,16 @@ def test_zero_sets_every_element():
     tensors = _lists("float32", "numpy", np.random.default_rng())
     mtapply.zero_(tensors)
     assert all(not t.any() for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_add_adds_a_number_and_refuses_a_bad_one_before_writing(dtype):
+    tensors = _lists(dtype, "numpy", np.random.default_rng())
+    originals = [t.copy() for t in tensors]
+    mtapply.add_(tensors, -2.5)
+    for t, o in zip(tensors, originals):
+        np.testing.assert_array_equal(t, (o.astype(np.float64) - 2.5).astype(dtype))
+    with pytest.raises(TypeError, match="value"):
+        mtapply.add_(tensors, "1")
+    for t, o in zip(tensors, originals):
+        np.testing.assert_array_equal(t, (o.astype(np.float64) - 2.5).astype(dtype))

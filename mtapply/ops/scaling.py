@@ -1,4 +1,4 @@
-"""Elementwise list utilities: scale, unscale with non-finite detection, zero."""
+"""Elementwise list utilities: scale, unscale with non-finite detection, add, zero."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,6 +62,25 @@ class UnscaleSpec(_ElementwiseSpec):
         return {"tensors": values if factor == 1 else values * factor}
 
 
+class AddSpec(_ElementwiseSpec):
+    """tensors + value, in place (with `found_inf=` set, nothing is added: a step counter
+    advanced only by the steps that are taken)."""
+
+    name = "add"
+    functor = "mta::Add"
+    device_scalars = ("value",)
+    slots = ("tensors",)
+    written = frozenset({"tensors"})
+    flags = ()
+
+    def arguments(self, *, value) -> dict:
+        return {"factor": number_or_device_scalar("value", value, low=-np.inf),
+                "found_inf_out": None}
+
+    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
+        return {"tensors": arrays["tensors"] + dtype(args["factor"])}
+
+
 class ZeroSpec(_ElementwiseSpec):
     """Every element set to zero (no reads)."""
 
@@ -78,4 +97,4 @@ class ZeroSpec(_ElementwiseSpec):
         return {"tensors": np.zeros_like(arrays["tensors"])}
 
 
-__all__ = ["ScaleSpec", "UnscaleSpec", "ZeroSpec"]
+__all__ = ["AddSpec", "ScaleSpec", "UnscaleSpec", "ZeroSpec"]

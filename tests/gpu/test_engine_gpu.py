@@ -351,7 +351,8 @@ def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
 
 def test_a_repeated_step_with_per_tensor_values_follows_the_reference(monkeypatch):
     """Per-tensor values as a tuple (which cannot change in place) repeat by identity; a list
-    is read again every step, so an edit in place is seen."""
+    is compared by value every step, so an edit in place is seen: new lrs, one value still per
+    row, reach the rows' slots without packing the launches again."""
     from mtapply._launch import KernelLaunch
 
     packs = []
@@ -363,8 +364,8 @@ def test_a_repeated_step_with_per_tensor_values_follows_the_reference(monkeypatc
     counter = torch.tensor([0.0], device="cuda")
     lrs = (1e-2, 2e-2, 3e-2)
     as_list = [1e-2, 2e-2, 3e-2]
-    for t, (lr, repeats) in enumerate([(lrs, False), (lrs, True), (as_list, False),
-                                       (as_list, False)], 1):
+    for t, (lr, repeats) in enumerate([(lrs, False), (lrs, True), (as_list, True),
+                                       (as_list, True)], 1):
         if t == 4:
             as_list[1] = 5e-2  # edited in place: read again
         expected = [reference_step([p], [g], [m], [v], None, lr=r, step=t)[0]

@@ -107,7 +107,75 @@ def test_rows_patched_for_new_lrs_then_found_again_when_they_split():
     _assert_close(gpu, cpu)
 
 
-def test_merged_groups_follow_a_scheduler_on_the_gpu():
+def test_scheduled_lrs_reach_the_rows_through_their_slots():
+    """Per-tensor lrs that change every step, one value still per row, are written into the
+    rows' float32 slots: the plan repeats its launches and the rows' words stay, over two
+    launch groups (float32 and float16). An array changed in place is seen; rows that split
+    are packed again; against the CPU path."""
+    gpu, cpu = _lists(6, 4, "cuda"), _lists(6, 4, "cpu")
+    for lists in (gpu, cpu):
+        for column in lists:
+            column[4], column[5] = column[4].half(), column[5].half()
+    plan = mtapply.adam_plan(*gpu, decoupled_weight_decay=True)
+    weight_decay = (0.0, 0.1, 0.1, 0.0, 0.1, 0.0)
+    lr = np.array([1e-3, 1e-3, 2e-3, 1e-3, 2e-3, 1e-3])
+    repeats, words = [], []
+    for t in range(1, 6):
+        if t == 4:
+            lr[3] = 7e-4  # tensor 3 leaves its row
+        else:
+            lr *= 0.8  # in place: the same array object every step
+        plan.step(lr=lr, step=t, weight_decay=weight_decay)
+        mtapply.adam_step(*cpu, lr=lr.copy(), step=t, weight_decay=weight_decay,
+                          decoupled_weight_decay=True)
+        repeats.append(plan._repeat)
+        words.append([held.words.copy() for held in plan._cuda._rows._tables.values()])
+    torch.cuda.synchronize()
+    assert len(words[0]) == 2 and repeats[0] is not None
+    assert repeats[0] is repeats[1] is repeats[2]  # new lrs, same launches
+    assert all(np.array_equal(a, b) for a, b in zip(words[0], words[2]))
+    assert repeats[3] is not repeats[2] and repeats[4] is repeats[3]  # split, then slotted
+    for a, b in zip(sum(gpu, []), sum(cpu, [])):
+        tol = 2e-3 if a.dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(a.cpu(), b, rtol=tol, atol=tol / 10)
+
+
+def test_float64_rows_keep_scheduled_values_in_double():
+    """float64 params read their rows' lrs in double (not from float32 slots), patched in
+    place when they change: the CPU path's float64 result within float64 rounding."""
+    gpu, cpu = _lists(7, 4, "cuda"), _lists(7, 4, "cpu")
+    gpu = [[x.double() for x in column] for column in gpu]
+    cpu = [[x.double() for x in column] for column in cpu]
+    plan = mtapply.adam_plan(*gpu)
+    for t in range(1, 5):
+        lr = tuple(v / t for v in (1.1e-3, 2.3e-3, 1.1e-3, 3.7e-3, 2.3e-3, 1.1e-3))
+        plan.step(lr=lr, step=t, beta1=(0.9, 0.8) * 3)
+        mtapply.adam_step(*cpu, lr=lr, step=t, beta1=(0.9, 0.8) * 3)
+    torch.cuda.synchronize()
+    assert not plan._cuda._rows.slots.names or not any(plan._cuda._slotted)
+    for a, b in zip(sum(gpu, []), sum(cpu, [])):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
+
+
+def test_slot_writes_do_not_wait_for_a_busy_gpu():
+    """New lrs written while the GPU is still busy with earlier work take more staging buffers
+    rather than waiting for the copies in flight; the steps still follow the CPU path."""
+    gpu, cpu = _lists(8, 4, "cuda"), _lists(8, 4, "cpu")
+    plan = mtapply.adam_plan(*gpu)
+    lrs = [tuple(1e-3 * (1 + k % 2) / t for k in range(len(SHAPES))) for t in range(1, 8)]
+    plan.step(lr=lrs[0], step=1)
+    mtapply.adam_step(*cpu, lr=lrs[0], step=1)
+    torch.cuda._sleep(200_000_000)  # a tenth of a second or more of GPU time, queued first
+    for t in range(2, 8):
+        plan.step(lr=lrs[t - 1], step=t)
+        mtapply.adam_step(*cpu, lr=lrs[t - 1], step=t)
+    grown = len(plan._cuda._rows.slots.table._staging)
+    torch.cuda.synchronize()
+    assert grown > 2
+    _assert_close(gpu, cpu)
+
+
+def test_merged_groups_follow_a_scheduler_on_the_gpu(monkeypatch):
     """mtapply.torch with a group per tensor and flat_grads, lrs set by a scheduler every step
     and betas changed once, against torch.optim.AdamW."""
     torch.manual_seed(5)
@@ -121,6 +189,10 @@ def test_merged_groups_follow_a_scheduler_on_the_gpu():
 
     import mtapply.torch as mt
 
+    repeated = []  # whether each step repeated the latest (with new lrs: in its slots)
+    original = mt._LatestStep.repeat
+    monkeypatch.setattr(mt._LatestStep, "repeat",
+                        lambda self, opt: repeated.append(original(self, opt)) or repeated[-1])
     ours = mt.AdamW(groups(model), flat_grads=True)
     theirs = torch.optim.AdamW(groups(twin), foreach=False)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 0.9 ** t) for o in (ours, theirs)]
@@ -134,5 +206,6 @@ def test_merged_groups_follow_a_scheduler_on_the_gpu():
             opt.step()
             scheduler.step()
     assert list(ours._bound) == ["merged"]
+    assert repeated == [True, False, True, True]  # from the third step; betas change steps anew
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""List utilities on the GPU: norms, clipping, unscale, scale and zero against float64 and torch."""
+"""List utilities on the GPU: norms, clipping, unscale, scale, add and zero against float64 and
+torch."""
 import numpy as np
 import pytest
 
@@ -122,6 +123,23 @@ def test_scale_into_outputs_and_zero():
         assert torch.equal(t, b) and torch.equal(o, (b.float() * -3.0).to(b.dtype))
     mtapply.zero_(outputs)
     assert all(not o.any() for o in outputs)
+
+
+def test_add_a_number_or_a_device_value_skipped_where_found_inf_is_set():
+    """add_ in place; a plan of AddSpec (as the torch optimizers advance their step counters)
+    adds nothing while found_inf is non-zero."""
+    tensors = _lists(("float32", "bfloat16", "float64"))
+    before = [t.clone() for t in tensors]
+    mtapply.add_(tensors, torch.full((1,), 0.5, device="cuda"))
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, (b.double() + 0.5).to(b.dtype))
+    counter = torch.tensor(3.0, device="cuda")
+    plan = mtapply.Plan(mtapply.ops.AddSpec(), {"tensors": [counter]})
+    found_inf = torch.zeros(1, device="cuda")
+    for flag in (0.0, 1.0, 0.0, 2.0, 0.0):
+        found_inf.fill_(flag)
+        plan.step(value=1.0, found_inf=found_inf)
+    assert float(counter) == 6.0
 
 
 def test_norms_and_clipping_replay_in_a_cuda_graph():
