@@ -237,17 +237,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _fused_step(self) -> None:
-        with torch.no_grad():
-            self._grouped_steps()
-
-    def _grouped_steps(self) -> None:
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         if self._latest is not None and grad_scale is None and found_inf is None:
-            if self._latest.repeat(self):
+            if self._latest.repeat(self):  # launches only: no torch op to keep from autograd
                 return
         self._latest = None
+        with torch.no_grad():
+            self._grouped_steps(grad_scale, found_inf)
+
+    def _grouped_steps(self, grad_scale, found_inf) -> None:
         stepped = []  # the parts stepped, where every group stepped by its bound parts
         flat = self._flat_grads_in_place()
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
