@@ -159,3 +159,37 @@ def test_rows_split_across_devices_keep_their_origin_and_patches():
     on_share = patched.on(share)
     assert on_share.origin is share and list(on_share.row_of) == [1, 2]
     assert [args["lr"] for args in on_share.checked] == [5e-4, 1e-3, 2e-3]
+
+
+def test_patched_values_inside_the_range_already_checked_are_not_checked_again(monkeypatch):
+    """A scheduled value is checked against an interval of its own: the range of the values
+    checked since the origin stands for every value inside it, so a decaying lr checks only
+    its new minimum; a value outside is checked (and refused, naming the tensor)."""
+    first = _rows(dict(lr=[1e-3, 2e-3, 3e-3, 4e-3], step=1))
+    calls = []
+    arguments = AdamSpec.arguments
+    monkeypatch.setattr(AdamSpec, "arguments",
+                        lambda self, **hyper: calls.append(hyper["lr"]) or arguments(self, **hyper))
+    lower = _rows(dict(lr=[5e-4, 2e-3, 3e-3, 4e-3], step=1), first)
+    assert sorted(calls) == [5e-4, 4e-3] and lower.origin is first
+    calls.clear()
+    inside = _rows(dict(lr=[6e-4, 1e-3, 2e-3, 3e-3], step=1), lower)
+    assert calls == [] and list(inside.per_row("lr")) == [6e-4, 1e-3, 2e-3, 3e-3]
+    decayed = _rows(dict(lr=[4e-4, 1e-3, 2e-3, 3e-3], step=1), inside)
+    assert calls == [4e-4] and decayed.origin is first
+    with pytest.raises(ValueError, match="tensor 2: lr"):
+        _rows(dict(lr=[4e-4, 1e-3, -1.0, 3e-3], step=1), decayed)
+
+
+def test_rows_hold_their_own_copy_of_each_column():
+    """An array changed in place after a step is seen at the next one (the rows compare it
+    with their own copy); the rows' numbers per row follow their patches."""
+    lr = np.array([1e-3, 2e-3, 1e-3, 2e-3])
+    first = _rows(dict(lr=lr, step=1, weight_decay=(0.0, 0.1, 0.0, 0.1)))
+    assert first.holds_numbers("lr") and first.holds_numbers("step")
+    assert not first.holds_numbers("eps")  # not given
+    lr *= 0.5
+    patched = _rows(dict(lr=lr, step=1, weight_decay=(0.0, 0.1, 0.0, 0.1)), first)
+    assert patched is not first and patched.origin is first
+    assert list(patched.per_row("lr")) == [5e-4, 1e-3]
+    assert list(first.per_row("lr")) == [1e-3, 2e-3] and list(patched.per_row("step")) == [1, 1]
