@@ -1,6 +1,8 @@
 // Adam / AdamW per-element update, matching torch.optim.Adam and AdamW.
 // Compile-time flags (from the generated preamble): MTA_AMSGRAD, MTA_DECOUPLED, MTA_MAXIMIZE,
-// MTA_DECAY_MASK (weight decay scaled per tensor by decay_array: a mask of 1s and 0s).
+// MTA_DECAY_MASK (weight decay scaled per tensor by decay_array: a mask of 1s and 0s, or any
+// factors), MTA_LR_LABELS (lr_ptr is an array of learning rates, one per label, and each tensor
+// reads the entry of its label, lr_label_array).
 #pragma once
 #include "walker.cuh"
 
@@ -37,6 +39,9 @@ struct AdamArgs {
 #if MTA_DECAY_MASK
   const float* decay_array;  // per tensor of the group: its weight decay's factor
 #endif
+#if MTA_LR_LABELS
+  const int* lr_label_array;  // per tensor of the group: its entry of lr_ptr's array
+#endif
 #if MTA_STOCHASTIC
   double seed_lo, seed_hi;     // the 64-bit seed's words
   const int* sr_tensor_array;  // the caller's index of each tensor of the group
@@ -58,7 +63,11 @@ struct Adam {
 
   // Per-launch scalars are derived in double, as torch does on the host.
   __device__ Adam(const Args& a, int tensor, const float* /*sums*/) {
+#if MTA_LR_LABELS
+    const double lr = scalar_arg(a.lr_ptr ? a.lr_ptr + a.lr_label_array[tensor] : nullptr, a.lr);
+#else
     const double lr = scalar_arg(a.lr_ptr, a.lr);
+#endif
     const double step = scalar_arg(a.step_ptr, a.step);
 #if MTA_STOCHASTIC
     rounding.init(a.seed_lo, a.seed_hi, step, a.sr_tensor_array, tensor);

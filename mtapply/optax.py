@@ -224,6 +224,11 @@ class _Rule:
     def step_args(self, lr, step, norm=None) -> dict:
         raise NotImplementedError
 
+    def host_args(self, values: list, statics) -> dict:
+        """`step_args` of the scalars read on the host (each a 1-D float64 array) for a call
+        whose leaves have `statics`."""
+        return self.step_args(*(float(v[0]) for v in values))
+
 
 class _Adam(_Rule):
     name, state_type, slots = "adam", AdamState, ("mu", "nu")
@@ -247,6 +252,57 @@ class _Adam(_Rule):
 
     def step_args(self, lr, step, norm=None) -> dict:
         return dict(lr=lr, step=step, **self.hyper)
+
+
+class _LabeledAdam(_Adam):
+    """adam/adamw rules, one per label of a tree's leaves (`multi_transform`), as one op: each
+    leaf reads its label's lr from one array of them per step (by label, in the kernel) and
+    its label's weight decay as a factor per tensor; beta1, beta2 and eps are the labels'
+    common values."""
+
+    def __init__(self, rules: dict, param_labels):
+        first = next(iter(rules.values()))
+        decays = any(rule.hyper["weight_decay"] != 0 for rule in rules.values())
+        super().__init__(first.hyper["beta1"], first.hyper["beta2"], first.hyper["eps"],
+                         1.0 if decays else 0.0)
+        self.rules, self.param_labels = rules, param_labels
+
+    def statics(self, params, treedef) -> tuple:
+        """(label index, weight-decay factor) of each leaf."""
+        names = list(self.rules)
+        labels = _label_leaves(self.param_labels, params, treedef, names)
+        factors = {name: rule.hyper["weight_decay"] * np.asarray(
+            _mask_leaves(rule.mask, params, treedef, "mask") if rule.mask is not None
+            else (True,) * treedef.num_leaves, np.float64) for name, rule in self.rules.items()}
+        return tuple((label, float(factors[names[label]][i])) for i, label in enumerate(labels))
+
+    def spec(self, statics):
+        labels, factors = zip(*statics) if statics else ((), ())
+        return AdamSpec(decoupled_weight_decay=True, lr_labels=labels,
+                        decay_mask=factors if self.reads_params else None)
+
+    def host_args(self, values: list, statics) -> dict:
+        lrs = values[0]  # one per label; each tensor takes its label's
+        return self.step_args(tuple(float(lrs[label]) for label, _ in statics),
+                              *(float(v[0]) for v in values[1:]))
+
+
+def _label_leaves(param_labels, params, treedef, names: list) -> list:
+    """The index in `names` of each leaf's label; `param_labels` is a pytree of labels like
+    params (or a prefix of it), or a callable of params giving one."""
+    labels = param_labels(params) if callable(param_labels) else param_labels
+    try:
+        leaves = treedef.flatten_up_to(
+            jax.tree.map(lambda label, sub: jax.tree.map(lambda _: label, sub), labels, params))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"param_labels must be a pytree of labels like params (or a prefix "
+                         f"of it), or a callable of params giving one: {error}") from None
+    index = {name: k for k, name in enumerate(names)}
+    for i, label in enumerate(leaves):
+        if label not in index:
+            raise ValueError(f"param_labels gives leaf {i} the label {label!r}, which transforms "
+                             f"has no transformation for: labels are {', '.join(map(repr, names))}")
+    return [index[label] for label in leaves]
 
 
 class _Sgd(_Rule):
@@ -535,7 +591,7 @@ class _Engine:
 
     def _learning_rate(self, count):
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
-        return jnp.asarray(lr, jnp.float32).reshape(1)
+        return jnp.asarray(lr, jnp.float32).reshape(-1)  # one, or one per label
 
     def _launch(self, aliased, fresh, read, scalars, statics, layout, mode, start) -> dict:
         """Column name -> arrays after the step over the leaves from `start` on: one FFI custom
@@ -631,8 +687,8 @@ class _Engine:
                                      [_XlaBuffer(b) for b in inputs[:len(inputs) - n_scalars]])
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:
-            values = [float(np.asarray(s).reshape(-1)[0]) for s in scalars]
-            self._step(key, columns, values, None)
+            values = [np.asarray(s).astype(np.float64).reshape(-1) for s in scalars]
+            self._step(key, columns, self.rule.host_args(values, key[0]), None)
             return
         import cupy
 
@@ -640,7 +696,7 @@ class _Engine:
         # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
         with cupy.cuda.Device(device_id), _cupy_stream(stream, device_id):
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
-            self._step(key, columns, values, stream)
+            self._step(key, columns, self.rule.step_args(*values), stream)
 
     def _host_callback(self, key, layout, n_aliased, n_scalars, *inputs) -> list:
         """The host fallback: new arrays from NumPy copies, through a fresh plan."""
@@ -648,13 +704,14 @@ class _Engine:
         outs = [np.array(x, copy=True) for x in inputs[:n_aliased]]
         outs += [np.empty(shape, column.dtype) for column in schema
                  if column.place == "out" and column.shapes for shape in column.shapes]
-        values = [float(np.asarray(s).reshape(-1)[0]) for s in inputs[len(inputs) - n_scalars:]]
+        values = [np.asarray(s).astype(np.float64).reshape(-1)
+                  for s in inputs[len(inputs) - n_scalars:]]
         reads = [np.asarray(x) for x in inputs[:len(inputs) - n_scalars]]
         plan = Plan(self.spec(key), dict(_buffers_by_column(schema, layout, outs, reads)))
-        plan.step(**self.rule.step_args(*values))
+        plan.step(**self.rule.host_args(values, key[0]))
         return outs
 
-    def _step(self, key, columns: list, scalars: list, stream) -> None:
+    def _step(self, key, columns: list, hyper: dict, stream) -> None:
         """One plan step over the buffers. Plans are cached by the buffers' addresses, which
         recur in a training loop. On a miss where only one column moved (typically fresh grads
         while params and state stay in place) a plan of the tree is rebound to them."""
@@ -669,7 +726,7 @@ class _Engine:
             mine = [k for k in self._plans if k[0] == key]
             for old_key in mine[:-_PLANS_PER_TREE]:
                 del self._plans[old_key]
-            plan.step(stream=stream, **self.rule.step_args(*scalars))
+            plan.step(stream=stream, **hyper)
 
     def _moved_plan(self, key, addresses: tuple, columns: list, stream):
         """The most recent plan of `key` whose buffers differ from `addresses` in one column
@@ -941,7 +998,14 @@ def _transformation(rule: _Rule, learning_rate, flat_state: bool) -> optax.Gradi
                              f"call update(grads, state, params)")
         return engine.apply(params, updates, state, mode="delta")
 
-    return optax.GradientTransformation(engine.init, jax.jit(update))
+    transformation = _Transformation(engine.init, jax.jit(update))
+    transformation.mtapply = (rule, learning_rate, flat_state)
+    return transformation
+
+
+class _Transformation(optax.GradientTransformation):
+    """An optax.GradientTransformation that knows its rule (`mtapply`: rule, learning rate,
+    flat_state), so that `multi_transform` can run several as one."""
 
 
 def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
@@ -1000,6 +1064,37 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None
     """
     rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
     return _transformation(rule, learning_rate, flat_state)
+
+
+def multi_transform(transforms: dict, param_labels) -> optax.GradientTransformation:
+    """optax.multi_transform, in one call where the labels' transformations allow it.
+
+    Where every transformation is this module's `adam` or `adamw` (any learning rate or
+    schedule, weight decay and mask per label) with the same b1, b2, eps and flat_state, the
+    whole tree is one op: each leaf reads its label's lr, from one array of the labels' lrs
+    per step, and its label's weight decay (a mask, as each label's adamw gives it, is taken
+    over the whole tree). The state is then one `AdamState` over the whole tree (not optax's
+    per-label states). Otherwise this is optax.multi_transform itself, each label its own call.
+
+    Args:
+        transforms: label -> GradientTransformation.
+        param_labels: a pytree of labels like params (or a prefix of it), or a callable of
+            params giving one.
+    """
+    found = [getattr(t, "mtapply", None) for t in transforms.values()]
+    if not found or any(f is None or type(f[0]) is not _Adam for f in found) or len(
+            {(rule.hyper["beta1"], rule.hyper["beta2"], rule.hyper["eps"], flat)
+             for rule, _, flat in found}) != 1:
+        return optax.multi_transform(transforms, param_labels)
+    rule = _LabeledAdam({label: rule for label, (rule, _, _) in zip(transforms, found)},
+                        param_labels)
+    rates = [lr for _, lr, _ in found]
+
+    def learning_rates(count):
+        return jnp.stack([jnp.asarray(lr(count) if callable(lr) else lr, jnp.float32).reshape(())
+                          for lr in rates])
+
+    return _transformation(rule, learning_rates, found[0][2])
 
 
 def sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
@@ -1255,6 +1350,7 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adagrad", "adam",
            "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
            "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_rmsprop",
-           "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "rmsprop",
+           "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",
+           "rmsprop",
            "schedule_free_adamw", "schedule_free_eval_params", "sgd", "transformation",
            "tree_state"]

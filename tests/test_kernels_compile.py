@@ -48,10 +48,12 @@ def variants():
                 yield pytest.param(spec, (sig_name,) * len(spec.slots), id=f"{name}-{mode}-{sig_name}")
     for masked in (AdamSpec(decoupled_weight_decay=True, decay_mask=[True, False]),
                    AdamSpec(decoupled_weight_decay=True, decay_mask=[True, False],
-                            master_weights=True)):  # mtapply.optax.adamw's weight-decay mask
+                            master_weights=True),  # mtapply.optax.adamw's weight-decay mask
+                   AdamSpec(decoupled_weight_decay=True, decay_mask=[0.5, 0.0],
+                            lr_labels=[1, 0])):  # mtapply.optax.multi_transform's labels
         for sig_name, dtypes in dtype_signatures(len(masked.slots), masked.master_weights).items():
-            master = "+MASTER" if masked.master_weights else ""
-            yield pytest.param(masked, dtypes, id=f"adam-DECAY_MASK{master}-{sig_name}")
+            variant = "+".join(k for k, v in masked.flags if v)
+            yield pytest.param(masked, dtypes, id=f"adam-{variant}-{sig_name}")
     for name, spec_cls in UTILITIES.items():
         for flags in ([{"into_outputs": False}, {"into_outputs": True}] if name == "scale" else [{}]):
             spec = spec_cls(**flags)

@@ -201,3 +201,36 @@ def test_adam_decay_mask_scales_weight_decay_per_tensor_and_is_checked():
     with pytest.raises(ValueError, match="decay_mask has 1 flags but params has 2"):
         Plan(AdamSpec(decoupled_weight_decay=True, decay_mask=[True]), tensors)
     assert all(np.array_equal(a, b) for a, b in zip(tensors["params"], before))
+
+
+def test_adam_decay_factors_and_lr_labels_are_checked_before_anything_is_written():
+    """decay_mask may give any factor >= 0 of weight_decay per tensor; lr_labels one label
+    index per tensor. Bad values and wrong lengths are refused, naming them."""
+    from mtapply import reference
+    from mtapply.engine import Plan
+    from mtapply.ops import AdamSpec
+
+    rng = np.random.default_rng(8)
+    tensors = {name: [rng.standard_normal(n).astype(np.float32) for n in (5, 9)]
+               for name in ("params", "grads", "exp_avgs", "exp_avg_sqs")}
+    for v in tensors["exp_avg_sqs"]:
+        np.abs(v, out=v)
+    want = [reference.adam(*(tensors[k][i].astype(np.float64) for k in tensors), None, lr=lr,
+                           step=2, weight_decay=wd, decoupled_weight_decay=True)
+            for i, (lr, wd) in enumerate(((0.1, 0.25), (0.01, 0.0)))]
+    spec = AdamSpec(decoupled_weight_decay=True, decay_mask=[0.5, 0.0], lr_labels=[1, 0])
+    assert dict(spec.flags)["LR_LABELS"] and "lr_label_array" in spec.arg_fields
+    Plan(spec, tensors).step(lr=(0.1, 0.01), step=2, weight_decay=0.5)  # per tensor on the CPU
+    for i, (p, _, v, _) in enumerate(want):
+        np.testing.assert_allclose(tensors["params"][i], p, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(tensors["exp_avg_sqs"][i], v, rtol=1e-6, atol=1e-7)
+    for bad, match in (({"decay_mask": [1.0, -0.5]}, r"decay_mask\[1\]"),
+                       ({"decay_mask": [float("nan"), 1.0]}, r"decay_mask\[0\]"),
+                       ({"lr_labels": [0, -1]}, r"lr_labels\[1\]"),
+                       ({"lr_labels": [0, 1.5]}, r"lr_labels\[1\]")):
+        with pytest.raises(ValueError, match=match):
+            AdamSpec(decoupled_weight_decay=True, **bad)
+    before = [p.copy() for p in tensors["params"]]
+    with pytest.raises(ValueError, match="lr_labels has 3 labels but params has 2"):
+        Plan(AdamSpec(lr_labels=[0, 1, 2]), tensors)
+    assert all(np.array_equal(a, b) for a, b in zip(tensors["params"], before))

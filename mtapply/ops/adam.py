@@ -18,6 +18,10 @@ class AdamSpec(OpSpec):
         m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
         vmax = max(vmax, v)                  (amsgrad; vmax replaces v below)
         param -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    `decay_mask` gives each tensor a factor of weight_decay (flags: 1 or 0). With `lr_labels`
+    (a label index per tensor) a device lr is an array of one lr per label, each tensor reading
+    its label's (mtapply.optax.multi_transform's learning rates in one call).
     """
 
     name = "adam"
@@ -29,17 +33,21 @@ class AdamSpec(OpSpec):
 
     def __init__(self, *, amsgrad: bool = False, decoupled_weight_decay: bool = False,
                  maximize: bool = False, master_weights: bool = False,
-                 stochastic_rounding: bool = False, decay_mask=None):
+                 stochastic_rounding: bool = False, decay_mask=None, lr_labels=None):
         self.amsgrad = bool(amsgrad)
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.maximize = bool(maximize)
         self.slots = ("params", "grads", "exp_avgs", "exp_avg_sqs") + (
             ("max_exp_avg_sqs",) if self.amsgrad else ())
-        self.decay_mask = None if decay_mask is None else [bool(flag) for flag in decay_mask]
+        self.decay_mask = None if decay_mask is None else _factors(decay_mask)
+        self.lr_labels = None if lr_labels is None else _labels(lr_labels)
         self.flags = (("AMSGRAD", self.amsgrad), ("DECOUPLED", self.decoupled_weight_decay),
-                      ("MAXIMIZE", self.maximize), ("DECAY_MASK", self.decay_mask is not None))
+                      ("MAXIMIZE", self.maximize), ("DECAY_MASK", self.decay_mask is not None),
+                      ("LR_LABELS", self.lr_labels is not None))
         if self.decay_mask is not None:
             self.arg_fields = self.arg_fields + ("decay_array",)
+        if self.lr_labels is not None:
+            self.arg_fields = self.arg_fields + ("lr_label_array",)
         self._use_master_weights(master_weights)
         self._use_stochastic_rounding(stochastic_rounding)
 
@@ -50,6 +58,11 @@ class AdamSpec(OpSpec):
                 raise ValueError(f"decay_mask has {len(self.decay_mask)} flags but params has "
                                  f"{n_tensors} tensors: pass one flag per param")
             arrays["decay_array"] = np.asarray(self.decay_mask, np.float32)
+        if self.lr_labels is not None:
+            if len(self.lr_labels) != n_tensors:
+                raise ValueError(f"lr_labels has {len(self.lr_labels)} labels but params has "
+                                 f"{n_tensors} tensors: pass one label per param")
+            arrays["lr_label_array"] = np.asarray(self.lr_labels, np.int32)
         return arrays
 
     def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
@@ -70,7 +83,7 @@ class AdamSpec(OpSpec):
             arrays["params"], arrays["grads"], arrays["exp_avgs"], arrays["exp_avg_sqs"],
             arrays.get("max_exp_avg_sqs"), lr=args["lr"], step=args["step"], beta1=args["beta1"],
             beta2=args["beta2"], eps=args["eps"],
-            weight_decay=args["weight_decay"] if self._decays(index) else 0.0,
+            weight_decay=args["weight_decay"] * self._decay_factor(index),
             decoupled_weight_decay=self.decoupled_weight_decay, amsgrad=self.amsgrad,
             maximize=self.maximize, dtype=dtype)
         out = {"params": p, "exp_avgs": m, "exp_avg_sqs": v}
@@ -78,8 +91,29 @@ class AdamSpec(OpSpec):
             out["max_exp_avg_sqs"] = vmax
         return out
 
-    def _decays(self, index: int) -> bool:
-        return self.decay_mask is None or self.decay_mask[index]
+    def _decay_factor(self, index: int) -> float:
+        return 1.0 if self.decay_mask is None else self.decay_mask[index]
+
+
+def _factors(mask) -> list:
+    """decay_mask as one factor per tensor (True/False as 1/0), each finite and >= 0."""
+    factors = [float(f) for f in mask]
+    for i, factor in enumerate(factors):
+        if not 0 <= factor < np.inf:
+            raise ValueError(f"decay_mask[{i}] is {factor!r}: give each tensor a flag, or a "
+                             f"finite factor >= 0 of weight_decay")
+    return factors
+
+
+def _labels(labels) -> list:
+    """lr_labels as one int >= 0 per tensor."""
+    out = []
+    for i, label in enumerate(labels):
+        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < 0:
+            raise ValueError(f"lr_labels[{i}] is {label!r}: give each tensor the index (>= 0) "
+                             f"of its learning rate")
+        out.append(int(label))
+    return out
 
 
 __all__ = ["AdamSpec"]

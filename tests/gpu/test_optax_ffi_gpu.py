@@ -142,6 +142,48 @@ def test_adamw_weight_decay_mask_follows_optax_in_one_call(gpu, form):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
 
 
+@pytest.mark.parametrize("form", ["transformation", "tree-state"])
+def test_multi_transform_of_adamws_follows_optax_in_one_call(gpu, form, monkeypatch):
+    """mtapply.optax.multi_transform of three labels' adamws (a constant lr, a schedule, a
+    masked weight decay): one mtapply_step for the whole tree, each tensor reading its label's
+    lr from the step's array of them; against optax.multi_transform of optax.adamw's, and bit
+    for bit the buffer callback's steps."""
+    schedule = optax.linear_schedule(3e-3, 1e-4, STEPS)
+
+    def matrices(params):
+        return jax.tree.map(lambda x: x.ndim > 1, params)
+
+    def transforms(adamw, **options):
+        return {"body": adamw(1e-3, weight_decay=0.1, **options),
+                "head": adamw(schedule, weight_decay=0.0, **options),
+                "rest": adamw(2e-3, weight_decay=0.05, mask=matrices, **options)}
+
+    labels = {f"p{i}": ("body", "head", "rest")[i % 3] for i in range(len(SHAPES))}
+    rng = np.random.default_rng(5)
+    params = _tree(rng, gpu)
+    grads_seq = [_tree(rng, gpu) for _ in range(STEPS)]
+    mine, state, lowered = _run(
+        mtx.multi_transform(transforms(mtx.adamw, flat_state=form != "tree-state"), labels),
+        "tree-state", params, grads_seq, True)
+    theirs, their_state, _ = _run(optax.multi_transform(transforms(optax.adamw), labels),
+                                  "tree-state", params, grads_seq, True)
+    assert _custom_calls(lowered).count("mtapply_step") == 1
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
+    again, _, _ = _run(
+        mtx.multi_transform(transforms(mtx.adamw, flat_state=form != "tree-state"), labels),
+        "tree-state", params, grads_seq, True)
+    for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    nu = mtx.tree_state(state, params).nu if form != "tree-state" else state.nu
+    their_nu = {k: v for label in ("body", "head", "rest")
+                for k, v in their_state.inner_states[label].inner_state[0].nu.items()
+                if labels[k] == label}
+    for got, want in zip(jax.tree.leaves((mine, nu)), jax.tree.leaves((theirs, their_nu))):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(np.abs(want).max(initial=0), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_bfloat16_and_mixed_dtype_trees(gpu, form):
     rng = np.random.default_rng(3)
