@@ -1,6 +1,7 @@
 """The benchmark's rule rows (Lion, Adam written as a rule) step the same data as their peers
 on the CPU, so the rows it times compute the same update (its GPU, JAX and graph rows run
 only in the benchmark)."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -55,3 +56,35 @@ def test_per_tensor_group_rows_step_alike_on_the_cpu():
     for name, tensors in results.items():
         for got, want in zip(tensors, results["torch-foreach"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_per_tensor_group_labels_in_jax_step_as_the_groups(monkeypatch):
+    """The same op's JAX rows (optax.multi_transform of optax's or mtapply's adamws, and
+    mtapply.optax.multi_transform), on the CPU: the labels give each tensor its group's lr and
+    weight decay, as torch.optim.AdamW's groups do."""
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    import jax
+
+    from mtapply.bench import adam_groups
+
+    monkeypatch.setattr(adam_groups, "jax_lists", lambda lists: [
+        [jax.device_put(t.cpu().numpy(), jax.devices("cpu")[0]) for t in tensors]
+        for tensors in lists])
+    from mtapply.bench.common import attach_grads
+
+    shapes = [(10,), (3, 4), (257,), (5, 6), (7,), (2, 2)]
+    data = adam_groups.make_data(shapes, torch.device("cpu"), 0)
+    attach_grads(data.params, data.grads)
+    opt = torch.optim.AdamW(adam_groups.groups(data.params), foreach=True)  # zero moments
+    for _ in range(3):
+        opt.step()
+    for name in ("optax-labels", "mtapply-optax-labels", "mtapply-optax-per-label"):
+        stepper = adam_groups.COMPETITORS[name].build(adam_groups.make_data(
+            shapes, torch.device("cpu"), 0))  # one step taken, as the first call's time
+        loop = stepper.keep_alive[0]
+        for _ in range(2):
+            stepper.step()
+        for got, want in zip(loop.params, data.params):
+            torch.testing.assert_close(torch.from_numpy(np.asarray(got)), want.detach(),
+                                       rtol=1e-5, atol=1e-6, msg=name)

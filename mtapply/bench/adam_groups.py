@@ -2,12 +2,16 @@
 per-layer learning rates and decay masks make them): mtapply.torch.AdamW (with and without
 `flat_grads`) against torch.optim.AdamW, fused and foreach, on the same groups. Each group
 steps every time; the floor is the fp32 Adam step's 28 bytes per param whatever the groups.
+In JAX the same lrs and decays are labels of optax.multi_transform (ten labels): of
+optax.adamw's, of mtapply.optax.adamw's (a call per label), and mtapply.optax.multi_transform
+(one call).
 """
 from __future__ import annotations
 
 from .adam import AdamData
 from .adam import make_data as make_adam_data
-from .common import Competitor, Stepper, attach_grads
+from .common import (Competitor, JaxLoop, Stepper, attach_grads, import_jax, jax_lists,
+                     transformation_step)
 
 NAME = "adam-groups"
 DESCRIPTION = "adamw fp32, one param group per tensor (lr 1e-4 .. 5e-4, weight decay 0 or 0.01)"
@@ -23,8 +27,34 @@ def make_data(shapes, device, seed: int = 0) -> AdamData:
 
 def groups(params: list) -> list:
     """One group per tensor: lr by the tensor's position, no decay on 1-D tensors."""
-    return [{"params": [p], "lr": 1e-4 * (1 + k % 5),
-             "weight_decay": 0.0 if p.dim() == 1 else 0.01} for k, p in enumerate(params)]
+    return [{"params": [p], "lr": _lr(k), "weight_decay": _decay(p.dim())}
+            for k, p in enumerate(params)]
+
+
+def _lr(position: int) -> float:
+    return 1e-4 * (1 + position % 5)
+
+
+def _decay(ndim: int) -> float:
+    return 0.0 if ndim == 1 else 0.01
+
+
+def optax_labels(data: AdamData, adamw_of: str, combined_by: str) -> Stepper:
+    """optax.multi_transform or mtapply.optax.multi_transform (`combined_by`: "optax" or
+    "mtapply") of optax's or mtapply.optax's adamws (`adamw_of`), one per (lr, weight decay)
+    of `groups`, under jax.jit on JAX copies of the data, params and state donated."""
+    _, optax = import_jax()
+    import mtapply.optax as mtx
+
+    library = {"optax": optax, "mtapply": mtx}
+    params, grads = jax_lists([data.params, data.grads])
+    hyper = [(_lr(k), _decay(p.dim())) for k, p in enumerate(data.params)]
+    labels = [f"lr {lr}, weight decay {decay}" for lr, decay in hyper]
+    transforms = {label: library[adamw_of].adamw(lr, weight_decay=decay)
+                  for label, (lr, decay) in zip(labels, hyper)}
+    optimizer = library[combined_by].multi_transform(transforms, labels)
+    return JaxLoop(transformation_step(optimizer), params, optimizer.init(params),
+                   grads).stepper()
 
 
 def _preset(opt, data: AdamData, on_device: bool) -> None:
@@ -72,4 +102,16 @@ COMPETITORS = {
                               "torch.optim.AdamW(groups, fused=True)"),
     "torch-foreach": Competitor(lambda data: torch_adamw(data, foreach=True),
                                 "torch.optim.AdamW(groups, foreach=True)"),
+    "optax-labels": Competitor(lambda data: optax_labels(data, "optax", "optax"),
+                               "optax.multi_transform of optax.adamw per (lr, decay) label, "
+                               "under jax.jit; wall clock only (JAX's own streams)",
+                               fp32_only=True),
+    "mtapply-optax-labels": Competitor(
+        lambda data: optax_labels(data, "mtapply", "mtapply"),
+        "mtapply.optax.multi_transform of mtapply.optax.adamw per label: one call",
+        fp32_only=True),
+    "mtapply-optax-per-label": Competitor(
+        lambda data: optax_labels(data, "mtapply", "optax"),
+        "optax.multi_transform of mtapply.optax.adamw per label: a call per label",
+        fp32_only=True),
 }
