@@ -1010,8 +1010,15 @@ class _Transformation(optax.GradientTransformation):
 
 def _fused(rule: _Rule, learning_rate) -> FusedOptimizer:
     engine = _Engine(rule, learning_rate, flat=True)
-    return FusedOptimizer(engine.init, jax.jit(engine.apply),
-                          jax.jit(engine.apply, donate_argnums=(0, 2)), tree_state, flat_state)
+    optimizer = _Fused(engine.init, jax.jit(engine.apply),
+                       jax.jit(engine.apply, donate_argnums=(0, 2)), tree_state, flat_state)
+    optimizer.mtapply = (rule, learning_rate, True)
+    return optimizer
+
+
+class _Fused(FusedOptimizer):
+    """A FusedOptimizer that knows its rule (as `_Transformation`), for
+    `fused_multi_transform`."""
 
 
 def _refuse(name: str, **options) -> None:
@@ -1081,11 +1088,34 @@ def multi_transform(transforms: dict, param_labels) -> optax.GradientTransformat
         param_labels: a pytree of labels like params (or a prefix of it), or a callable of
             params giving one.
     """
+    labeled = _labeled(transforms, param_labels)
+    if labeled is None:
+        return optax.multi_transform(transforms, param_labels)
+    return _transformation(*labeled)
+
+
+def fused_multi_transform(optimizers: dict, param_labels) -> FusedOptimizer:
+    """`multi_transform` as a fused step, of this module's `fused_adam`/`fused_adamw`
+    optimizers of the same b1, b2 and eps: `opt.step(params, grads, state) -> (params, state)`
+    over the whole tree in one call, each leaf with its label's learning rate, weight decay and
+    mask."""
+    labeled = _labeled(optimizers, param_labels)
+    if labeled is None:
+        raise ValueError("fused_multi_transform takes mtapply.optax.fused_adam or fused_adamw "
+                         "optimizers of the same b1, b2 and eps: use multi_transform (with "
+                         "optax.multi_transform's semantics) for other transformations")
+    rule, learning_rates, _ = labeled
+    return _fused(rule, learning_rates)
+
+
+def _labeled(transforms: dict, param_labels):
+    """(rule, learning rates, flat_state) of `transforms` as one op over the labels, or None
+    where they cannot be one (see `multi_transform`)."""
     found = [getattr(t, "mtapply", None) for t in transforms.values()]
     if not found or any(f is None or type(f[0]) is not _Adam for f in found) or len(
             {(rule.hyper["beta1"], rule.hyper["beta2"], rule.hyper["eps"], flat)
              for rule, _, flat in found}) != 1:
-        return optax.multi_transform(transforms, param_labels)
+        return None
     rule = _LabeledAdam({label: rule for label, (rule, _, _) in zip(transforms, found)},
                         param_labels)
     rates = [lr for _, lr, _ in found]
@@ -1094,7 +1124,7 @@ def multi_transform(transforms: dict, param_labels) -> optax.GradientTransformat
         return jnp.stack([jnp.asarray(lr(count) if callable(lr) else lr, jnp.float32).reshape(())
                           for lr in rates])
 
-    return _transformation(rule, learning_rates, found[0][2])
+    return rule, learning_rates, found[0][2]
 
 
 def sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
@@ -1349,8 +1379,7 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adagrad", "adam",
            "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
-           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_rmsprop",
-           "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",
-           "rmsprop",
-           "schedule_free_adamw", "schedule_free_eval_params", "sgd", "transformation",
-           "tree_state"]
+           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
+           "fused_rmsprop", "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion",
+           "multi_transform", "rmsprop", "schedule_free_adamw", "schedule_free_eval_params",
+           "sgd", "transformation", "tree_state"]

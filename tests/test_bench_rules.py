@@ -79,7 +79,8 @@ def test_per_tensor_group_labels_in_jax_step_as_the_groups(monkeypatch):
     opt = torch.optim.AdamW(adam_groups.groups(data.params), foreach=True)  # zero moments
     for _ in range(3):
         opt.step()
-    for name in ("optax-labels", "mtapply-optax-labels", "mtapply-optax-per-label"):
+    for name in ("optax-labels", "mtapply-optax-labels", "mtapply-optax-labels-fused",
+                 "mtapply-optax-per-label"):
         stepper = adam_groups.COMPETITORS[name].build(adam_groups.make_data(
             shapes, torch.device("cpu"), 0))  # one step taken, as the first call's time
         loop = stepper.keep_alive[0]

@@ -94,3 +94,23 @@ def test_a_label_without_a_transformation_is_refused_naming_it():
     state = tx.init(params)
     with pytest.raises(ValueError, match="label 'tail'"):
         tx.update(params, state, params)
+
+
+def test_the_fused_form_steps_the_labels_in_place():
+    """fused_multi_transform of fused_adamws: params and state after jitted, donated steps,
+    against optax.multi_transform of optax.adamw's; other optimizers are refused."""
+    params = _params(5)
+    theirs, _ = _run(optax.multi_transform(_transforms(optax.adamw), LABELS), params)
+    opt = mtx.fused_multi_transform(_transforms(mtx.fused_adamw), LABELS)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))
+    p, state = jax.tree.map(jnp.copy, params), opt.init(params)
+    for t in range(5):
+        grads = jax.tree.map(lambda x: jnp.cos(3.0 * x + t) * 0.1, params)
+        p, state = step(p, grads, state)
+    assert isinstance(state, mtx.AdamState)
+    for key in SHAPES:
+        np.testing.assert_allclose(np.asarray(p[key]), np.asarray(theirs[key]), rtol=2e-6,
+                                   atol=2e-6)
+    with pytest.raises(ValueError, match="fused_adam or fused_adamw"):
+        mtx.fused_multi_transform({"body": mtx.fused_adamw(1e-2), "head": mtx.fused_sgd(0.1)},
+                                  LABELS)

@@ -3,15 +3,15 @@ per-layer learning rates and decay masks make them): mtapply.torch.AdamW (with a
 `flat_grads`) against torch.optim.AdamW, fused and foreach, on the same groups. Each group
 steps every time; the floor is the fp32 Adam step's 28 bytes per param whatever the groups.
 In JAX the same lrs and decays are labels of optax.multi_transform (ten labels): of
-optax.adamw's, of mtapply.optax.adamw's (a call per label), and mtapply.optax.multi_transform
-(one call).
+optax.adamw's, of mtapply.optax.adamw's (a call per label), mtapply.optax.multi_transform (one
+call) and its fused form (one call, params updated in place).
 """
 from __future__ import annotations
 
 from .adam import AdamData
 from .adam import make_data as make_adam_data
-from .common import (Competitor, JaxLoop, Stepper, attach_grads, import_jax, jax_lists,
-                     transformation_step)
+from .common import (Competitor, JaxLoop, Stepper, attach_grads, fused_step, import_jax,
+                     jax_lists, transformation_step)
 
 NAME = "adam-groups"
 DESCRIPTION = "adamw fp32, one param group per tensor (lr 1e-4 .. 5e-4, weight decay 0 or 0.01)"
@@ -40,21 +40,24 @@ def _decay(ndim: int) -> float:
 
 
 def optax_labels(data: AdamData, adamw_of: str, combined_by: str) -> Stepper:
-    """optax.multi_transform or mtapply.optax.multi_transform (`combined_by`: "optax" or
-    "mtapply") of optax's or mtapply.optax's adamws (`adamw_of`), one per (lr, weight decay)
-    of `groups`, under jax.jit on JAX copies of the data, params and state donated."""
+    """optax.multi_transform, mtapply.optax.multi_transform or its fused form (`combined_by`:
+    "optax", "mtapply" or "mtapply-fused") of optax's or mtapply.optax's adamws (`adamw_of`),
+    one per (lr, weight decay) of `groups`, under jax.jit on JAX copies of the data, params and
+    state donated."""
     _, optax = import_jax()
     import mtapply.optax as mtx
 
-    library = {"optax": optax, "mtapply": mtx}
+    fused = combined_by == "mtapply-fused"
+    adamw = mtx.fused_adamw if fused else {"optax": optax, "mtapply": mtx}[adamw_of].adamw
     params, grads = jax_lists([data.params, data.grads])
     hyper = [(_lr(k), _decay(p.dim())) for k, p in enumerate(data.params)]
     labels = [f"lr {lr}, weight decay {decay}" for lr, decay in hyper]
-    transforms = {label: library[adamw_of].adamw(lr, weight_decay=decay)
-                  for label, (lr, decay) in zip(labels, hyper)}
-    optimizer = library[combined_by].multi_transform(transforms, labels)
-    return JaxLoop(transformation_step(optimizer), params, optimizer.init(params),
-                   grads).stepper()
+    transforms = {label: adamw(lr, weight_decay=decay) for label, (lr, decay) in zip(labels, hyper)}
+    combine = {"optax": optax.multi_transform, "mtapply": mtx.multi_transform,
+               "mtapply-fused": mtx.fused_multi_transform}[combined_by]
+    optimizer = combine(transforms, labels)
+    step = fused_step(optimizer) if fused else transformation_step(optimizer)
+    return JaxLoop(step, params, optimizer.init(params), grads).stepper()
 
 
 def _preset(opt, data: AdamData, on_device: bool) -> None:
@@ -109,6 +112,10 @@ COMPETITORS = {
     "mtapply-optax-labels": Competitor(
         lambda data: optax_labels(data, "mtapply", "mtapply"),
         "mtapply.optax.multi_transform of mtapply.optax.adamw per label: one call",
+        fp32_only=True),
+    "mtapply-optax-labels-fused": Competitor(
+        lambda data: optax_labels(data, "mtapply", "mtapply-fused"),
+        "mtapply.optax.fused_multi_transform of fused_adamw per label: one call, in place",
         fp32_only=True),
     "mtapply-optax-per-label": Competitor(
         lambda data: optax_labels(data, "mtapply", "optax"),

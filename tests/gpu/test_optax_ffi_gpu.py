@@ -142,7 +142,7 @@ def test_adamw_weight_decay_mask_follows_optax_in_one_call(gpu, form):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
 
 
-@pytest.mark.parametrize("form", ["transformation", "tree-state"])
+@pytest.mark.parametrize("form", FORMS)
 def test_multi_transform_of_adamws_follows_optax_in_one_call(gpu, form, monkeypatch):
     """mtapply.optax.multi_transform of three labels' adamws (a constant lr, a schedule, a
     masked weight decay): one mtapply_step for the whole tree, each tensor reading its label's
@@ -158,23 +158,25 @@ def test_multi_transform_of_adamws_follows_optax_in_one_call(gpu, form, monkeypa
                 "head": adamw(schedule, weight_decay=0.0, **options),
                 "rest": adamw(2e-3, weight_decay=0.05, mask=matrices, **options)}
 
+    def ours():
+        if form == "fused":
+            return mtx.fused_multi_transform(transforms(mtx.fused_adamw), labels)
+        return mtx.multi_transform(transforms(mtx.adamw, flat_state=form != "tree-state"),
+                                   labels)
+
     labels = {f"p{i}": ("body", "head", "rest")[i % 3] for i in range(len(SHAPES))}
     rng = np.random.default_rng(5)
     params = _tree(rng, gpu)
     grads_seq = [_tree(rng, gpu) for _ in range(STEPS)]
-    mine, state, lowered = _run(
-        mtx.multi_transform(transforms(mtx.adamw, flat_state=form != "tree-state"), labels),
-        "tree-state", params, grads_seq, True)
+    mine, state, lowered = _run(ours(), form, params, grads_seq, True)
     theirs, their_state, _ = _run(optax.multi_transform(transforms(optax.adamw), labels),
                                   "tree-state", params, grads_seq, True)
     assert _custom_calls(lowered).count("mtapply_step") == 1
     monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
-    again, _, _ = _run(
-        mtx.multi_transform(transforms(mtx.adamw, flat_state=form != "tree-state"), labels),
-        "tree-state", params, grads_seq, True)
+    again, _, _ = _run(ours(), form, params, grads_seq, True)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    nu = mtx.tree_state(state, params).nu if form != "tree-state" else state.nu
+    nu = state.nu  # _run gives the flat forms' states as trees
     their_nu = {k: v for label in ("body", "head", "rest")
                 for k, v in their_state.inner_states[label].inner_state[0].nu.items()
                 if labels[k] == label}
