@@ -1,6 +1,8 @@
 """Per-tensor hyperparameters.
 
-Any number a step takes may be a sequence of one value per tensor (as param groups make them).
+Any number a step takes may be a sequence of one value per tensor (as param groups make them):
+numbers, or device values the kernel reads (one-element float32 arrays, e.g. each group's lr
+tensor), known by identity.
 A plan steps the distinct combinations, its *rows*: the kernel reads `args_rows[row_of[tensor]]`
 from two small device tables. What a step costs on the host:
 
@@ -10,6 +12,8 @@ from two small device tables. What a step costs on the host:
 - anything else: the rows are found and checked again.
 """
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 
@@ -122,7 +126,11 @@ def _changed(hyper: dict, previous: Rows, names: list):
             if value is old and type(value) is tuple:
                 continue
             column = _column(name, value, len(previous.row_of))
-            if not np.array_equal(column, previous.columns[name]):
+            held = previous.columns[name]
+            if column.dtype == object or held.dtype == object:  # device values: by identity
+                if column.dtype != held.dtype or any(map(operator.is_not, column, held)):
+                    return False
+            elif not np.array_equal(column, held):
                 changed[name] = column
         elif value is not old:
             if type(value) not in (int, float) or type(old) not in (int, float):
@@ -162,7 +170,7 @@ def _check_extremes(spec, hyper: dict, previous: Rows, name: str, column: np.nda
     known_low, known_high = checked.get(name, (np.inf, -np.inf))
     if known_low <= low and high <= known_high:
         return
-    row = {k: float(previous.columns[k][0]) if k in previous.columns else v
+    row = {k: _value(previous.columns[k][0]) if k in previous.columns else v
            for k, v in hyper.items()}
 
     def check(value) -> None:
@@ -183,13 +191,14 @@ def _new_rows(spec, hyper: dict, columns: dict, scalar) -> Rows:
     """The distinct combinations of the per-tensor values, numbered as they first appear."""
     index: dict = {}
     n_tensors = len(next(iter(columns.values())))
-    row_of = np.fromiter((index.setdefault(combo, len(index))
-                          for combo in zip(*(c.tolist() for c in columns.values()))),
+    keys = [[(_DEVICE, id(v)) if _is_device(v) else float(v) for v in c.tolist()]
+            for c in columns.values()]  # a device value by its identity
+    row_of = np.fromiter((index.setdefault(combo, len(index)) for combo in zip(*keys)),
                          np.int32, n_tensors)
     firsts = np.unique(row_of, return_index=True)[1]
 
     def check(row: dict) -> dict:
-        return spec.arguments(**{k: scalar(k, float(v) if k in columns else v)
+        return spec.arguments(**{k: scalar(k, _value(v) if k in columns else v)
                                  for k, v in row.items()})
 
     checked = [_name_tensor(first, check, dict(hyper, **{name: column[first]
@@ -206,12 +215,34 @@ def _name_tensor(index: int, check, *args):
         raise type(error)(f"tensor {index}: {error}") from None
 
 
+_DEVICE = "device value"
+
+
+def _value(v):
+    """A column's element as a step takes it: a float, or the device value itself."""
+    return v if _is_device(v) else float(v)
+
+
+def _is_device(v) -> bool:
+    return hasattr(v, "__dlpack__") or hasattr(v, "ptr")  # an array, or a DeviceScalar
+
+
 def _column(name: str, values, n_tensors: int) -> np.ndarray:
+    """The values as float64 (a copy: the caller may change its array in place before the
+    next step), or as objects where some are device values."""
     if len(values) != n_tensors:
         raise ValueError(f"{name} has {len(values)} values for {n_tensors} tensors: give one "
                          f"per tensor, or one for all")
-    try:  # a copy: the caller may change its array in place before the next step
+    if not isinstance(values, np.ndarray) and any(map(_is_device, values)):
+        column = np.empty(n_tensors, object)
+        column[:] = list(values)
+        for i, v in enumerate(column):
+            if not _is_device(v) and type(v) not in (int, float):
+                raise TypeError(f"{name}[{i}] is a {type(v).__name__}: give numbers or "
+                                f"one-element device arrays")
+        return column
+    try:
         return np.array(values, dtype=np.float64).reshape(n_tensors)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} given per tensor must hold numbers (device scalars are taken "
-                        f"for all tensors only)") from None
+        raise TypeError(f"{name} given per tensor must hold numbers or one-element device "
+                        f"arrays") from None

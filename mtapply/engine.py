@@ -8,6 +8,7 @@ tensors (e.g. freshly allocated grads) and re-uploads only the tables.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import OrderedDict
 
 import numpy as np
@@ -438,7 +439,9 @@ def _repeatable(hyper: dict, rows: Rows | None) -> bool:
 
 
 def _equal_column(value, column: np.ndarray) -> bool:
-    """Whether per-tensor `value` (a sequence of numbers) equals the held column."""
+    """Whether per-tensor `value` equals the held column (device values: the same objects)."""
+    if column.dtype == object:
+        return len(value) == len(column) and all(map(operator.is_, value, column))
     try:
         return np.array_equal(np.asarray(value, np.float64), column)
     except (TypeError, ValueError):

@@ -423,8 +423,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     groups=groups)
 
     def _tensor_options(self, group) -> bool:
-        """Whether a group gives a hyperparameter as a tensor (its groups then step alone)."""
-        return isinstance(group["lr"], torch.Tensor)
+        """Whether a group gives a hyperparameter as a tensor that keeps its groups from
+        stepping as one (an lr tensor does not: each tensor's row reads its group's)."""
+        return False
 
     def _part_hyper(self, part, group) -> dict:
         """The hyperparameters of a part: its group's, or in a merged group each tensor's own
@@ -435,11 +436,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         changes = self._group_changes
         if part.hyper is None or part.hyper_at != changes.version:
             names = changes.since(part.hyper_at) if part.hyper is not None else None
-            if names == {"lr"}:  # as a scheduler sets them: plain numbers
-                groups = group["groups"]
-                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))[part.group_of]
-                lr = float(lrs[0]) if lrs.min() == lrs.max() else lrs
-                part.hyper = dict(part.hyper, lr=lr)
+            lrs = _numbers(list(map(_LR, group["groups"]))) if names == {"lr"} else None
+            if lrs is not None:  # as a scheduler sets them: plain numbers
+                lrs = lrs[part.group_of]
+                part.hyper = dict(part.hyper, lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
             else:
                 part.hyper = self._merged_hyper(part, group["groups"])
             part.hyper_at = changes.version
@@ -448,7 +448,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _merged_hyper(self, part, groups: list) -> dict:
         per_group = [self._hyper(g, part.device) for g in groups]
         first = per_group[0]
-        differ = [k for k in first if any(h[k] != first[k] for h in per_group)]
+        differ = [k for k in first if any(_differ(h[k], first[k]) for h in per_group)]
         return dict(first, **{k: tuple(per_group[g][k] for g in part.group_of) for k in differ})
 
     def _step_part(self, part, group, grad_scale, found_inf) -> None:
@@ -1021,6 +1021,21 @@ def _check_options(**values) -> None:
         if not 0.0 <= float(value):
             label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
             raise ValueError(f"Invalid {label}: {value}")
+
+
+def _numbers(values: list):
+    """`values` as a float64 array where they are all Python numbers, else None."""
+    if all(type(v) in (float, int) for v in values):
+        return np.array(values, np.float64)
+    return None
+
+
+def _differ(a, b) -> bool:
+    """Whether two groups' options differ: tensors by their memory (no read), else by value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.data_ptr() == b.data_ptr())
+    return a != b
 
 
 def _scalar_option(value, device, name: str):

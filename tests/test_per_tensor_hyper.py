@@ -193,3 +193,22 @@ def test_rows_hold_their_own_copy_of_each_column():
     assert patched is not first and patched.origin is first
     assert list(patched.per_row("lr")) == [5e-4, 1e-3]
     assert list(first.per_row("lr")) == [1e-3, 2e-3] and list(patched.per_row("step")) == [1, 1]
+
+
+def test_device_values_per_tensor_make_rows_by_their_identity():
+    """Per-tensor device values (each group's lr tensor): a row per distinct object, the
+    values unread; the same objects again keep the rows, another object finds them again."""
+    from mtapply.ops._spec import DeviceScalar
+
+    d1, d2 = DeviceScalar(ptr=64, obj=None), DeviceScalar(ptr=128, obj=None)
+    hyper = dict(lr=(d1, d1, d2, 1e-3), step=1, weight_decay=(0.0, 0.0, 0.0, 0.1))
+    first = _rows(hyper)
+    assert list(first.row_of) == [0, 0, 1, 2]
+    assert [args["lr"] for args in first.checked] == [d1, d2, 1e-3]
+    assert not first.holds_numbers("lr") and first.holds_numbers("step")
+    assert _rows(dict(hyper, lr=[d1, d1, d2, 1e-3]), first) is first
+    other = DeviceScalar(ptr=128, obj=None)  # equal, but another object
+    again = _rows(dict(hyper, lr=(d1, d1, other, 1e-3)), first)
+    assert again.origin is again and again.checked[1]["lr"] is other
+    with pytest.raises(TypeError, match=r"lr\[1\] is a str"):
+        _rows(dict(hyper, lr=(d1, "x", d2, 1e-3)))

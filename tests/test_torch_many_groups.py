@@ -99,7 +99,7 @@ def test_per_group_state_dict_round_trip(device):
 
 def test_adam_groups_step_as_one_plan_until_they_cannot():
     """Groups of equal compile options share one plan (one launch set), its tensors reading
-    their group's hyperparameters; a tensor lr or another compile option steps per group."""
+    their group's hyperparameters (an lr tensor too); another compile option steps per group."""
     model = _model("cpu")
     params = list(model.parameters())
     opt = mt.AdamW(_per_tensor_groups(params, mt.AdamW), lr=1.0)
@@ -107,7 +107,7 @@ def test_adam_groups_step_as_one_plan_until_they_cannot():
     assert list(opt._bound) == ["merged"] and len(opt._bound["merged"].parts) == 1
     opt.param_groups[0]["lr"] = torch.tensor(1e-3)
     _steps(model, opt, None, "cpu", 2, 3)
-    assert "merged" not in opt._bound and len(opt._bound) == len(params)
+    assert list(opt._bound) == ["merged"]
     opt.param_groups[0]["lr"] = 1e-3
     opt.param_groups[1]["amsgrad"] = True
     _steps(model, opt, None, "cpu", 3, 4)
@@ -243,3 +243,40 @@ def test_rule_optimizer_groups_step_as_one_plan_like_torch(torch_cls, mt_cls, op
     _steps(b, ob, sb, device, 5, 6)
     _assert_same(a, b)
     assert "merged" not in ob._bound
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_grads", [False, True])
+def test_lr_tensors_per_group_step_as_one_plan_and_follow_their_values(device, flat_grads):
+    """Each group's lr a float32 tensor on the params' device (as a CUDA graph needs): the
+    groups still step as one plan, each tensor's row reading its group's tensor, and values
+    written into the tensors in place are taken with no rebinding and, on a GPU, no host
+    synchronisation; against torch.optim.AdamW given those lrs as numbers."""
+    a, b = _model(device), _model(device)
+    oa = torch.optim.AdamW(_per_tensor_groups(list(a.parameters()), torch.optim.AdamW), lr=1.0,
+                           foreach=False)
+    groups = _per_tensor_groups(list(b.parameters()), mt.AdamW)
+    for group in groups:
+        group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+    ob = mt.AdamW(groups, lr=1.0, flat_grads=flat_grads)
+    for t in range(5):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(8, 12, generator=g).to(device)
+        y = torch.randint(0, 3, (8,), generator=g).to(device)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        oa.step()
+        checked = device == "cuda" and t >= 2  # bound by then: a step is its launches
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ob.step()
+        finally:
+            if checked:
+                torch.cuda.set_sync_debug_mode("default")
+        for theirs, ours in zip(oa.param_groups, ob.param_groups):
+            theirs["lr"] *= 0.7
+            ours["lr"].mul_(0.7)
+    assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
+    _assert_same(a, b)
