@@ -280,3 +280,47 @@ def test_lr_tensors_per_group_step_as_one_plan_and_follow_their_values(device, f
             ours["lr"].mul_(0.7)
     assert list(ob._bound) == ["merged"] and len(ob._bound["merged"].parts) == 1
     _assert_same(a, b)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_of_a_step_over_groups_with_lr_tensors_launches_once():
+    """A whole training step over a group per tensor, each group's lr a CUDA tensor, captured
+    in a CUDA graph: the optimizer's part of a replay is one launch set (the merged plan and
+    its step counter), lrs changed in place between replays are taken; against
+    torch.optim.AdamW given the same lrs as numbers."""
+    from _torch_graphs import capture
+
+    a, b = _model("cuda"), _model("cuda")
+    oa = torch.optim.AdamW(_per_tensor_groups(list(a.parameters()), torch.optim.AdamW), lr=1.0,
+                           foreach=False)
+    groups = _per_tensor_groups(list(b.parameters()), mt.AdamW)
+    for group in groups:
+        group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device="cuda")
+    ob = mt.AdamW(groups, lr=1.0, flat_grads=True)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(8, 12, generator=g).cuda(), torch.randint(0, 3, (8,), generator=g).cuda()
+
+    def step(model, opt):
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    launches = []
+    original = mt._LatestStep.repeat
+    mt._LatestStep.repeat = lambda self, opt: launches.append(len(self.repeats)) or original(
+        self, opt)
+    try:
+        graph = capture(lambda: step(b, ob))
+    finally:
+        mt._LatestStep.repeat = original
+    assert launches[-1] == 1 and list(ob._bound) == ["merged"]
+    for _ in range(4):  # the warm-up and the captured step
+        step(a, oa)
+    for _ in range(3):
+        for theirs, ours in zip(oa.param_groups, ob.param_groups):
+            theirs["lr"] *= 0.8
+            ours["lr"].mul_(0.8)
+        graph.replay()
+        step(a, oa)
+    torch.cuda.synchronize()
+    _assert_same(a, b)
