@@ -235,11 +235,11 @@ def _column(name: str, values, n_tensors: int) -> np.ndarray:
                          f"per tensor, or one for all")
     if not isinstance(values, np.ndarray) and any(map(_is_device, values)):
         column = np.empty(n_tensors, object)
-        column[:] = list(values)
-        for i, v in enumerate(column):
+        for i, v in enumerate(values):  # one by one: numpy would read an array-like
             if not _is_device(v) and type(v) not in (int, float):
                 raise TypeError(f"{name}[{i}] is a {type(v).__name__}: give numbers or "
                                 f"one-element device arrays")
+            column[i] = v
         return column
     try:
         return np.array(values, dtype=np.float64).reshape(n_tensors)

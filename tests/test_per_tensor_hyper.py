@@ -212,3 +212,15 @@ def test_device_values_per_tensor_make_rows_by_their_identity():
     assert again.origin is again and again.checked[1]["lr"] is other
     with pytest.raises(TypeError, match=r"lr\[1\] is a str"):
         _rows(dict(hyper, lr=(d1, "x", d2, 1e-3)))
+
+
+def test_array_like_device_values_are_kept_as_they_are():
+    """A column of one-element arrays (each group's lr tensor) keeps the objects: nothing is
+    read or converted."""
+    torch = pytest.importorskip("torch")
+    from mtapply._rows import _column
+
+    lrs = [torch.tensor([1e-3]), torch.tensor([2e-3]), 5e-4]
+    column = _column("lr", lrs, 3)
+    assert column.dtype == object and column[0] is lrs[0] and column[1] is lrs[1]
+    assert column[2] == 5e-4
