@@ -81,6 +81,7 @@ class _Part:
         self.device = params[0].device
         self.group_of = None  # in a merged group: each param's group index
         self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
+        self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
         if plan is not None and _is_dtensor(params[0]):
@@ -435,13 +436,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return self._hyper(group, part.device)
         changes = self._group_changes
         if part.hyper is None or part.hyper_at != changes.version:
+            groups = group["groups"]
             names = changes.since(part.hyper_at) if part.hyper is not None else None
-            lrs = _numbers(list(map(_LR, group["groups"]))) if names == {"lr"} else None
-            if lrs is not None:  # as a scheduler sets them: plain numbers
-                lrs = lrs[part.group_of]
+            if names == {"lr"} and part.numeric_lrs:  # a scheduler set numbers (no tensor)
+                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))[part.group_of]
                 part.hyper = dict(part.hyper, lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
             else:
-                part.hyper = self._merged_hyper(part, group["groups"])
+                part.hyper = self._merged_hyper(part, groups)
+                part.numeric_lrs = not any(isinstance(g["lr"], torch.Tensor) for g in groups)
             part.hyper_at = changes.version
         return part.hyper
 
@@ -1021,13 +1023,6 @@ def _check_options(**values) -> None:
         if not 0.0 <= float(value):
             label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
             raise ValueError(f"Invalid {label}: {value}")
-
-
-def _numbers(values: list):
-    """`values` as a float64 array where they are all Python numbers, else None."""
-    if all(type(v) in (float, int) for v in values):
-        return np.array(values, np.float64)
-    return None
 
 
 def _differ(a, b) -> bool:

@@ -324,3 +324,42 @@ def test_a_cuda_graph_of_a_step_over_groups_with_lr_tensors_launches_once():
         step(a, oa)
     torch.cuda.synchronize()
     _assert_same(a, b)
+
+
+def test_numbers_set_beside_an_lr_tensor_leave_the_tensor_read():
+    """Some groups' lrs numbers (set by hand between steps), one group's a tensor (changed in
+    place): both are taken, as torch.optim.AdamW takes the same values as numbers."""
+    a, b = _model("cpu"), _model("cpu")
+    oa = torch.optim.AdamW(_per_tensor_groups(list(a.parameters()), torch.optim.AdamW), lr=1.0,
+                           foreach=False)
+    groups = _per_tensor_groups(list(b.parameters()), mt.AdamW)
+    groups[1]["lr"] = torch.tensor(groups[1]["lr"], dtype=torch.float32)
+    ob = mt.AdamW(groups, lr=1.0)
+    for t in range(4):
+        _steps(a, oa, None, "cpu", t, t + 1)
+        _steps(b, ob, None, "cpu", t, t + 1)
+        for k, (theirs, ours) in enumerate(zip(oa.param_groups, ob.param_groups)):
+            theirs["lr"] *= 0.5
+            if k == 1:
+                ours["lr"].mul_(0.5)
+            else:
+                ours["lr"] = ours["lr"] * 0.5
+    assert list(ob._bound) == ["merged"]
+    _assert_same(a, b)
+
+
+def test_lrs_set_as_numbers_are_read_without_merging_the_groups_again(monkeypatch):
+    model = _model("cpu")
+    opt = mt.AdamW(_per_tensor_groups(list(model.parameters()), mt.AdamW), lr=1.0)
+    _steps(model, opt, None, "cpu", 0, 1)
+    merged = []
+    original = mt.AdamW._merged_hyper
+    monkeypatch.setattr(mt.AdamW, "_merged_hyper",
+                        lambda self, *args: merged.append(1) or original(self, *args))
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * 0.5
+    _steps(model, opt, None, "cpu", 1, 2)
+    assert merged == []
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
+    _steps(model, opt, None, "cpu", 2, 3)
+    assert merged == [1]
