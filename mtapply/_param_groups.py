@@ -69,9 +69,7 @@ class TrackedGroup(dict):
             if type(held) is kind and held == value:
                 return  # the same number again: a scheduler sets every group's lr every step
             dict.__setitem__(self, key, value)
-            changes = self.changes
-            changes.version += 1
-            changes.set_at[key] = changes.version
+            self.changes.note(key)
             return
         dict.__setitem__(self, key, self._params(value) if key == PARAMS else value)
         self.changes.note(key)

@@ -26,11 +26,12 @@ storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new gr
 
 The step count lives on the device, one counter per plan, shared by the plan's params (their
 `state["step"]` is that counter), advanced by a launch that `GradScaler`'s `found_inf` skips, so
-a skipped step leaves it unchanged without a host synchronisation. SGD's first momentum step creates the buffers on the host's side: if that
-very step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD
-leaves them uninitialised there). `lr` may be a float or a 0-d/one-element float32 tensor on the params'
-device (capturable: a CUDA graph of the whole training step replays correctly). CPU params run
-on mtapply's NumPy backend.
+a skipped step leaves it unchanged without a host synchronisation. SGD's first momentum step
+creates the buffers on the host's side: if that very step is skipped for inf grads, the next one
+blends into zero buffers (torch's fused SGD leaves them uninitialised there). `lr` may be a
+float or a 0-d/one-element float32 tensor on the params' device (capturable: a CUDA graph of the
+whole training step replays correctly), in each group. CPU params run on mtapply's NumPy
+backend.
 """
 from __future__ import annotations
 
