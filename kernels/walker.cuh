@@ -86,14 +86,43 @@ struct Launch {
   long long n_nonempty;
   const Args* args_rows;  // per-tensor hyperparameters: the rows of distinct args, or null
   const int* row_of;      // the row of each tensor of the group
+  float* step_counter;    // a plan that counts its steps: the steps taken, else null
+  unsigned* step_arrivals;  // blocks of this step that have read the count (zero between steps)
+  long long step_blocks;  // blocks of the step's last pass, which advances the count; else 0
   Args args;
 };
 
+template <class Args, class = void> struct HasStep { static constexpr bool value = false; };
+template <class Args> struct HasStep<Args, decltype(void(static_cast<Args*>(nullptr)->step_ptr))> {
+  static constexpr bool value = true;
+};
+
 // The args of a tensor: its row where hyperparameters differ per tensor (param groups in one
-// launch), else the launch's.
+// launch), else the launch's. A plan that counts its steps takes this step as one more than
+// its counter holds: the counter advances once every block of the step has read it.
 template <class Args>
-__device__ __forceinline__ const Args& args_of(const Launch<Args>& launch, int tensor) {
-  return launch.args_rows ? launch.args_rows[launch.row_of[tensor]] : launch.args;
+__device__ __forceinline__ Args args_of(const Launch<Args>& launch, int tensor) {
+  Args a = launch.args_rows ? launch.args_rows[launch.row_of[tensor]] : launch.args;
+  if constexpr (HasStep<Args>::value) {
+    if (launch.step_counter) {
+      a.step = static_cast<double>(*launch.step_counter) + 1.0;
+      a.step_ptr = nullptr;
+    }
+  }
+  return a;
+}
+
+// Advances a counting plan's step count, after the last block of the step's last pass (over
+// all its launches) is done reading it; a step that found_inf skips does not count.
+template <class Args>
+__device__ __forceinline__ void count_step(const Launch<Args>& launch) {
+  if (launch.step_blocks == 0 || (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f)) return;
+  __syncthreads();  // every thread of the block has read the count
+  if (threadIdx.x == 0 &&
+      atomicAdd(launch.step_arrivals, 1u) == static_cast<unsigned>(launch.step_blocks - 1)) {
+    *launch.step_counter += 1.0f;
+    *launch.step_arrivals = 0u;  // ready for the next step
+  }
 }
 
 template <class T, int VEC>
@@ -333,4 +362,7 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
 // Defines the kernel entry point NAME for functor OP (an op has one entry per pass).
 #define MTA_DEFINE_ENTRY(NAME, OP)                                                  \
   extern "C" __global__ void __launch_bounds__(MTA_BLOCK, mta::MinBlocks<OP>::value) \
-  NAME(const mta::Launch<OP::Args> launch) { mta::walk<OP>(launch); }
+  NAME(const mta::Launch<OP::Args> launch) {                                        \
+    mta::walk<OP>(launch);                                                          \
+    mta::count_step(launch);                                                        \
+  }

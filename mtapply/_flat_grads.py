@@ -19,9 +19,10 @@ import warnings
 
 import torch
 
-CHECKED_PER_STEP = 16  # params whose grad and storage are verified per step, in rotation
-PLACED_PER_STEP = 8  # params whose place in their group is verified per step, in rotation
+CHECKED_PER_STEP = 8  # params whose grad and storage are verified per step, in rotation
+PLACED_PER_STEP = 4  # params whose place in their group is verified per step, in rotation
 _PARAMS = operator.itemgetter("params")
+_VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
 _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary, for the kernel's vector loads
@@ -52,6 +53,8 @@ class FlatGrads:
         self._params = [entry.param for entry in twice]
         self._views = [entry.view for entry in twice]
         self._addresses = [entry.address for entry in twice]
+        self._group_of = [entry.group for entry in twice]
+        self._position = [entry.position for entry in twice]
         self._versions = None
         self._next = 0
         self._warned = False
@@ -84,7 +87,7 @@ class FlatGrads:
 
     def mark(self) -> None:
         """Remembers the buffers' versions: the next step expects writes after this."""
-        self._versions = [b._version for b in self.buffers]
+        self._versions = list(map(_VERSION, self.buffers))
 
     def zero_(self) -> None:
         with torch.no_grad():
@@ -103,7 +106,7 @@ class FlatGrads:
         """O(1): whether every grad is still its view (the groups must `fit`). False when a
         buffer was not written since the last mark (then `restore()`); raises when the rotation
         finds a change."""
-        if any(b._version == v for b, v in zip(self.buffers, self._versions)):
+        if any(map(operator.eq, map(_VERSION, self.buffers), self._versions)):
             return False
         self._check_some(groups)
         return True
@@ -114,10 +117,13 @@ class FlatGrads:
         n = len(self.entries)
         start, stop = self._next, self._next + min(CHECKED_PER_STEP, n)
         params = self._params[start:stop]
+        placed = start + PLACED_PER_STEP
+        in_groups = map(operator.getitem, map(_PARAMS, map(groups.__getitem__,
+                                                             self._group_of[start:placed])),
+                        self._position[start:placed])
         if (any(map(operator.is_not, map(_GRAD, params), self._views[start:stop]))
                 or list(map(_DATA_PTR, params)) != self._addresses[start:stop]
-                or any(groups[e.group]["params"][e.position] is not e.param
-                       for e in self._twice[start:start + PLACED_PER_STEP])):
+                or any(map(operator.is_not, in_groups, self._params[start:placed]))):
             self._raise_problem(groups, start, stop)
         self._next = stop % max(n, 1)
 

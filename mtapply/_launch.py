@@ -14,16 +14,14 @@ import sys
 
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
-_HEADER = "<2QdQQ6Q2q2Q"  # table, AMP scaling, workspace and row words, before the op's fields
+_HEADER = "<2QdQQ6Q2q2Q2Qq"  # table, AMP scaling, workspace, rows, step count; then the op's
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:
     """The CUDA stream handle (an int) to launch on."""
     if stream is None:
-        torch = sys.modules.get("torch") if framework == "torch" else None
-        if torch is not None:
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 10x cheaper when present
-            return raw(device_id) if raw else torch.cuda.current_stream(device_id).cuda_stream
+        if framework == "torch" and "torch" in sys.modules:
+            return (_torch_stream or _find_torch_stream())(device_id)
         import cupy
 
         return cupy.cuda.get_current_stream(device_id).ptr
@@ -36,6 +34,17 @@ def stream_pointer(stream, framework: str, device_id: int) -> int:
             return int(getattr(stream, attribute))
     raise TypeError(f"stream must be a torch or CuPy stream, an object with __cuda_stream__, or a "
                     f"raw cudaStream_t int; got {type(stream).__name__}")
+
+
+_torch_stream = None  # torch's current raw stream of a device, once torch is imported
+
+
+def _find_torch_stream():
+    global _torch_stream
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 10x cheaper when present
+    _torch_stream = raw or (lambda device_id: torch.cuda.current_stream(device_id).cuda_stream)
+    return _torch_stream
 
 
 def order_after_producer(framework: str, device_id: int, stream: int) -> None:
@@ -88,6 +97,7 @@ class KernelLaunch:
         self._table = (0, 0)
         self._workspace = (0,) * 8
         self._rows = (0, 0)
+        self._counting = (0, 0, 0)
         self._arrays: dict = {}
 
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
@@ -102,6 +112,11 @@ class KernelLaunch:
         """Per-tensor args: the device rows of distinct args (as `row_words` packs them) and
         each tensor's row; (0, 0) for the launch's own args."""
         self._rows = (rows_ptr, row_of_ptr)
+
+    def set_counting(self, counter_ptr: int, arrivals_ptr: int, step_blocks: int) -> None:
+        """The plan's step counter, which this launch reads (plus one) as the step, and its
+        arrival count; `step_blocks` > 0 in the step's last pass, whose blocks advance it."""
+        self._counting = (counter_ptr, arrivals_ptr, step_blocks)
 
     def row_words(self, args: dict) -> bytes:
         """The op's argument words for `args`, one row of the kernel's `args_rows`."""
@@ -135,6 +150,7 @@ class KernelLaunch:
         values.append(0 if found_inf is None else found_inf.ptr)
         values += self._workspace
         values += self._rows
+        values += self._counting
         for name, has_pointer in self._layout:
             if name.endswith("_array"):
                 values.append(self._arrays[name])

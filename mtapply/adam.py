@@ -31,7 +31,9 @@ def adam_plan(params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, mas
         A `Plan`. `plan.step(lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
         seed=0, grad_scale=None, found_inf=None, stream=None)` takes the per-step hyperparameters; lr,
         step, grad_scale and found_inf may be one-element float32 device arrays, read by the
-        kernel (no host synchronisation; CUDA-graph safe).
+        kernel (no host synchronisation; CUDA-graph safe). `plan.count_steps(counter)` keeps
+        the count in a one-element float32 device array instead: each step reads it plus one
+        and advances it in its own launches, and `step=` is left out.
 
     Example:
         >>> plan = mtapply.adam_plan(params, grads, exp_avgs, exp_avg_sqs)

@@ -65,6 +65,7 @@ class Plan:
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
         self._repeat = None  # the latest launching step on one GPU (`_Repeat`)
+        self._counter = None  # where the plan keeps its step count (`count_steps`)
 
     def _launchers(self, stream):
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
@@ -105,6 +106,20 @@ class Plan:
         self._stream = None
         self._repeat = None
 
+    def count_steps(self, counter) -> None:
+        """Keeps the plan's step count in `counter`, a one-element float32 array on the plan's
+        device that holds the steps taken. Each step then takes one more than it holds as its
+        `step` (pass no `step=`, or `counter` itself) and advances it, unless `found_inf`
+        skips the step; on a GPU the step's own launches do both, so a training loop's
+        counter costs no launch of its own."""
+        if "step" not in self.spec.device_scalars:
+            raise ValueError(f"{self.spec.name} takes no step count: count_steps does not apply")
+        if isinstance(self._cuda, _Devices):
+            raise ValueError("count_steps needs the plan's tensors on one GPU; the counter "
+                             "is read by every launch")
+        self._counter = _StepCounter(self, counter)
+        self._repeat = None  # the launches' words change
+
     def step(self, *, stream=None, grad_scale=None, found_inf=None, after_pass=None,
              **hyper) -> None:
         """Applies the op once to every tensor. Hyperparameters as the op's step function takes.
@@ -117,6 +132,15 @@ class Plan:
         is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
         """
+        counter = self._counter
+        if counter is None:
+            self._step(stream, grad_scale, found_inf, after_pass, hyper)
+            return
+        self._step(stream, grad_scale, found_inf, after_pass, counter.hyper(hyper))
+        if counter.alone is not None:
+            counter.alone.step(value=1.0, found_inf=found_inf, stream=stream)
+
+    def _step(self, stream, grad_scale, found_inf, after_pass, hyper: dict) -> None:
         repeat = self._repeat
         if repeat is not None and after_pass is None:
             changed = repeat.changes(self, stream, grad_scale, found_inf, hyper)
@@ -347,6 +371,37 @@ def _device_label(device: tuple) -> str:
     return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
 
 
+class _StepCounter:
+    """A plan's step count, kept in a one-element float32 array (`Plan.count_steps`). On a GPU
+    the plan's launches read and advance it; on the CPU, or where nothing launches, the step
+    reads it on the host and an add advances it (`alone`)."""
+
+    def __init__(self, plan: Plan, counter):
+        from .ops.scaling import AddSpec
+
+        ref = _read_array(counter, "counter")
+        if (ref.dtype != "float32" or ref.numel != 1 or ref.read_only
+                or (plan.device is not None and ref.device != plan.device)):
+            where = "the tensors' device" if plan.device is None else _device_label(plan.device)
+            raise ValueError(f"counter must be a writable one-element float32 array on {where}, "
+                             f"got {ref.dtype} {ref.shape} on {_device_label(ref.device)}")
+        self.counter = counter
+        self.host = _cpu.view(ref) if ref.device[0] == "cpu" else None
+        launched = plan._cuda is not None and plan._cuda.count_steps(
+            ref.ptr, plan._stream_for(ref.device[1], plan._stream))
+        self.alone = None if launched else Plan(AddSpec(), {"tensors": [counter]})
+
+    def hyper(self, hyper: dict) -> dict:
+        """The step's hyperparameters, with the step the counter gives."""
+        step = hyper.get("step", self.counter)
+        if step is not self.counter:
+            raise ValueError("step: this plan counts its steps in the array given to "
+                             "count_steps; pass no step= (or that array)")
+        if self.host is not None:
+            return dict(hyper, step=float(self.host[0]) + 1.0)
+        return hyper if "step" in hyper else dict(hyper, step=self.counter)
+
+
 class _Repeat:
     """A plan's latest launching step on one GPU, with what it was given. A step given the same
     (numbers equal; device arrays, tuples and streams the same objects; per-tensor lists and
@@ -398,10 +453,8 @@ class _Repeat:
 
     def current(self, plan, stream=None) -> bool:
         """Whether a step given `stream` would launch on this one's stream and device."""
-        import cupy
-
         return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)
-                == self.raw_stream and cupy.cuda.runtime.getDevice() == self.device_id)
+                == self.raw_stream and _current_device() == self.device_id)
 
     def renumber(self, plan, hyper: dict) -> bool:
         """Checks `hyper` (raising before any change) and makes the launches take it; False
@@ -427,6 +480,14 @@ class _Repeat:
 
 
 _NUMBERS = (float, int)
+
+
+def _current_device() -> int:
+    global _current_device
+    from cupy_backends.cuda.api import runtime
+
+    _current_device = runtime.getDevice
+    return runtime.getDevice()
 
 
 def _repeatable(hyper: dict, rows: Rows | None) -> bool:
@@ -557,6 +618,22 @@ class _Launcher:
     def write_slots(self, rows: Rows, stream: int) -> None:
         """The slots hold `rows`, which differ from the latest step's in slotted names only."""
         self._rows.slots.hold(rows, self._rows.scheduled, stream)
+
+    def count_steps(self, counter_ptr: int, stream: int) -> bool:
+        """Makes every launch take its step from the counter, and the blocks of the last pass
+        advance it; False where nothing would launch (then the caller advances it)."""
+        busy = self._busy()
+        blocks = sum(self.groups[k].n_blocks for k in busy)
+        if not blocks:
+            return False
+        with cupy_device(self.device_id):
+            arrivals = _device_copy(np.zeros(1, np.uint32), stream)
+        self._memory.append(arrivals)
+        last = self._n_passes() - 1
+        for k in busy:
+            for p, launch in enumerate(self.launches[k]):
+                launch.set_counting(counter_ptr, arrivals.ptr, blocks if p == last else 0)
+        return True
 
     def launch_order(self) -> list:
         """The launches of a step without hooks or rows, in `run`'s order."""

@@ -25,8 +25,9 @@ Params whose storage was replaced (`p.data = ...`) are bound again; a grad tenso
 storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
 
 The step count lives on the device, one counter per plan, shared by the plan's params (their
-`state["step"]` is that counter), advanced by a launch that `GradScaler`'s `found_inf` skips, so
-a skipped step leaves it unchanged without a host synchronisation. SGD's first momentum step
+`state["step"]` is that counter), read and advanced by the step's own launches unless
+`GradScaler`'s `found_inf` skips the step, so a skipped step leaves it unchanged without a host
+synchronisation. SGD's first momentum step
 creates the buffers on the host's side: if that very step is skipped for inf grads, the next one
 blends into zero buffers (torch's fused SGD leaves them uninitialised there). `lr` may be a
 float or a 0-d/one-element float32 tensor on the params' device (capturable: a CUDA graph of the
@@ -50,8 +51,6 @@ from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 from ._optimizer_step import lean_step
-from .engine import Plan
-from .ops.scaling import AddSpec
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
@@ -76,9 +75,8 @@ class _Part:
 
     def __init__(self, indices, params, plan, counter):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
-        # on a GPU, advances the counter before the step reads it, unless found_inf is set
-        self.count = (Plan(AddSpec(), {"tensors": [counter]})
-                      if counter is not None and counter.is_cuda else None)
+        if plan is not None and counter is not None:
+            plan.count_steps(counter)  # each step reads it and, unless found_inf, advances it
         self.device = params[0].device
         self.group_of = None  # in a merged group: each param's group index
         self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
@@ -89,18 +87,6 @@ class _Part:
             self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
         if plan is not None:
             plan.release("grads")  # the plan must not keep this step's grads alive
-
-    def advance(self, by: float, skip) -> None:
-        """Adds `by` to the step counter: on a GPU by a launch that `skip` (found_inf) cancels;
-        on the CPU at once, since the step's checks read it (`settle` takes a skipped one back)."""
-        if self.count is not None:
-            self.count.step(value=by, found_inf=skip)
-        else:
-            self.counter.add_(by)
-
-    def settle(self, skip) -> None:
-        if self.count is None and skip is not None:
-            self.counter.sub_(skip.reshape(()).clamp(max=1.0))  # a skipped step does not count
 
     def on_device(self, flag):
         """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
@@ -145,20 +131,18 @@ class _Bound:
 class _LatestStep:
     """A flat_grads step whose groups all stepped by their bound parts, each part's plans
     repeating what they were given. While the grads stay in their views and no GradScaler step
-    comes, a step is the parts' counters and launches again; where only lrs were set since (a
+    comes, a step is the parts' launches again; where only lrs were set since (a
     scheduler), each part steps with its new lrs, which its plan takes in place (new words, or
     new slots of its rows)."""
 
     def __init__(self, parts: list, version: int):
         self.parts, self.version = parts, version  # parts: (group index, _Part)
-        self.repeats = [(part.count and part.count._repeat, part.plan._repeat)
-                        for _, part in parts]
+        self.repeats = [part.plan._repeat for _, part in parts]
 
     @classmethod
     def of(cls, parts: list, version: int) -> _LatestStep | None:
         if any(part.plan is None or part.plan._repeat is None or part.sums is not None
-               or part.after_pass is not None
-               or (part.count is not None and part.count._repeat is None) for _, part in parts):
+               or part.after_pass is not None for _, part in parts):
             return None
         return cls(parts, version)
 
@@ -169,9 +153,8 @@ class _LatestStep:
         if ((scheduled and changes.since(self.version) != {"lr"})
                 or not optimizer._flat.intact(optimizer.param_groups)):
             return False
-        for (_, part), (count, step) in zip(self.parts, self.repeats):
-            if (part.plan._repeat is not step or not step.current(part.plan)
-                    or (count is not None and part.count._repeat is not count)):
+        for (_, part), step in zip(self.parts, self.repeats):
+            if part.plan._repeat is not step or not step.current(part.plan):
                 return False
         if scheduled:
             merged = optimizer._merged_group()
@@ -180,9 +163,7 @@ class _LatestStep:
                 optimizer._step_part(part, group, None, None)
             optimizer._latest = _LatestStep.of(self.parts, changes.version)
         else:
-            for count, step in self.repeats:
-                if count is not None:
-                    count.launch()
+            for step in self.repeats:
                 step.launch()
         optimizer._flat.mark()
         return True
@@ -240,8 +221,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _fused_step(self) -> None:
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
-        found_inf = getattr(self, "found_inf", None)
+        attributes = self.__dict__  # GradScaler.step sets grad_scale and found_inf there
+        grad_scale, found_inf = attributes.get("grad_scale"), attributes.get("found_inf")
         if self._latest is not None and grad_scale is None and found_inf is None:
             if self._latest.repeat(self):  # launches only: no torch op to keep from autograd
                 return
@@ -460,18 +441,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if part.sums is not None:
             part.sums.zero_()  # empty shards add nothing: their rows are never written
         if part.counter is not None:
-            part.advance(1.0, skip)
-            hyper["step"] = part.counter
+            hyper["step"] = part.counter  # the plan counts the step in it
         try:
             part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
-        except Exception:
-            if part.counter is not None:
-                part.advance(-1.0, skip)
-            raise
         finally:
             part.plan.release("grads")
-        if part.counter is not None:
-            part.settle(skip)
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:

@@ -108,7 +108,7 @@ def _repeat_parts(torch, case) -> str:
     latest = opt._latest
     if latest is None:
         return f"{label}: the latest step is not repeated"
-    (_, part), (count, repeat) = latest.parts[0], latest.repeats[0]
+    (_, part), repeat = latest.parts[0], latest.repeats[0]
 
     def median_us(fn) -> float:
         times = []
@@ -121,8 +121,8 @@ def _repeat_parts(torch, case) -> str:
         return float(np.median(times)) * 1e6
 
     parts = {"flat buffers' checks": lambda: opt._flat._check_some(opt.param_groups),
-             "step counter launch": count.launch,
-             "kernel launch": repeat.launch, "stream check": lambda: repeat.current(part.plan)}
+             "kernel launch (counts the step too)": repeat.launch,
+             "stream check": lambda: repeat.current(part.plan)}
     return (f"parts of a repeated step, {label} (median us): "
             + ", ".join(f"{name} {median_us(fn):.1f}" for name, fn in parts.items()))
 
