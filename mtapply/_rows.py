@@ -84,6 +84,13 @@ class Rows:
                     patched=self.patched)
 
 
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one dtype hold the same values, bit for bit (a tenth of
+    `np.array_equal`'s cost on small arrays; the values compared here are checked numbers, so
+    never NaN)."""
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def per_tensor(hyper: dict) -> list:
     """The names of the values given per tensor: lists, tuples, 1-D NumPy arrays of more than
     one element (a one-element array is one value for all)."""
@@ -130,7 +137,7 @@ def _changed(hyper: dict, previous: Rows, names: list):
             if column.dtype == object or held.dtype == object:  # device values: by identity
                 if column.dtype != held.dtype or any(map(operator.is_not, column, held)):
                     return False
-            elif not np.array_equal(column, held):
+            elif not same_values(column, held):
                 changed[name] = column
         elif value is not old:
             if type(value) not in (int, float) or type(old) not in (int, float):
@@ -149,7 +156,7 @@ def _patch(spec, hyper: dict, previous: Rows, changed: dict, scalar):
             per_row = np.full(len(previous.firsts), value)
         else:
             per_row = value[previous.firsts]
-            if not np.array_equal(per_row[previous.row_of], value):
+            if not same_values(per_row[previous.row_of], value):
                 return None
         _check_extremes(spec, hyper, previous, name, per_row, scalar)
         patched[name] = per_row

@@ -36,10 +36,16 @@ def make_table(mode: str, nbytes: int, device_id: int):
     raise ValueError(f"table_mode={mode!r}; use one of {', '.join(MODES)}")
 
 
-def _runtime():
-    import cupy
+_RUNTIME = None  # CuPy's CUDA runtime module, imported at first use (a step calls it often)
 
-    return cupy.cuda.runtime
+
+def _runtime():
+    global _RUNTIME
+    if _RUNTIME is None:
+        from cupy_backends.cuda.api import runtime
+
+        _RUNTIME = runtime
+    return _RUNTIME
 
 
 def _capturing(stream: int) -> bool:
@@ -142,13 +148,15 @@ class MemcpyTable:
         """The next staging buffer of the ring, once no copy reads it: a buffer is added in
         front of one still in flight, up to MAX_RING, after which the oldest is waited for."""
         k = self._next
-        if not self._copied[k].done() and len(self._staging) < self.MAX_RING:
-            import cupy
+        if not self._copied[k].done():
+            if len(self._staging) < self.MAX_RING:
+                import cupy
 
-            with cupy.cuda.Device(self.device_id):
-                self._staging.insert(k, self._pinned())
-                self._copied.insert(k, _Event())
-        self._copied[k].wait_host()  # done, unless MAX_RING copies are in flight
+                with cupy.cuda.Device(self.device_id):
+                    self._staging.insert(k, self._pinned())
+                    self._copied.insert(k, _Event())
+            else:
+                self._copied[k].wait_host()  # MAX_RING copies in flight
         self._next = (k + 1) % len(self._staging)
         return k
 

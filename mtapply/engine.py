@@ -16,7 +16,7 @@ import numpy as np
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
-from ._rows import Rows, rows_for
+from ._rows import Rows, rows_for, same_values
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar, OutputArray, check_number
@@ -183,7 +183,7 @@ class Plan:
         by identity: the kernel reads them); on the CPU a device value is read when checked."""
         rows = rows_for(self.spec, hyper, self._n, self._scalar,
                         self._latest_rows if self._cuda is not None else None)
-        if rows is not None and (self.spec.single_device or self.spec.n_sums):
+        if rows is not None and self.spec.single_device:
             raise ValueError(f"{self.spec.name} takes each hyperparameter for all tensors: give one "
                              f"number, not one per tensor")
         self._latest_rows = rows
@@ -483,6 +483,7 @@ _NUMBERS = (float, int)
 
 
 def _current_device() -> int:
+    """The current CUDA device; replaces itself by the runtime's own call at first use."""
     global _current_device
     from cupy_backends.cuda.api import runtime
 
@@ -776,7 +777,7 @@ class _Slots:
                 self.table = _tables.MemcpyTable(values.nbytes, self.device_id)
                 self._values = None
             if self.table is not None and (self._values is None
-                                           or not np.array_equal(values, self._values)):
+                                           or not same_values(values, self._values)):
                 self.table.write(values.reshape(-1).view(np.uint8), stream)
             self._values, self._rows = values, rows
         if self.table is not None:

@@ -41,13 +41,14 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
     See `mtapply.LAMBSpec` for the update rule. Global gradient-norm clipping divides the grads
     by global_grad_norm / max_grad_norm when that exceeds 1; the norm is an input (for example
     `mtapply.l2_norms(grads)[1]`). `master_params`: fp32 copies of 16-bit params (see `lamb_plan`).
+    Any number but global_grad_norm may instead be a sequence of one value per tensor.
     """
     spec = LAMBSpec(adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
                     master_weights=master_params is not None)
     hyper = dict(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  grad_averaging=grad_averaging, bias_correction=bias_correction,
                  max_grad_norm=max_grad_norm, global_grad_norm=global_grad_norm)
-    spec.arguments(**hyper)
+    spec.check_arguments(len(params), **hyper)
     tensors = {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "grads": grads,
                "master_params": master_params}
     _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,

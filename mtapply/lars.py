@@ -39,12 +39,13 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum=0.9, weight_decay
     or lr when a norm is zero or the tensor is excluded;
     v = momentum * v + local_lr * (g + weight_decay * p);  p = p - v.
     Norms are taken of the master weights when `master_params` are given (see `lars_plan`).
-    `step` is accepted for a uniform interface with the other ops and not used.
+    `step` is accepted for a uniform interface with the other ops and not used. Any number may
+    instead be a sequence of one value per tensor (as param groups make them).
     """
     spec = LARSSpec(exclude=exclude, master_weights=master_params is not None)
     hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                  trust_coefficient=trust_coefficient, eps=eps)
-    spec.arguments(**hyper)
+    spec.check_arguments(len(params), **hyper)
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,
                "master_params": master_params}
     _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,

@@ -397,13 +397,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         if not self._merges_groups or len(groups) < 2:
             return None
-        options = self._compile_options(groups[0])
+        options = self._merge_options(groups[0])
         for group in groups:
-            if (self._compile_options(group) != options or self._tensor_options(group)
+            if (self._merge_options(group) != options or self._tensor_options(group)
                     or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
                 return None
         return dict(groups[0], params=list(chain.from_iterable(map(_PARAMS, groups))),
                     groups=groups)
+
+    def _merge_options(self, group) -> tuple:
+        """What groups must share to step as one plan: their compile options, unless the
+        optimizer gives some of those per tensor."""
+        return self._compile_options(group)
 
     def _tensor_options(self, group) -> bool:
         """Whether a group gives a hyperparameter as a tensor that keeps its groups from
@@ -1080,6 +1085,7 @@ class LARS(_FusedOptimizer):
     weight decay. State per param: `momentum_buffer`."""
 
     _counts_steps = False
+    _merges_groups = True
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                  eps=0.0, exclude=False, *, flat_grads=False):
@@ -1093,15 +1099,23 @@ class LARS(_FusedOptimizer):
         super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
+        if "groups" in group:  # merged: each tensor is excluded as its own group says
+            return tuple(bool(g["exclude"]) for g in group["groups"])
         return (bool(group["exclude"]),)
+
+    def _merge_options(self, group) -> tuple:
+        return ()  # exclude is a per-tensor flag of the plan
 
     def _init_state(self, group, p, state) -> None:
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _make_plan(self, group, params, grads):
+        owner = _owners(group) if "groups" in group else None
+        exclude = [bool((group["groups"][owner[id(p)]] if owner else group)["exclude"])
+                   for p in params]
         return _lars.lars_plan(_aliases(params), grads, self._states(params, "momentum_buffer"),
-                               exclude=[bool(group["exclude"])] * len(params))
+                               exclude=exclude)
 
     def _hyper(self, group, device) -> dict:
         return dict(lr=self._lr(group, device), momentum=group["momentum"],
@@ -1114,6 +1128,8 @@ class LAMB(_FusedOptimizer):
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device (one launch per device and dtype, with a plan bound once, like the step's).
     State per param: `step`, `exp_avg`, `exp_avg_sq`."""
+
+    _merges_groups = True
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
@@ -1160,7 +1176,7 @@ class LAMB(_FusedOptimizer):
 
     def _hyper(self, group, device) -> dict:
         beta1, beta2 = group["betas"]
-        norm = self._grad_norm.on(device) if group["max_grad_norm"] > 0 else None
+        norm = self._grad_norm.on(device)  # one for all groups (None where none clips)
         return dict(lr=self._lr(group, device), beta1=float(beta1),
                     beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
                     grad_averaging=bool(group["grad_averaging"]),
@@ -1177,10 +1193,14 @@ class _GlobalNorm:
     def __init__(self):
         self._plans: dict = {}  # device -> (owner ids, weak grad refs, Plan, total)
         self._norm = None
-        self._copies: dict = {}
+        # tensors kept from step to step, so that the plans reading them know them by identity
+        self._held: dict = {}  # device -> the norm combined or unscaled there
+        self._copies: dict = {}  # device -> the norm copied there
+        self._copied: set = set()  # the devices copied to in this step
 
     def clear(self) -> None:
-        self._norm, self._copies = None, {}
+        self._norm = None
+        self._copied = set()
 
     def compute(self, owners: list, grads: list, grad_scale) -> None:
         """The norm of `grads`: the grads of params `owners`, or flat buffers (their own owners)
@@ -1203,15 +1223,25 @@ class _GlobalNorm:
             norm = norm.sqrt()
         if grad_scale is not None:  # the norm of the unscaled grads
             norm = norm / grad_scale.reshape(1).to(norm.device)
+        if norm is not totals[0]:
+            norm = self._kept(self._held, norm.device, norm)
         self._norm = norm
 
     def on(self, device):
         """The norm as a one-element float32 tensor on `device` (None before `compute`)."""
         if self._norm is None or self._norm.device == device:
             return self._norm
-        if device not in self._copies:
-            self._copies[device] = self._norm.to(device)
+        if device not in self._copied:
+            self._copied.add(device)
+            return self._kept(self._copies, device, self._norm)
         return self._copies[device]
+
+    @staticmethod
+    def _kept(held: dict, device, value):
+        """`value` copied into the tensor `held` keeps for `device`."""
+        if device not in held:
+            held[device] = torch.empty(1, device=device)
+        return held[device].copy_(value.reshape(1))
 
     def _device_total(self, device, owners: list, grads: list):
         from .engine import Plan

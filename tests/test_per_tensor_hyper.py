@@ -1,7 +1,7 @@
 """Hyperparameters given per tensor (one value per tensor, as param groups make them): a step
 with them equals the steps of each tensor's own hyperparameters, for the functional calls and
-bound plans of Adam, AdamW, SGD and 8-bit AdamW, with values that change between steps; bad
-sequences are refused before anything is written."""
+bound plans of Adam, AdamW, SGD, 8-bit AdamW, LARS and LAMB, with values that change between
+steps; bad sequences are refused before anything is written."""
 import numpy as np
 import pytest
 
@@ -98,10 +98,29 @@ def test_bad_per_tensor_values_are_refused_before_anything_is_written(lr, messag
         np.testing.assert_array_equal(a, b)
 
 
-def test_ops_that_sum_over_tensors_take_one_value_for_all():
-    params, grads, buffers = _lists(5, 3)
-    with pytest.raises((ValueError, TypeError)):
-        mtapply.lars_step(params, grads, buffers, lr=[0.1] * len(SHAPES), step=1, momentum=0.9)
+def test_lars_and_lamb_with_per_tensor_values_equal_each_tensor_alone():
+    """Their per-tensor norms are each tensor's own, so per-tensor values are too."""
+    lr, decay = [0.1, 0.2, 0.05, 0.1, 0.3], [0.0, 1e-2, 1e-2, 0.0, 1e-3]
+    lars_together, lars_alone = _lists(5, 3), _lists(5, 3)
+    lamb_together, lamb_alone = _adam_state(6), _adam_state(6)
+    for t in (1, 2):
+        mtapply.lars_step(*lars_together, lr=lr, weight_decay=decay, momentum=0.9,
+                          exclude=[False, True, False, False, True])
+        mtapply.lamb_step(*lamb_together, lr=lr, step=t, weight_decay=decay,
+                          max_grad_norm=[0.0, 1.0, 0.5, 0.0, 2.0], global_grad_norm=1.5)
+        for i, (column, excluded) in enumerate(zip(zip(*lars_alone), [0, 1, 0, 0, 1])):
+            mtapply.lars_step(*[[x] for x in column], lr=lr[i], weight_decay=decay[i],
+                              momentum=0.9, exclude=[bool(excluded)])
+        for i, column in enumerate(zip(*lamb_alone)):
+            mtapply.lamb_step(*[[x] for x in column], lr=lr[i], step=t, weight_decay=decay[i],
+                              max_grad_norm=[0.0, 1.0, 0.5, 0.0, 2.0][i], global_grad_norm=1.5)
+    for a, b in zip(lars_together[0] + lamb_together[0], lars_alone[0] + lamb_alone[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ops_that_sum_over_the_whole_list_take_one_value_for_all():
+    with pytest.raises(TypeError, match="max_norm must be a Python number, got list"):
+        mtapply.clip_grad_norm_(_lists(5, 1)[0], [1.0] * len(SHAPES))
 
 
 def test_empty_lists_take_empty_per_tensor_values():

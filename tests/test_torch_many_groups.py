@@ -363,3 +363,51 @@ def test_lrs_set_as_numbers_are_read_without_merging_the_groups_again(monkeypatc
     opt.param_groups[0]["betas"] = (0.8, 0.99)
     _steps(model, opt, None, "cpu", 2, 3)
     assert merged == [1]
+
+
+def _layerwise_groups(params, cls):
+    """A group per tensor for LAMB or LARS, their options varying across groups."""
+    groups = []
+    for k, p in enumerate(params):
+        group = {"params": [p], "lr": 1e-2 * (1 + k % 5) / 3,
+                 "weight_decay": 0.0 if p.dim() == 1 else 1e-2 * (1 + k % 3)}
+        if cls is mt.LAMB:
+            group.update(betas=(0.8 + 0.05 * (k % 3), 0.99), eps=10.0 ** -(5 + k % 3),
+                         max_grad_norm=(0.0, 0.5, 1.0)[k % 3], grad_averaging=k % 4 != 1)
+        else:
+            group.update(momentum=(0.0, 0.5, 0.9)[k % 3], trust_coefficient=0.01 * (1 + k % 2),
+                         exclude=p.dim() == 1)
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_grads", [False, True])
+@pytest.mark.parametrize("cls", [mt.LAMB, mt.LARS], ids=["LAMB", "LARS"])
+def test_lamb_and_lars_groups_step_as_one_plan_like_group_by_group(cls, flat_grads, device):
+    """Each tensor reads its group's options from its row (LARS: its group's exclude flag, a
+    per-tensor flag of the one plan; LAMB: the global norm clips the groups that ask for it);
+    the same steps taken group by group agree, through a scheduler and an exclude flag set."""
+    unmerged = type("Unmerged", (cls,), {"_merges_groups": False})
+    runs = []
+    for make in (cls, unmerged):
+        model = _model(device)
+        opt = make(_layerwise_groups(list(model.parameters()), cls), lr=1.0,
+                   flat_grads=flat_grads)
+        factors = [lambda t, k=k: 1.0 / (1 + t * (1 + k % 4) / 10)
+                   for k in range(len(opt.param_groups))]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factors)
+        _steps(model, opt, scheduler, device, 0, 4)
+        if cls is mt.LARS:
+            opt.param_groups[0]["exclude"] = True
+        else:
+            opt.param_groups[1]["max_grad_norm"] = 0.25
+        _steps(model, opt, scheduler, device, 4, 7)
+        runs.append((model, opt))
+    (model, opt), (reference, reference_opt) = runs
+    assert list(opt._bound) == ["merged"] and len(opt._bound["merged"].parts) == 1
+    assert "merged" not in reference_opt._bound
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                     _model(device).parameters()))

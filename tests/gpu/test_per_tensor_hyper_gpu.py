@@ -1,7 +1,7 @@
 """Per-tensor hyperparameters on the GPU: one launch per group of dtypes reads each tensor's
 row of args; against the CPU path with the same per-tensor values (which equals each tensor's
-own step), for Adam, AdamW, SGD and 8-bit AdamW, with values changing between steps, a tensor
-changing rows, and device-scalar steps in a CUDA graph."""
+own step), for Adam, AdamW, SGD, 8-bit AdamW, LARS and LAMB, with values changing between
+steps, a tensor changing rows, and device-scalar steps in a CUDA graph."""
 import numpy as np
 import pytest
 
@@ -43,6 +43,29 @@ def test_adamw_rows_follow_the_cpu_path_and_change_between_steps():
     torch.cuda.synchronize()
     assert not torch.equal(gpu[0][0], before)
     _assert_close(gpu, cpu)
+
+
+def test_lars_and_lamb_rows_follow_the_cpu_path():
+    """Two passes: the norms of each tensor, then its update with its own row."""
+    lars_gpu, lars_cpu = _lists(7, 3, "cuda"), _lists(7, 3, "cpu")
+    lamb_gpu, lamb_cpu = _lists(8, 4, "cuda"), _lists(8, 4, "cpu")
+    exclude = [False, True, False, False, True, False]
+    norm = torch.full((1,), 1.5, device="cuda")
+    lars_plan = mtapply.lars_plan(*lars_gpu, exclude=exclude)
+    lamb_plan = mtapply.lamb_plan(*lamb_gpu)
+    for t in (1, 2, 3):
+        lr = [0.1 / t, 0.2, 0.05, 0.1, 0.3, 0.1]
+        decay = [0.0, 1e-2, 1e-2, 0.0, 1e-3, 1e-2]
+        clip = [0.0, 1.0, 0.5, 0.0, 2.0, 1.0]
+        lars_plan.step(lr=lr, weight_decay=decay, momentum=0.9)
+        mtapply.lars_step(*lars_cpu, lr=lr, weight_decay=decay, momentum=0.9, exclude=exclude)
+        lamb_plan.step(lr=lr, step=t, weight_decay=decay, max_grad_norm=clip,
+                       global_grad_norm=norm)
+        mtapply.lamb_step(*lamb_cpu, lr=lr, step=t, weight_decay=decay, max_grad_norm=clip,
+                          global_grad_norm=1.5)
+    torch.cuda.synchronize()
+    _assert_close(lars_gpu, lars_cpu)
+    _assert_close(lamb_gpu, lamb_cpu)
 
 
 def test_sgd_and_adam8bit_rows():
