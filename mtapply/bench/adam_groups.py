@@ -2,6 +2,8 @@
 per-layer learning rates and decay masks make them): mtapply.torch.AdamW (with and without
 `flat_grads`) against torch.optim.AdamW, fused and foreach, on the same groups. Each group
 steps every time; the floor is the fp32 Adam step's 28 bytes per param whatever the groups.
+Before each flat_grads step the flat buffers are marked written, as backward marks them in
+training (with no kernel), so that the step is the one a training loop takes.
 In JAX the same lrs and decays are labels of optax.multi_transform (ten labels): of
 optax.adamw's, of mtapply.optax.adamw's (a call per label), mtapply.optax.multi_transform (one
 call) and its fused form (one call, params updated in place).
@@ -86,14 +88,22 @@ def mtapply_torch(data: AdamData, flat_grads: bool) -> Stepper:
     for p in data.params:
         p.requires_grad_(True)
     opt = mt.AdamW(groups(data.params), flat_grads=flat_grads)
-    if flat_grads:
-        with torch.no_grad():  # the optimizer's grads are views of its flat buffer: fill them
-            for p, g in zip(data.params, data.grads):
-                p.grad.copy_(g)
-    else:
+    if not flat_grads:
         attach_grads(data.params, data.grads)
+        _preset(opt, data, on_device=False)
+        return Stepper(opt.step, opt, data)
+    with torch.no_grad():  # the optimizer's grads are views of its flat buffer: fill them
+        for p, g in zip(data.params, data.grads):
+            p.grad.copy_(g)
     _preset(opt, data, on_device=False)
-    return Stepper(opt.step, opt, data)
+    buffers, written = opt._flat.buffers, torch.autograd.graph.increment_version
+
+    def step() -> None:
+        for buffer in buffers:  # as backward's writes into the grads' views do, with no kernel
+            written(buffer)
+        opt.step()
+
+    return Stepper(step, opt, data)
 
 
 COMPETITORS = {
