@@ -118,8 +118,9 @@ template <class Args>
 __device__ __forceinline__ void count_step(const Launch<Args>& launch) {
   if (launch.step_blocks == 0 || (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f)) return;
   __syncthreads();  // every thread of the block has read the count
-  if (threadIdx.x == 0 &&
-      atomicAdd(launch.step_arrivals, 1u) == static_cast<unsigned>(launch.step_blocks - 1)) {
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(launch.step_arrivals, 1u) == static_cast<unsigned>(launch.step_blocks - 1)) {
     *launch.step_counter += 1.0f;
     *launch.step_arrivals = 0u;  // ready for the next step
   }

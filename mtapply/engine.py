@@ -105,6 +105,13 @@ class Plan:
         """Steps without `stream=` launch on the framework's current stream from now on."""
         self._stream = None
         self._repeat = None
+        if self._counter is not None and self._counter.alone is not None:
+            self._counter.alone.forget_stream()
+
+    def _relaunch_is_the_step(self) -> bool:
+        """Whether launching the latest step's launches again is the whole of a step (not
+        where the step count is advanced apart from them)."""
+        return self._counter is None or self._counter.alone is None
 
     def count_steps(self, counter) -> None:
         """Keeps the plan's step count in `counter`, a one-element float32 array on the plan's
@@ -387,9 +394,12 @@ class _StepCounter:
                              f"got {ref.dtype} {ref.shape} on {_device_label(ref.device)}")
         self.counter = counter
         self.host = _cpu.view(ref) if ref.device[0] == "cpu" else None
+        # a plan without tensors launches nothing: its step count is not read
+        self.unread = plan._cuda is None and self.host is None
         launched = plan._cuda is not None and plan._cuda.count_steps(
             ref.ptr, plan._stream_for(ref.device[1], plan._stream))
-        self.alone = None if launched else Plan(AddSpec(), {"tensors": [counter]})
+        self.alone = None if launched else Plan(AddSpec(), {"tensors": [counter]},
+                                                stream=plan._stream)
 
     def hyper(self, hyper: dict) -> dict:
         """The step's hyperparameters, with the step the counter gives."""
@@ -397,8 +407,8 @@ class _StepCounter:
         if step is not self.counter:
             raise ValueError("step: this plan counts its steps in the array given to "
                              "count_steps; pass no step= (or that array)")
-        if self.host is not None:
-            return dict(hyper, step=float(self.host[0]) + 1.0)
+        if self.host is not None or self.unread:
+            return dict(hyper, step=1.0 if self.unread else float(self.host[0]) + 1.0)
         return hyper if "step" in hyper else dict(hyper, step=self.counter)
 
 

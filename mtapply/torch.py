@@ -47,7 +47,6 @@ from . import adam as _adam
 from . import adam8bit as _adam8bit
 from . import lamb as _lamb
 from . import lars as _lars
-from . import norms as _norms
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
 from ._optimizer_step import lean_step
@@ -142,7 +141,8 @@ class _LatestStep:
     @classmethod
     def of(cls, parts: list, version: int) -> _LatestStep | None:
         if any(part.plan is None or part.plan._repeat is None or part.sums is not None
-               or part.after_pass is not None for _, part in parts):
+               or part.after_pass is not None or not part.plan._relaunch_is_the_step()
+               for _, part in parts):
             return None
         return cls(parts, version)
 
@@ -1188,14 +1188,15 @@ class LAMB(_FusedOptimizer):
 class _GlobalNorm:
     """The global L2 norm of every grad of an optimizer, on the device: per device, a norm plan
     bound once and re-pointed when grads move; devices' norms combined on the first; over FSDP2
-    shards, all-reduced. Divided by the loss scale when GradScaler passes one."""
+    shards, all-reduced. Divided by the loss scale when GradScaler passes one. The norm lives
+    in one tensor per device from step to step (the plans that read it know it by identity):
+    the first device's total, or its copy on another device."""
 
     def __init__(self):
-        self._plans: dict = {}  # device -> (owner ids, weak grad refs, Plan, total)
-        self._norm = None
-        # tensors kept from step to step, so that the plans reading them know them by identity
-        self._held: dict = {}  # device -> the norm combined or unscaled there
+        self._plans: dict = {}  # device -> (owner ids, weak grad refs, Plan)
+        self._totals: dict = {}  # device -> the total written there by its norm plan
         self._copies: dict = {}  # device -> the norm copied there
+        self._norm = None
         self._copied: set = set()  # the devices copied to in this step
 
     def clear(self) -> None:
@@ -1211,37 +1212,30 @@ class _GlobalNorm:
             members[0].append(owner)
             members[1].append(g)
         totals = [self._device_total(device, *members) for device, members in by_device.items()]
-        norm = totals[0]
+        norm = totals[0]  # the result is written into it
         if len(totals) > 1:
-            norm = torch.stack([t.to(norm.device) for t in totals]).square().sum(0).sqrt()
+            norm.copy_(torch.stack([t.to(norm.device) for t in totals]).square().sum(0).sqrt())
         if _is_dtensor(grads[0]):  # the norm over every rank's shards
             import torch.distributed as dist
 
-            norm = norm.square()
+            squared = norm.square()
             for group in _shard_groups(grads[0]):
-                dist.all_reduce(norm, group=group)
-            norm = norm.sqrt()
+                dist.all_reduce(squared, group=group)
+            torch.sqrt(squared, out=norm)
         if grad_scale is not None:  # the norm of the unscaled grads
-            norm = norm / grad_scale.reshape(1).to(norm.device)
-        if norm is not totals[0]:
-            norm = self._kept(self._held, norm.device, norm)
+            norm.div_(grad_scale.reshape(1).to(norm.device))
         self._norm = norm
 
     def on(self, device):
         """The norm as a one-element float32 tensor on `device` (None before `compute`)."""
         if self._norm is None or self._norm.device == device:
             return self._norm
+        if device not in self._copies:
+            self._copies[device] = torch.empty(1, device=device)
         if device not in self._copied:
             self._copied.add(device)
-            return self._kept(self._copies, device, self._norm)
+            self._copies[device].copy_(self._norm)
         return self._copies[device]
-
-    @staticmethod
-    def _kept(held: dict, device, value):
-        """`value` copied into the tensor `held` keeps for `device`."""
-        if device not in held:
-            held[device] = torch.empty(1, device=device)
-        return held[device].copy_(value.reshape(1))
 
     def _device_total(self, device, owners: list, grads: list):
         from .engine import Plan
@@ -1251,16 +1245,17 @@ class _GlobalNorm:
         key = tuple(map(id, owners))
         entry = self._plans.get(device)
         if entry is None or entry[0] != key:
-            total = torch.zeros(1, device=device)
             plan = Plan(L2NormSpec(), {"tensors": local})
             plan.release("tensors")
-            entry = self._plans[device] = [key, list(map(weakref.ref, grads)), plan, total]
+            entry = self._plans[device] = [key, list(map(weakref.ref, grads)), plan]
         elif any(map(operator.is_not, grads, map(_DEREF, entry[1]))):
             entry[2].rebind_addresses("tensors", local, _addresses(local), keep_alive=False)
             entry[1] = list(map(weakref.ref, grads))
-        plan, total = entry[2], entry[3]
-        plan.step(total_out=total)
-        plan.release("tensors")
+        if device not in self._totals:
+            self._totals[device] = torch.zeros(1, device=device)
+        total = self._totals[device]
+        entry[2].step(total_out=total)
+        entry[2].release("tensors")
         return total
 
 

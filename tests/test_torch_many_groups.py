@@ -411,3 +411,34 @@ def test_lamb_and_lars_groups_step_as_one_plan_like_group_by_group(cls, flat_gra
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(),
                                                      _model(device).parameters()))
+
+
+def test_merged_lamb_reads_the_global_norm_of_each_step():
+    """The norm LAMB clips by lives in one tensor from step to step, whichever grads it is
+    taken over (flat buffers, or grads found outside them and copied back): the merged plan
+    reads the current one."""
+    results = []
+    for flat_grads in (True, False):
+        model = _model("cpu")
+        params = list(model.parameters())
+        opt = mt.LAMB([{"params": params[::2], "weight_decay": 0.01},
+                       {"params": params[1::2], "weight_decay": 0.0}], lr=1e-2,
+                      max_grad_norm=1.0, flat_grads=flat_grads)
+        for t in range(5):
+            g = torch.Generator().manual_seed(t)
+            x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+            if t == 1 and flat_grads:
+                model.zero_grad()  # the grads go elsewhere this step, and are copied back
+            else:
+                opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y) * (1 + 10 * t)
+            if t == 1 and flat_grads:
+                with pytest.warns(UserWarning, match="optimizer.zero_grad"):
+                    loss.backward()
+                    opt.step()
+            else:
+                loss.backward()
+                opt.step()
+        assert list(opt._bound) == ["merged"]
+        results.append(model)
+    _assert_same(*results)

@@ -175,3 +175,33 @@ def test_bad_counters_and_steps_are_refused_before_any_write():
     torch.cuda.synchronize()
     assert float(counter) == 0.0
     _assert_equal(params, before)
+
+
+def test_a_plan_without_tensors_counts_in_a_device_counter():
+    counter = torch.zeros(1, device="cuda")
+    plan = mtapply.adam_plan([], [], [], [])
+    plan.count_steps(counter)
+    for _ in range(3):
+        plan.step(lr=1e-2)
+    plan.step(lr=1e-2, found_inf=1.0)
+    torch.cuda.synchronize()
+    assert float(counter) == 3.0
+
+
+@pytest.mark.parametrize("flat_grads", [False, True])
+def test_a_torch_param_without_elements_counts_its_steps(flat_grads):
+    """Its plan launches nothing, so an add advances its count: a repeated flat_grads step
+    takes the whole path for it."""
+    mt = pytest.importorskip("mtapply.torch")
+    empty = torch.nn.Parameter(torch.empty(0, device="cuda"))
+    full = torch.nn.Parameter(torch.randn(300, device="cuda"))
+    opt = mt.AdamW([{"params": [empty]}, {"params": [full], "amsgrad": True}], lr=1e-2,
+                   flat_grads=flat_grads)
+    for p in (empty, full):
+        p.grad = torch.ones_like(p) if not flat_grads else p.grad.fill_(1.0)
+    for _ in range(4):
+        for buffer in (opt._flat.buffers if flat_grads else ()):
+            torch.autograd.graph.increment_version(buffer)  # as backward's writes do
+        opt.step()
+    torch.cuda.synchronize()
+    assert float(opt.state[empty]["step"]) == 4.0 and float(opt.state[full]["step"]) == 4.0
