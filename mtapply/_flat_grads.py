@@ -19,8 +19,8 @@ import warnings
 
 import torch
 
-CHECKED_PER_STEP = 8  # params whose grad and storage are verified per step, in rotation
-PLACED_PER_STEP = 4  # params whose place in their group is verified per step, in rotation
+CHECKED_PER_STEP = 4  # params whose grad and storage are verified per step, in rotation
+PLACED_PER_STEP = 2  # params whose place in their group is verified per step, in rotation
 _PARAMS = operator.itemgetter("params")
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
@@ -49,12 +49,7 @@ class FlatGrads:
         self.lengths = [len(params) for params in groups]
         self._layout = [list(params) for params in groups]
         self.buffers = self._allocate(groups)
-        twice = self._twice = self.entries * 2  # the rotation reads slices, wrapping around
-        self._params = [entry.param for entry in twice]
-        self._views = [entry.view for entry in twice]
-        self._addresses = [entry.address for entry in twice]
-        self._group_of = [entry.group for entry in twice]
-        self._position = [entry.position for entry in twice]
+        self._windows = self._rotation()
         self._versions = None
         self._next = 0
         self._warned = False
@@ -85,6 +80,21 @@ class FlatGrads:
             buffers.append(buffer)
         return buffers
 
+    def _rotation(self) -> list:
+        """What each step of the rotation verifies, made once: from each entry on, the next
+        CHECKED_PER_STEP params (wrapping around) with their views and addresses, and the
+        first PLACED_PER_STEP of them with their places (group, position)."""
+        n = len(self.entries)
+        twice = self.entries * 2
+        windows = []
+        for start in range(n):
+            window = twice[start:start + min(CHECKED_PER_STEP, n)]
+            windows.append((tuple(e.param for e in window), tuple(e.view for e in window),
+                            [e.address for e in window],
+                            tuple((e.group, e.position, e.param)
+                                  for e in window[:PLACED_PER_STEP])))
+        return windows
+
     def mark(self) -> None:
         """Remembers the buffers' versions: the next step expects writes after this."""
         self._versions = list(map(_VERSION, self.buffers))
@@ -114,18 +124,18 @@ class FlatGrads:
     def _check_some(self, groups: list) -> None:
         """Verifies the next params of the rotation, C-level scans first: the whole check
         runs, param by param, only to name a problem they found."""
-        n = len(self.entries)
-        start, stop = self._next, self._next + min(CHECKED_PER_STEP, n)
-        params = self._params[start:stop]
-        placed = start + PLACED_PER_STEP
-        in_groups = map(operator.getitem, map(_PARAMS, map(groups.__getitem__,
-                                                             self._group_of[start:placed])),
-                        self._position[start:placed])
-        if (any(map(operator.is_not, map(_GRAD, params), self._views[start:stop]))
-                or list(map(_DATA_PTR, params)) != self._addresses[start:stop]
-                or any(map(operator.is_not, in_groups, self._params[start:placed]))):
+        if not self._windows:
+            return
+        start = self._next
+        params, views, addresses, placed = self._windows[start]
+        stop = start + len(params)
+        if (any(map(operator.is_not, map(_GRAD, params), views))
+                or list(map(_DATA_PTR, params)) != addresses):
             self._raise_problem(groups, start, stop)
-        self._next = stop % max(n, 1)
+        for g, i, param in placed:
+            if groups[g]["params"][i] is not param:
+                self._raise_problem(groups, start, stop)
+        self._next = stop % len(self._windows)
 
     def _raise_problem(self, groups: list, start: int, stop: int) -> None:
         n = len(self.entries)

@@ -70,6 +70,7 @@ def test_trains_like_in_place_grads_and_steps_without_per_param_work(cls, torch_
     reference = _reference(cls, torch_cls, kw, device, batches)
     model = _model(device)
     frozen = model[3].bias.detach().clone()
+    monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)  # read as the buffers are made
     opt = cls(_groups(model, kw["lr"]), flat_grads=True, **kw)
     for batch in batches[:3]:
         _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad())  # set_to_none aside
@@ -78,7 +79,6 @@ def test_trains_like_in_place_grads_and_steps_without_per_param_work(cls, torch_
         raise AssertionError("a per-param path ran")
     monkeypatch.setattr(mt._FusedOptimizer, "_step_group", per_param)
     monkeypatch.setattr(flat_grads.FlatGrads, "restore", per_param)
-    monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)
     for batch in batches[3:]:
         start = opt._flat._next
         _step(model, opt, batch, zero=lambda model, opt: opt.zero_grad())
