@@ -49,6 +49,8 @@ from . import lamb as _lamb
 from . import lars as _lars
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
+from ._group_lrs import GroupLrs
+from ._launch import stream_pointer
 from ._optimizer_step import lean_step
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 
@@ -80,6 +82,8 @@ class _Part:
         self.group_of = None  # in a merged group: each param's group index
         self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
         self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
+        self.lrs = None  # in a merged group on a GPU: the groups' number lrs, on the device
+        self.float32_math = all(p.dtype != torch.float64 for p in params)
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
         if plan is not None and _is_dtensor(params[0]):
@@ -426,8 +430,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
             groups = group["groups"]
             names = changes.since(part.hyper_at) if part.hyper is not None else None
             if names == {"lr"} and part.numeric_lrs:  # a scheduler set numbers (no tensor)
-                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))[part.group_of]
-                part.hyper = dict(part.hyper, lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
+                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))
+                if part.lrs is not None:  # the rows read them from the device: same hyper
+                    part.lrs.write(lrs, stream_pointer(None, "torch", part.device.index))
+                else:
+                    lrs = lrs[part.group_of]
+                    part.hyper = dict(part.hyper,
+                                      lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
             else:
                 part.hyper = self._merged_hyper(part, groups)
                 part.numeric_lrs = not any(isinstance(g["lr"], torch.Tensor) for g in groups)
@@ -436,9 +445,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _merged_hyper(self, part, groups: list) -> dict:
         per_group = [self._hyper(g, part.device) for g in groups]
+        part.lrs = self._group_lrs(part, per_group)
         first = per_group[0]
         differ = [k for k in first if any(_differ(h[k], first[k]) for h in per_group)]
         return dict(first, **{k: tuple(per_group[g][k] for g in part.group_of) for k in differ})
+
+    @staticmethod
+    def _group_lrs(part, per_group: list):
+        """Where a merged part's groups give their lrs as numbers on a GPU, for float32 math:
+        the groups' lrs written to their device slots, which replace them in `per_group`."""
+        if (part.device.type != "cuda" or not part.float32_math
+                or not all(type(h.get("lr")) is float for h in per_group)):
+            return None
+        lrs = part.lrs
+        if lrs is None or len(lrs.slots) != len(per_group):
+            lrs = GroupLrs(len(per_group), part.device.index)
+        lrs.write(np.array([h["lr"] for h in per_group], np.float64),
+                  stream_pointer(None, "torch", part.device.index))
+        for h, slot in zip(per_group, lrs.slots):
+            h["lr"] = slot
+        return lrs
 
     def _step_part(self, part, group, grad_scale, found_inf) -> None:
         hyper = self._part_hyper(part, group)

@@ -232,3 +232,45 @@ def test_merged_groups_follow_a_scheduler_on_the_gpu(monkeypatch):
     assert repeated == [True, False, True, True]  # from the third step; betas change steps anew
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_merged_groups_keep_number_lrs_in_device_slots():
+    """A scheduler's lrs are written to one float32 slot per group: the plan's rows stay the
+    same objects; a bad lr names its group before anything is written; float64 params keep
+    their lrs in double, in the rows."""
+    import mtapply.torch as mt
+
+    torch.manual_seed(6)
+    for dtype in (torch.float32, torch.float64):
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]).to("cuda", dtype)
+        groups = [{"params": [p], "lr": 1e-2 / (1 + k)} for k, p in enumerate(model.parameters())]
+        opt = mt.AdamW(groups, flat_grads=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+        rows = []
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(2, 8, device="cuda", dtype=dtype)).square().mean().backward()
+            opt.step()
+            scheduler.step()
+            (part,) = opt._bound["merged"].parts
+            rows.append(part.plan._latest_rows)
+        if dtype == torch.float64:
+            assert part.lrs is None
+            continue
+        assert all(r is rows[0] for r in rows)  # new lrs went to the slots alone
+        torch.cuda.synchronize()
+        import cupy
+
+        table = part.lrs.table
+        memory = cupy.cuda.UnownedMemory(table.ptr, table.nbytes, table)
+        slots = cupy.ndarray((len(groups),), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
+        np.testing.assert_array_equal(slots.get(),
+                                      np.float32([g["lr"] for g in opt.param_groups]))
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.param_groups[3]["lr"] = -1.0
+        opt.zero_grad()
+        model(torch.randn(2, 8, device="cuda")).square().mean().backward()
+        with pytest.raises(ValueError, match=r"lr of param group 3 must be >= 0"):
+            opt.step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -1,0 +1,39 @@
+"""The learning rates of merged param groups, kept on the device.
+
+A plan over many param groups reads each tensor's hyperparameters from its row. Where the
+groups' lrs are numbers, which a scheduler sets every step, the torch optimizers keep them in
+one float32 device array, a slot per group, and give the plan each group's slot as its lr (a
+device value, known by its identity): new lrs are checked on the host and written by one async
+copy, and the plan sees the very same values again, its rows and launches unchanged. For
+float32 math only: float64 params keep their lrs in double, in the rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _tables
+from .ops._spec import DeviceScalar, check_number
+
+
+class GroupLrs:
+    """A float32 slot on one GPU per param group, holding the group's lr."""
+
+    def __init__(self, n_groups: int, device_id: int):
+        self.table = _tables.MemcpyTable(4 * n_groups, device_id)
+        self.slots = [DeviceScalar(ptr=self.table.ptr + 4 * g, obj=self.table)
+                      for g in range(n_groups)]
+        self._held = None  # the float32 values last written
+
+    def write(self, lrs: np.ndarray, stream: int) -> None:
+        """Checks the groups' lrs (one per group), raising before anything is written, and
+        copies them on `stream`, the launch stream of the step that reads them, where they
+        changed."""
+        if not lrs.min() >= 0.0:  # NaN fails too
+            k = int(np.flatnonzero(~(lrs >= 0.0))[0])
+            check_number(f"lr of param group {k}", float(lrs[k]), low=0.0)
+        values = lrs.astype(np.float32)
+        if self._held is not None and values.tobytes() == self._held.tobytes():
+            return
+        self.table.write(values.view(np.uint8), stream)
+        self.table.launched_on(stream)  # the step's launches read it next, on that stream
+        self._held = values
