@@ -27,9 +27,9 @@ storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new gr
 The step count lives on the device, one counter per plan, shared by the plan's params (their
 `state["step"]` is that counter), read and advanced by the step's own launches unless
 `GradScaler`'s `found_inf` skips the step, so a skipped step leaves it unchanged without a host
-synchronisation. SGD's first momentum step
-creates the buffers on the host's side: if that very step is skipped for inf grads, the next one
-blends into zero buffers (torch's fused SGD leaves them uninitialised there). `lr` may be a
+synchronisation. SGD's first momentum step creates the buffers on the host's side: if that very
+step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD leaves
+them uninitialised there). `lr` may be a
 float or a 0-d/one-element float32 tensor on the params' device (capturable: a CUDA graph of the
 whole training step replays correctly), in each group. CPU params run on mtapply's NumPy
 backend.
@@ -134,9 +134,9 @@ class _Bound:
 class _LatestStep:
     """A flat_grads step whose groups all stepped by their bound parts, each part's plans
     repeating what they were given. While the grads stay in their views and no GradScaler step
-    comes, a step is the parts' launches again; where only lrs were set since (a
-    scheduler), each part steps with its new lrs, which its plan takes in place (new words, or
-    new slots of its rows)."""
+    comes, a step is the parts' launches again; where only lrs were set since (a scheduler),
+    each part steps with its new lrs, written to its groups' lr slots (or taken by its plan in
+    place: new words, or new slots of its rows)."""
 
     def __init__(self, parts: list, version: int):
         self.parts, self.version = parts, version  # parts: (group index, _Part)
