@@ -29,10 +29,9 @@ The step count lives on the device, one counter per plan, shared by the plan's p
 `GradScaler`'s `found_inf` skips the step, so a skipped step leaves it unchanged without a host
 synchronisation. SGD's first momentum step creates the buffers on the host's side: if that very
 step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD leaves
-them uninitialised there). `lr` may be a
-float or a 0-d/one-element float32 tensor on the params' device (capturable: a CUDA graph of the
-whole training step replays correctly), in each group. CPU params run on mtapply's NumPy
-backend.
+them uninitialised there). `lr` may be a float or a 0-d/one-element float32 tensor on the
+params' device (capturable: a CUDA graph of the whole training step replays correctly), in each
+group. CPU params run on mtapply's NumPy backend.
 """
 from __future__ import annotations
 
