@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _tables
-from .ops._spec import DeviceScalar, check_number
+from ._tables import DeviceFloats
+from .ops._spec import check_number
 
 
 class GroupLrs:
     """A float32 slot on one GPU per param group, holding the group's lr."""
 
     def __init__(self, n_groups: int, device_id: int):
-        self.table = _tables.MemcpyTable(4 * n_groups, device_id)
-        self.slots = [DeviceScalar(ptr=self.table.ptr + 4 * g, obj=self.table)
-                      for g in range(n_groups)]
-        self._held = None  # the float32 values last written
+        self.values = DeviceFloats(n_groups, device_id)
+        self.slots = [self.values.scalar(g) for g in range(n_groups)]
 
     def write(self, lrs: np.ndarray, stream: int) -> None:
         """Checks the groups' lrs (one per group), raising before anything is written, and
@@ -31,9 +29,5 @@ class GroupLrs:
         if not lrs.min() >= 0.0:  # NaN fails too
             k = int(np.flatnonzero(~(lrs >= 0.0))[0])
             check_number(f"lr of param group {k}", float(lrs[k]), low=0.0)
-        values = lrs.astype(np.float32)
-        if self._held is not None and values.tobytes() == self._held.tobytes():
-            return
-        self.table.write(values.view(np.uint8), stream)
-        self.table.launched_on(stream)  # the step's launches read it next, on that stream
-        self._held = values
+        self.values.write(lrs, stream)
+        self.values.table.launched_on(stream)  # the step's launches read it next, there

@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from ._rows import same_values
+
 MODES = ("memcpy", "unified")
 _H2D = 1
 
@@ -159,6 +161,26 @@ class MemcpyTable:
                 self._copied[k].wait_host()  # MAX_RING copies in flight
         self._next = (k + 1) % len(self._staging)
         return k
+
+
+class DeviceFloats:
+    """float32 values in device memory, each read by kernels as a device scalar (`scalar(i)`),
+    rewritten by one async copy on the launch stream only where they changed."""
+
+    def __init__(self, n: int, device_id: int):
+        self.table = MemcpyTable(4 * n, device_id)
+        self._held = None  # the values last written
+
+    def write(self, values: np.ndarray, stream: int) -> None:
+        values = np.ascontiguousarray(values, np.float32).reshape(-1)
+        if self._held is None or not same_values(values, self._held):
+            self.table.write(values.view(np.uint8), stream)
+            self._held = values
+
+    def scalar(self, i: int):
+        from .ops._spec import DeviceScalar
+
+        return DeviceScalar(ptr=self.table.ptr + 4 * i, obj=self.table)
 
 
 class UnifiedTable:

@@ -16,7 +16,7 @@ import numpy as np
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
 from ._launch import KernelLaunch, stream_pointer
-from ._rows import Rows, rows_for, same_values
+from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar, OutputArray, check_number
@@ -770,9 +770,10 @@ class _Slots:
         self.device_id = device_id
         self.names: tuple = ()  # the slotted names, for the rows of `origin`
         self.table = None
+        self._values = None  # a DeviceFloats of (names, rows), whose table is `table`
+        self._n_rows = 0
         self._origin = None
         self._rows = None
-        self._values = None  # float32 (names, rows), as the table holds them
 
     def hold(self, rows: Rows, scheduled: tuple, stream: int) -> None:
         """The slots hold `rows`' values (written where they differ)."""
@@ -782,21 +783,18 @@ class _Slots:
                 self._origin = rows.origin
             values = np.array([rows.per_row(name) for name in self.names], np.float32)
             if not self.names:
-                self.table = None
+                self._values = self.table = None
             elif self.table is None or self.table.nbytes != values.nbytes:
-                self.table = _tables.MemcpyTable(values.nbytes, self.device_id)
-                self._values = None
-            if self.table is not None and (self._values is None
-                                           or not same_values(values, self._values)):
-                self.table.write(values.reshape(-1).view(np.uint8), stream)
-            self._values, self._rows = values, rows
+                self._values = _tables.DeviceFloats(values.size, self.device_id)
+                self.table = self._values.table
+            if self._values is not None:
+                self._values.write(values, stream)
+            self._n_rows, self._rows = values.shape[1] if self.names else 0, rows
         if self.table is not None:
             self.table.before_launch(stream)
 
     def scalar(self, name: str, row: int) -> DeviceScalar:
-        n_rows = self._values.shape[1]
-        return DeviceScalar(ptr=self.table.ptr + 4 * (self.names.index(name) * n_rows + row),
-                            obj=self.table)
+        return self._values.scalar(self.names.index(name) * self._n_rows + row)
 
 
 @dataclasses.dataclass

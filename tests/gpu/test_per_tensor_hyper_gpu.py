@@ -262,7 +262,7 @@ def test_merged_groups_keep_number_lrs_in_device_slots():
         torch.cuda.synchronize()
         import cupy
 
-        table = part.lrs.table
+        table = part.lrs.values.table
         memory = cupy.cuda.UnownedMemory(table.ptr, table.nbytes, table)
         slots = cupy.ndarray((len(groups),), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
         np.testing.assert_array_equal(slots.get(), np.float32(stepped))
