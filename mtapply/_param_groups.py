@@ -134,7 +134,7 @@ class TrackedGroups(list):
 
     def extend(self, groups) -> None:
         self.changes.note(ANY)
-        super().extend(map(self._tracked, groups))
+        super().extend([self._tracked(group) for group in groups])  # `groups` may be this list
 
     def __iadd__(self, groups):
         self.extend(groups)

@@ -35,6 +35,7 @@ group. CPU params run on mtapply's NumPy backend.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from itertools import chain, repeat
@@ -217,7 +218,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():  # being traced: the launch stays out of the graph
-            _fused_step_outside_graphs(self)
+            _outside_graphs()(self)
         else:  # (torch.compiler.disable's wrapper would cost every eager step)
             self._fused_step()
         return loss
@@ -540,7 +541,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-_fused_step_outside_graphs = torch.compiler.disable(_FusedOptimizer._fused_step)
+@functools.cache
+def _outside_graphs():
+    """`_fused_step` kept out of torch.compile's graphs; made at first use, since
+    torch.compiler.disable imports torch._dynamo (most of a second)."""
+    return torch.compiler.disable(_FusedOptimizer._fused_step)
 
 
 class Adam(_FusedOptimizer):
