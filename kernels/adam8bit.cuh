@@ -352,6 +352,9 @@ struct Adam8bit {
       store_lane(t.m_codes, i, t.numel, false, mc);
       store_lane(t.v_codes, i, t.numel, false, vc);
     }
+    // Every lane read this block's old scales in load_block; lane 0 overwrites them. The
+    // maxima's shuffles already order the two, but only a warp barrier says so to racecheck.
+    __syncwarp();
     if (i % QBLOCK == 0) {  // lane 0
       scales.m[b.local] = m_max;
       scales.v[b.local] = v_max;
