@@ -46,7 +46,7 @@ def _refresh(lib, plan, addresses, groups, device=0):
 
 def test_records_follow_the_buffers_and_only_moved_words_are_uploaded(lib):
     words, operands = np.array([14], np.int32), np.array([4], np.int32)
-    plan = lib.mta_plan_create(1, words.ctypes.data, operands.ctypes.data, 256)
+    plan = lib.mta_plan_create(1, words.ctypes.data, operands.ctypes.data, 256, 5)
     # three tensors, slot 0 in buffers 0..2, slot 1 all in buffer 3 at byte offsets
     _group(lib, plan, [5, 0, 9], [[0, 3], [1, 3], [2, 3]], [[0, 0], [0, 32], [0, 48]])
     before = _records(lib, plan, 0, 3)
@@ -67,7 +67,7 @@ def test_records_follow_the_buffers_and_only_moved_words_are_uploaded(lib):
 
 def test_groups_and_devices_are_kept_apart(lib):
     none = np.zeros(1, np.int32)
-    plan = lib.mta_plan_create(0, none.ctypes.data, none.ctypes.data, 256)
+    plan = lib.mta_plan_create(0, none.ctypes.data, none.ctypes.data, 256, 4)
     _group(lib, plan, [4], [[0, 1]], [[0, 0]], device=0)
     _group(lib, plan, [6], [[2, 3]], [[0, 16]], device=0)
     _group(lib, plan, [8], [[0, 1]], [[0, 0]], device=1)
