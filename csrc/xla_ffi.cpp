@@ -117,7 +117,7 @@ struct DevicePlan {
 
 struct Plan {
   unsigned threads = 256;
-  size_t buffers = 0;                    // the call's buffers: results and arguments
+  std::vector<int64_t> elements;         // per buffer of the call (results, then arguments)
   std::vector<int32_t> scalar_words;     // argument word receiving each scalar's address
   std::vector<int32_t> scalar_operands;  // the scalar's index among the call's buffers
   std::unordered_map<int, std::unique_ptr<DevicePlan>> devices;
@@ -163,35 +163,49 @@ std::pair<size_t, size_t> refresh(Group& group, void* const* addresses) {
   return {first, end};
 }
 
-// The addresses of a call's buffers: results first, then arguments.
+// The addresses of a call's buffers: results first, then arguments. `mismatch` is the first
+// buffer whose element count is not the plan's (the step would walk past its end), or -1.
 class Buffers {
  public:
-  Buffers(const ffi::RemainingRets& rets, const ffi::RemainingArgs& args) {
+  Buffers(const ffi::RemainingRets& rets, const ffi::RemainingArgs& args,
+          const std::vector<int64_t>& elements) {
     Rets r(rets);
     Args a(args);
     addresses_.reserve(r.size() + a.size());
-    for (size_t i = 0; i < r.size(); ++i) addresses_.push_back(r.data(i));
-    for (size_t i = 0; i < a.size(); ++i) addresses_.push_back(a.data(i));
+    for (size_t i = 0; i < r.size(); ++i) add(r.buffer(i), elements);
+    for (size_t i = 0; i < a.size(); ++i) add(a.buffer(i), elements);
   }
   void* const* data() const { return addresses_.data(); }
   size_t size() const { return addresses_.size(); }
+  int64_t mismatch() const { return mismatch_; }
+  int64_t found() const { return found_; }
 
  private:
+  void add(const XLA_FFI_Buffer* buffer, const std::vector<int64_t>& elements) {
+    int64_t count = 1;
+    for (int64_t d = 0; d < buffer->rank; ++d) count *= buffer->dims[d];
+    if (mismatch_ < 0 && count != elements[addresses_.size()]) {
+      mismatch_ = static_cast<int64_t>(addresses_.size());
+      found_ = count;
+    }
+    addresses_.push_back(buffer->data);
+  }
   // Raw access to the call frame: decoding each buffer through `get` costs more than the
   // whole step on large trees.
   struct Args : ffi::RemainingArgs {
     explicit Args(const ffi::RemainingArgs& base) : ffi::RemainingArgs(base) {}
-    void* data(size_t i) const {
-      return static_cast<XLA_FFI_Buffer*>(args()->args[offset() + i])->data;
+    const XLA_FFI_Buffer* buffer(size_t i) const {
+      return static_cast<XLA_FFI_Buffer*>(args()->args[offset() + i]);
     }
   };
   struct Rets : ffi::RemainingRets {
     explicit Rets(const ffi::RemainingRets& base) : ffi::RemainingRets(base) {}
-    void* data(size_t i) const {
-      return static_cast<XLA_FFI_Buffer*>(rets()->rets[offset() + i])->data;
+    const XLA_FFI_Buffer* buffer(size_t i) const {
+      return static_cast<XLA_FFI_Buffer*>(rets()->rets[offset() + i]);
     }
   };
   std::vector<void*> addresses_;
+  int64_t mismatch_ = -1, found_ = 0;
 };
 
 // The stream's context made current for the handler's driver calls; the caller's restored after.
@@ -254,17 +268,23 @@ ffi::Error step(CUstream stream, int64_t plan_id, ffi::RemainingArgs args, ffi::
   if (!driver().problem.empty()) return ffi::Error::Internal("mtapply: " + driver().problem);
   Plan* plan = find_plan(plan_id);
   if (plan == nullptr) return ffi::Error::Internal("mtapply: no plan " + std::to_string(plan_id) + " is registered");
-  if (args.size() + rets.size() != plan->buffers)
+  if (args.size() + rets.size() != plan->elements.size())
     return ffi::Error::InvalidArgument("mtapply: plan " + std::to_string(plan_id) + " steps a call of " +
-                                       std::to_string(plan->buffers) + " buffers, this one has " +
+                                       std::to_string(plan->elements.size()) + " buffers, this one has " +
                                        std::to_string(args.size() + rets.size()));
+  const Buffers buffers(rets, args, plan->elements);
+  if (buffers.mismatch() >= 0)
+    return ffi::Error::InvalidArgument(
+        "mtapply: buffer " + std::to_string(buffers.mismatch()) + " of the call has " +
+        std::to_string(buffers.found()) + " elements, plan " + std::to_string(plan_id) + " was made for " +
+        std::to_string(plan->elements[buffers.mismatch()]) +
+        " (was the call partitioned? mtapply steps whole buffers: shard with shard_map or pmap)");
   const StreamContext context(stream);
   if (context.error()) return ffi::Error::Internal(describe_error("finding the GPU of XLA's stream", context.error()));
   DevicePlan* device = find_device(plan, context.device());
   if (device == nullptr)
     return ffi::Error::Internal("mtapply: the plan has no kernels for GPU " + std::to_string(context.device()) +
                                 " (it was prepared for the GPUs local when the step was traced)");
-  const Buffers buffers(rets, args);
   std::lock_guard<std::mutex> guard(device->lock);
   return run(*plan, *device, stream, buffers);
 }
@@ -280,16 +300,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mta_ffi_step, step,
 
 // ---- Registration, called through ctypes by mtapply/_xla.py --------------------------------
 
-// A new plan of a call of `buffers` buffers (results and arguments); `scalar_words[k]` is the
-// argument word that receives the address of the call's buffer `scalar_operands[k]` (a
-// one-element float32 array). Returns its id, or -1 for a scalar operand outside the buffers.
+// A new plan of a call of `buffers` buffers (results, then arguments) of `elements` elements
+// each; `scalar_words[k]` is the argument word that receives the address of the call's buffer
+// `scalar_operands[k]` (a one-element float32 array). Returns its id, or -1 for a scalar
+// operand outside the buffers.
 extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_words,
-                                   const int32_t* scalar_operands, int32_t threads, int32_t buffers) {
+                                   const int32_t* scalar_operands, int32_t threads, int32_t buffers,
+                                   const int64_t* elements) {
   for (int k = 0; k < n_scalars; ++k)
     if (scalar_operands[k] < 0 || scalar_operands[k] >= buffers) return -1;
   auto plan = std::make_unique<Plan>();
   plan->threads = static_cast<unsigned>(threads);
-  plan->buffers = static_cast<size_t>(buffers);
+  plan->elements.assign(elements, elements + buffers);
   plan->scalar_words.assign(scalar_words, scalar_words + n_scalars);
   plan->scalar_operands.assign(scalar_operands, scalar_operands + n_scalars);
   std::lock_guard<std::mutex> guard(registry_lock);
@@ -310,7 +332,7 @@ extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t p
   Plan* plan = find_plan(plan_id);
   if (plan == nullptr) return -1;
   for (size_t k = 0; k < static_cast<size_t>(tensors) * slots; ++k)
-    if (operands[k] < 0 || static_cast<size_t>(operands[k]) >= plan->buffers) return -2;
+    if (operands[k] < 0 || static_cast<size_t>(operands[k]) >= plan->elements.size()) return -2;
   Group group;
   for (int p = 0; p < passes; ++p) group.functions.push_back(reinterpret_cast<CUfunction>(functions[p]));
   group.blocks = blocks;

@@ -14,9 +14,18 @@
         return opt.step(params, grads, state)                  # -> (params, state), in place
 
 A rule written with `mtapply.rule` becomes one too: `transformation(rule, learning_rate,
-**hyper)` and `fused(rule, learning_rate, **hyper)`; `lion`, `adan`, `adagrad` and `rmsprop`
-(and their fused forms) are the shipped rules of `mtapply.rules.library` with optax's arguments
-and semantics.
+**hyper)` and `fused(rule, learning_rate, **hyper)` (`alias(rule)` is its factory, for
+`optax.inject_hyperparams`); `lion`, `adan`, `adagrad` and `rmsprop` (and their fused forms) are
+the shipped rules of `mtapply.rules.library` with optax's arguments and semantics.
+
+Hyperparameters. Each number may be an array, as `optax.inject_hyperparams` passes them (traced
+under jit): it is then a one-element operand of the step, read by the kernel from device memory
+as the learning rate is, so a new value in the state takes effect without recompiling. The
+built-in ops read only lr and the step so; with an array b1 (or eps_root, nesterov, lamb's mask)
+adam, sgd, lars and lamb run as their rules (`mtapply._optax_rules`), with optax's semantics.
+Choices that shape the step (masks, the momentum trace, centered RMSprop) are made when the step
+is traced, from Python values only: an array momentum keeps sgd's trace. Arrays are not range
+checked (optax checks none).
 
 `adam`, `adamw`, `sgd`, `lars` and `lamb` take optax's arguments and return
 `optax.GradientTransformation`s whose `update` returns updates (new params - params, computed by
@@ -33,6 +42,21 @@ param and slot: JAX's dispatch costs a few microseconds per array, more than the
 models. `tree_state(state, params)` gives any such state (or a chain's) with its slots as pytrees
 like params, as optax keeps them; `flat_state` goes back. The transformations take
 `flat_state=False` to keep optax's layout throughout (for states sharded like the params).
+A slot may keep its own dtype (mu_dtype, accumulator_dtype, state_dtype): one buffer of that
+dtype. `optax.tree_map_params` maps a function over each flat buffer (the slot holds optax's
+params placeholder after `init` of one); a map that pairs the slots with other trees like the
+params (building sharding specs from the params' ones) needs flat_state=False.
+
+JAX's transformations. `update` takes optax's extra arguments (GradientTransformationExtraArgs)
+and ignores them; jax.vmap runs the step once per element (an ensemble); jax.grad through an
+update raises a TypeError (the kernels have no derivative). Integer and complex params are
+refused when the step is traced, naming the leaf. With jax_enable_x64, float64 params take a
+float64 lr and step on the CPU (float32 on GPUs, where the kernels read float32 scalars).
+
+Several devices. Under jax.pmap and jax.shard_map each device steps its own buffers (its shard
+of each param, and a state made per shard or sharded like the params). Under jax.jit with
+sharded params the step, which has no partitioning rule, runs on each device over whole copies
+of its operands that XLA gathers: equal results, no saving of memory or work.
 
 How it runs. On GPUs each update is one XLA FFI custom call, `mtapply_step` (`mtapply._xla`,
 `csrc/xla_ffi.cpp`), prepared when the step is traced: the kernels are compiled and the tables
@@ -63,10 +87,11 @@ a schedule is evaluated at count, as optax does):
 - lars: mtapply's LARS (Paddle, You et al.), which differs from optax.lars when weight_decay > 0:
   the trust ratio divides by ||g|| + wd * ||p|| (optax: ||g + wd * p||). The state holds
   mtapply's velocity v (p -= v), minus optax.lars's trace. Equal to optax.lars when wd = 0.
-- lamb: Apex FusedLAMB (see `mtapply.LAMBSpec`). Without weight decay the trust ratio applies
-  only with use_nvlamb=True (optax.lamb always applies it); equal to optax.lamb when it applies.
-Only learning_rate may be a schedule or an array; the other hyperparameters are Python numbers
-fixed at construction (so `optax.inject_hyperparams` can drive learning_rate only).
+- lamb: optax.lamb (the trust ratio always, use_nvlamb=True), with Apex FusedLAMB's options
+  (see `mtapply.LAMBSpec`): use_nvlamb=False applies the trust ratio only where weight_decay != 0.
+- Bias corrections (1 - b**t) are computed in float64 (optax: in float32, relative 7e-6 off for
+  b2 = 0.999); moments of a 16-bit mu_dtype are computed in float32 and rounded once (optax
+  rounds b1 * mu to mu_dtype first).
 """
 from __future__ import annotations
 
@@ -905,8 +930,9 @@ class _Engine:
                            if isinstance(value, DeviceScalar)}
         devices = sorted({d.local_hardware_id if d.local_hardware_id is not None else d.id
                           for d in jax.local_devices(backend="gpu")})
+        elements = [int(np.prod(x.shape, dtype=np.int64)) for x in buffers]
         return _xla.prepare(spec, operand_table, offset_table, dtypes, numels, hyper,
-                            scalar_operands, devices, len(buffers))
+                            scalar_operands, devices, elements)
 
 
 class _Runner:

@@ -199,7 +199,7 @@ def test_equal_calls_share_one_ffi_plan(monkeypatch):
     spec = mtx.adamw(1e-2).mtapply[0].spec(())
     table = np.arange(8, dtype=np.int64).reshape(2, 4)
     args = (spec, table, table * 0, [("float32",) * 4] * 2, [3, 4], dict(lr=_xla.placeholder(0)),
-            {"lr": 9}, [0], 10)
+            {"lr": 9}, [0], [3] * 10)
     assert _xla.prepare(*args) == _xla.prepare(*args) == 1
     assert _xla.prepare(*args[:5], dict(lr=_xla.placeholder(0), beta1=0.5), *args[6:]) == 2
     assert len(registered) == 2
