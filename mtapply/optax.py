@@ -506,7 +506,7 @@ class _Lars(_Rule):
         return LARSSpec(exclude=exclude if any(exclude) else None)
 
     def fixed_args(self, statics, lr, step, *more) -> dict:
-        return dict(lr=lr, step=step, **self.hyper)
+        return dict(lr=lr, **self.hyper)  # LARS takes no step
 
 
 class _Lamb(_Rule):
