@@ -8,6 +8,14 @@
 // that moved on XLA's stream, writes the addresses of the scalar operands (learning rate, step,
 // global norm) into the argument words and launches every pass over every group on that stream.
 //
+// Several devices. One compiled program runs the same call on every device of a jax.pmap, a
+// shard_map or a sharded jit, each on its own stream, at once. A plan holds kernels, tables and
+// workspaces per GPU (made for every local GPU when the step is traced), and the handler takes
+// those of the GPU that XLA's stream belongs to, asked from the stream itself: every address it
+// launches with is then of that GPU. It checks what could make it read or write outside its
+// own memory (the call's buffer count against the plan's, the GPU's part of the plan) and returns
+// an error instead, and it leaves the thread's current CUDA context as XLA set it.
+//
 // The CUDA driver is opened at run time (dlopen), so building needs only the XLA FFI headers.
 #include <dlfcn.h>
 
@@ -46,6 +54,7 @@ struct Driver {
   CUresult (*stream_context)(CUstream, CUcontext*) = nullptr;
   CUresult (*current_context)(CUcontext*) = nullptr;
   CUresult (*set_context)(CUcontext) = nullptr;
+  CUresult (*context_device)(int*) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
   std::string problem;
 
@@ -64,6 +73,7 @@ struct Driver {
     find(lib, stream_context, "cuStreamGetCtx");
     find(lib, current_context, "cuCtxGetCurrent");
     find(lib, set_context, "cuCtxSetCurrent");
+    find(lib, context_device, "cuCtxGetDevice");
     find(lib, error_string, "cuGetErrorString");
   }
 
@@ -107,6 +117,7 @@ struct DevicePlan {
 
 struct Plan {
   unsigned threads = 256;
+  std::vector<int64_t> elements;         // per buffer of the call (results, then arguments)
   std::vector<int32_t> scalar_words;     // argument word receiving each scalar's address
   std::vector<int32_t> scalar_operands;  // the scalar's index among the call's buffers
   std::unordered_map<int, std::unique_ptr<DevicePlan>> devices;
@@ -152,45 +163,75 @@ std::pair<size_t, size_t> refresh(Group& group, void* const* addresses) {
   return {first, end};
 }
 
-// The addresses of a call's buffers: results first, then arguments.
+// The addresses of a call's buffers: results first, then arguments. `mismatch` is the first
+// buffer whose element count is not the plan's (the step would walk past its end), or -1.
 class Buffers {
  public:
-  Buffers(const ffi::RemainingRets& rets, const ffi::RemainingArgs& args) {
+  Buffers(const ffi::RemainingRets& rets, const ffi::RemainingArgs& args,
+          const std::vector<int64_t>& elements) {
     Rets r(rets);
     Args a(args);
     addresses_.reserve(r.size() + a.size());
-    for (size_t i = 0; i < r.size(); ++i) addresses_.push_back(r.data(i));
-    for (size_t i = 0; i < a.size(); ++i) addresses_.push_back(a.data(i));
+    for (size_t i = 0; i < r.size(); ++i) add(r.buffer(i), elements);
+    for (size_t i = 0; i < a.size(); ++i) add(a.buffer(i), elements);
   }
   void* const* data() const { return addresses_.data(); }
   size_t size() const { return addresses_.size(); }
+  int64_t mismatch() const { return mismatch_; }
+  int64_t found() const { return found_; }
 
  private:
+  void add(const XLA_FFI_Buffer* buffer, const std::vector<int64_t>& elements) {
+    int64_t count = 1;
+    for (int64_t d = 0; d < buffer->rank; ++d) count *= buffer->dims[d];
+    if (mismatch_ < 0 && count != elements[addresses_.size()]) {
+      mismatch_ = static_cast<int64_t>(addresses_.size());
+      found_ = count;
+    }
+    addresses_.push_back(buffer->data);
+  }
   // Raw access to the call frame: decoding each buffer through `get` costs more than the
   // whole step on large trees.
   struct Args : ffi::RemainingArgs {
     explicit Args(const ffi::RemainingArgs& base) : ffi::RemainingArgs(base) {}
-    void* data(size_t i) const {
-      return static_cast<XLA_FFI_Buffer*>(args()->args[offset() + i])->data;
+    const XLA_FFI_Buffer* buffer(size_t i) const {
+      return static_cast<XLA_FFI_Buffer*>(args()->args[offset() + i]);
     }
   };
   struct Rets : ffi::RemainingRets {
     explicit Rets(const ffi::RemainingRets& base) : ffi::RemainingRets(base) {}
-    void* data(size_t i) const {
-      return static_cast<XLA_FFI_Buffer*>(rets()->rets[offset() + i])->data;
+    const XLA_FFI_Buffer* buffer(size_t i) const {
+      return static_cast<XLA_FFI_Buffer*>(rets()->rets[offset() + i]);
     }
   };
   std::vector<void*> addresses_;
+  int64_t mismatch_ = -1, found_ = 0;
+};
+
+// The stream's context made current for the handler's driver calls; the caller's restored after.
+class StreamContext {
+ public:
+  explicit StreamContext(CUstream stream) {
+    const Driver& cu = driver();
+    if ((error_ = cu.stream_context(stream, &wanted_))) return;
+    cu.current_context(&previous_);
+    if (previous_ != wanted_ && (error_ = cu.set_context(wanted_))) return;
+    error_ = cu.context_device(&device_);
+  }
+  ~StreamContext() {
+    if (previous_ != wanted_ && previous_ != nullptr) driver().set_context(previous_);
+  }
+  CUresult error() const { return error_; }
+  int device() const { return device_; }  // the GPU of the stream (the driver's ordinal)
+
+ private:
+  CUcontext wanted_ = nullptr, previous_ = nullptr;
+  CUresult error_ = 0;
+  int device_ = -1;
 };
 
 ffi::Error run(Plan& plan, DevicePlan& device, CUstream stream, const Buffers& buffers) {
   const Driver& cu = driver();
-  CUcontext wanted = nullptr, current = nullptr;
-  if (CUresult e = cu.stream_context(stream, &wanted)) return ffi::Error::Internal(describe_error("cuStreamGetCtx", e));
-  cu.current_context(&current);
-  if (current != wanted) {
-    if (CUresult e = cu.set_context(wanted)) return ffi::Error::Internal(describe_error("cuCtxSetCurrent", e));
-  }
   if (device.done == nullptr) {
     if (CUresult e = cu.event_create(&device.done, 2 /* CU_EVENT_DISABLE_TIMING */))
       return ffi::Error::Internal(describe_error("cuEventCreate", e));
@@ -223,15 +264,27 @@ ffi::Error run(Plan& plan, DevicePlan& device, CUstream stream, const Buffers& b
   return ffi::Error::Success();
 }
 
-ffi::Error step(CUstream stream, int32_t device_ordinal, int64_t plan_id, ffi::RemainingArgs args,
-                ffi::RemainingRets rets) {
+ffi::Error step(CUstream stream, int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (!driver().problem.empty()) return ffi::Error::Internal("mtapply: " + driver().problem);
   Plan* plan = find_plan(plan_id);
   if (plan == nullptr) return ffi::Error::Internal("mtapply: no plan " + std::to_string(plan_id) + " is registered");
-  DevicePlan* device = find_device(plan, device_ordinal);
+  if (args.size() + rets.size() != plan->elements.size())
+    return ffi::Error::InvalidArgument("mtapply: plan " + std::to_string(plan_id) + " steps a call of " +
+                                       std::to_string(plan->elements.size()) + " buffers, this one has " +
+                                       std::to_string(args.size() + rets.size()));
+  const Buffers buffers(rets, args, plan->elements);
+  if (buffers.mismatch() >= 0)
+    return ffi::Error::InvalidArgument(
+        "mtapply: buffer " + std::to_string(buffers.mismatch()) + " of the call has " +
+        std::to_string(buffers.found()) + " elements, plan " + std::to_string(plan_id) + " was made for " +
+        std::to_string(plan->elements[buffers.mismatch()]) +
+        " (was the call partitioned? mtapply steps whole buffers: shard with shard_map or pmap)");
+  const StreamContext context(stream);
+  if (context.error()) return ffi::Error::Internal(describe_error("finding the GPU of XLA's stream", context.error()));
+  DevicePlan* device = find_device(plan, context.device());
   if (device == nullptr)
-    return ffi::Error::Internal("mtapply: the plan has no kernels for GPU " + std::to_string(device_ordinal));
-  const Buffers buffers(rets, args);
+    return ffi::Error::Internal("mtapply: the plan has no kernels for GPU " + std::to_string(context.device()) +
+                                " (it was prepared for the GPUs local when the step was traced)");
   std::lock_guard<std::mutex> guard(device->lock);
   return run(*plan, *device, stream, buffers);
 }
@@ -241,19 +294,24 @@ ffi::Error step(CUstream stream, int32_t device_ordinal, int64_t plan_id, ffi::R
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mta_ffi_step, step,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("plan")
                                   .RemainingArgs()
                                   .RemainingRets());
 
 // ---- Registration, called through ctypes by mtapply/_xla.py --------------------------------
 
-// A new plan; `scalar_words[k]` is the argument word that receives the address of the call's
-// buffer `scalar_operands[k]` (a one-element float32 array). Returns its id.
+// A new plan of a call of `buffers` buffers (results, then arguments) of `elements` elements
+// each; `scalar_words[k]` is the argument word that receives the address of the call's buffer
+// `scalar_operands[k]` (a one-element float32 array). Returns its id, or -1 for a scalar
+// operand outside the buffers.
 extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_words,
-                                   const int32_t* scalar_operands, int32_t threads) {
+                                   const int32_t* scalar_operands, int32_t threads, int32_t buffers,
+                                   const int64_t* elements) {
+  for (int k = 0; k < n_scalars; ++k)
+    if (scalar_operands[k] < 0 || scalar_operands[k] >= buffers) return -1;
   auto plan = std::make_unique<Plan>();
   plan->threads = static_cast<unsigned>(threads);
+  plan->elements.assign(elements, elements + buffers);
   plan->scalar_words.assign(scalar_words, scalar_words + n_scalars);
   plan->scalar_operands.assign(scalar_operands, scalar_operands + n_scalars);
   std::lock_guard<std::mutex> guard(registry_lock);
@@ -265,7 +323,7 @@ extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_word
 // Adds a launch group on `device`: its kernel (one function per pass), grid, argument words,
 // the device address of its records, and per tensor its element count and, for each slot, the
 // call's buffer holding it and its byte offset there (several tensors may share one buffer).
-// Returns 0, or -1 for an unknown plan.
+// Returns 0, -1 for an unknown plan, or -2 for a buffer index outside the call's buffers.
 extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t passes,
                                       const uint64_t* functions, uint32_t blocks, int32_t n_words,
                                       const uint64_t* words, uint64_t records, int32_t tensors,
@@ -273,6 +331,8 @@ extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t p
                                       const int64_t* offsets) {
   Plan* plan = find_plan(plan_id);
   if (plan == nullptr) return -1;
+  for (size_t k = 0; k < static_cast<size_t>(tensors) * slots; ++k)
+    if (operands[k] < 0 || static_cast<size_t>(operands[k]) >= plan->elements.size()) return -2;
   Group group;
   for (int p = 0; p < passes; ++p) group.functions.push_back(reinterpret_cast<CUfunction>(functions[p]));
   group.blocks = blocks;

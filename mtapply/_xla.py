@@ -29,6 +29,7 @@ TARGET = "mtapply_step"
 _lock = threading.Lock()
 _state: dict = {}  # "lib", "registered", "problem"
 _plans: dict = {}  # id -> the launchers that own each plan's device memory
+_ids: dict = {}  # what a plan does (see _identity) -> its id: equal calls share one plan
 
 
 def available() -> bool:
@@ -62,7 +63,7 @@ def _configure(lib) -> None:
     i32, i64, u32, u64, ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
                                ctypes.c_void_p)
     lib.mta_plan_create.restype = i64
-    lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32]
+    lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32, i32, ptr]
     lib.mta_plan_add_group.restype = i32
     lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, i32, ptr, u64, i32, i32, ptr, ptr,
                                        ptr]
@@ -75,23 +76,61 @@ def _configure(lib) -> None:
 
 
 def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numels: list,
-            hyper: dict, scalar_operands: dict, devices: list) -> int:
-    """Registers `spec` over a tree of len(numels) leaves and returns the plan's id.
+            hyper: dict, scalar_operands: dict, devices: list, elements: list) -> int:
+    """Registers `spec` over a tree of len(numels) leaves and returns the plan's id; a call
+    equal to one registered before (the same op, hyperparameters, tree and buffers) gets that
+    plan's id, so tracing a step again (a transformation made anew for each step, as
+    optax.inject_hyperparams does) allocates nothing more on the GPUs.
 
     operands, offsets: (leaves, spec slots) arrays: the call's buffer holding each slot of each
         leaf (the call's results, then its arguments) and the leaf's byte offset in it.
     dtypes: per leaf, the dtype of each spec slot.
     hyper: the op's step arguments, with a placeholder DeviceScalar for each scalar operand.
     scalar_operands: step argument name -> operand index of its one-element float32 buffer.
-    devices: the CUDA ordinals that may run the call.
+    devices: the CUDA ordinals that may run the call; each gets its own kernels, tables and
+        workspaces, and the handler picks them by the device of XLA's stream.
+    elements: the element count of each of the call's buffers (results, then arguments),
+        which the handler checks at each call: a call partitioned by XLA would hand it parts.
     """
+    elements = np.ascontiguousarray(elements, np.int64)
+    identity = _identity(spec, operands, offsets, dtypes, numels, hyper, scalar_operands,
+                         devices, elements)
+    with _lock:
+        if identity in _ids:
+            return _ids[identity]
+        plan_id = _register_plan(spec, operands, offsets, dtypes, numels, hyper,
+                                 scalar_operands, devices, elements)
+        _ids[identity] = plan_id
+        return plan_id
+
+
+def _identity(spec, operands, offsets, dtypes, numels, hyper, scalar_operands, devices,
+              elements) -> tuple:
+    """Everything a registered plan depends on, hashable."""
+    def value(v):
+        return ("device", v.obj) if isinstance(v, DeviceScalar) else v
+
+    return (spec.call_key(len(numels)), spec.param_mode, operands.tobytes(), operands.shape,
+            offsets.tobytes(), tuple(dtypes), tuple(int(n) for n in numels),
+            tuple(sorted((k, value(v)) for k, v in hyper.items())),
+            tuple(sorted(scalar_operands.items())), tuple(devices), elements.tobytes())
+
+
+def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operands, devices,
+                   elements) -> int:
     lib = _state["lib"]
+    if operands.size and (operands.min() < 0 or operands.max() >= len(elements)):
+        raise ValueError(f"mtapply: a plan's operand index is outside the call's "
+                         f"{len(elements)} buffers")
     words = {name: field_word(spec.arg_fields, f"{name}_ptr")
              for name in scalar_operands if f"{name}_ptr" in spec.arg_fields}
     names = list(words)
-    scalar_words, operand_of = _i32([words[n] for n in names]), _i32([scalar_operands[n] for n in names])
+    scalar_words = _i32([words[n] for n in names])
+    operand_of = _i32([scalar_operands[n] for n in names])
     plan_id = lib.mta_plan_create(len(names), scalar_words.ctypes.data, operand_of.ctypes.data,
-                                  _source.BLOCK_THREADS)
+                                  _source.BLOCK_THREADS, len(elements), elements.ctypes.data)
+    if plan_id < 0:
+        raise ValueError("mtapply: a plan's scalar operand is outside the call's buffers")
     args = spec.arguments(**hyper)
     numels = np.asarray(numels, np.int64)
     pointers = np.zeros((len(numels), len(spec.slots)), np.uint64)

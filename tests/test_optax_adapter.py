@@ -336,8 +336,8 @@ def test_lars_without_weight_decay_matches_optax():
 
 LAMB_CASES = [
     dict(weight_decay=0.01),
-    dict(weight_decay=0.0, use_nvlamb=True),
-    dict(weight_decay=0.0),  # Apex: no trust ratio without weight decay or use_nvlamb
+    dict(weight_decay=0.0),  # optax.lamb: the trust ratio whatever the weight decay
+    dict(weight_decay=0.0, use_nvlamb=False),  # Apex: none without weight decay
     dict(weight_decay=0.1, b1=0.5, b2=0.95, eps=1e-8, max_grad_norm=1.0),
     dict(weight_decay=0.01, adam_w_mode=False, grad_averaging=False, bias_correction=False),
 ]
@@ -352,7 +352,7 @@ def test_lamb_matches_reference(case, mode):
     grads_seq = [_put(jax.tree.map(lambda g: 2 * g, _draw(rng)), _device("cpu"))
                  for _ in range(STEPS)]
     names = {"b1": "beta1", "b2": "beta2"}
-    hyper = {names.get(k, k): v for k, v in case.items()}
+    hyper = {"use_nvlamb": True, **{names.get(k, k): v for k, v in case.items()}}
     norms = [float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
                                for g in jax.tree.leaves(grads)))) for grads in grads_seq]
 
@@ -431,12 +431,12 @@ def test_float16_leaves_follow_the_reference():
 
 
 def test_unsupported_options_and_bad_hyperparameters():
-    with pytest.raises(NotImplementedError, match="eps_root"):
-        mtx.adam(1e-3, eps_root=1e-8)
-    with pytest.raises(NotImplementedError, match="nesterov"):
-        mtx.adam(1e-3, nesterov=True)
-    with pytest.raises(NotImplementedError, match="accumulator_dtype"):
-        mtx.sgd(1e-3, accumulator_dtype=jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="accumulator_dtype=complex64"):
+        mtx.sgd(1e-3, accumulator_dtype=jnp.complex64)
+    with pytest.raises(NotImplementedError, match="mu_dtype=int32"):
+        mtx.adam(1e-3, mu_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="eps_root must be >= 0"):
+        mtx.adam(1e-3, eps_root=-1.0)
     with pytest.raises(NotImplementedError, match="nesterov"):
         mtx.lars(1e-3, nesterov=True)
     with pytest.raises(ValueError, match="b1"):

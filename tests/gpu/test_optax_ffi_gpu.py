@@ -224,3 +224,142 @@ def test_thousands_of_leaves_step_a_thousand_per_call(gpu, form):
         np.testing.assert_allclose(np.asarray(got), np.asarray(p) * 0.855, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(state.trace[-1]), np.asarray(grads[-1]) * 1.9,
                                rtol=1e-6)
+
+
+INJECTED = {  # name -> (ours, optax's, keyword arguments of both)
+    "adamw": (mtx.adamw, optax.adamw, dict(weight_decay=0.1, eps_root=1e-8)),
+    "sgd": (mtx.sgd, optax.sgd, dict(momentum=0.9, nesterov=True)),
+    "lars": (mtx.lars, optax.lars, dict(trust_coefficient=0.02)),
+    "lamb": (mtx.lamb, optax.lamb, dict(weight_decay=0.01)),
+    "lion": (mtx.lion, optax.lion, dict(weight_decay=0.01)),
+}
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat-state", "tree-state"])
+@pytest.mark.parametrize("name", list(INJECTED))
+def test_inject_hyperparams_reach_the_kernel_as_device_values(gpu, name, flat):
+    """optax.inject_hyperparams passes every number as a traced array: one mtapply_step (the
+    op's rule, reading them from device memory) follows optax's steps, with b1 (or momentum)
+    changed in the state between steps and no retrace."""
+    ours, theirs, kwargs = INJECTED[name]
+    lr = 0.5 if name == "lars" else 1e-2
+    rng = np.random.default_rng(6)
+    params = _tree(rng, gpu)
+    grads_seq = [_tree(rng, gpu) for _ in range(12)]
+    changed = "momentum" if name in ("sgd", "lars") else "b1"
+    results, traces = [], []
+    for factory in (ours, theirs):
+        tx = optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs,
+                                               **({"flat_state": flat} if factory is ours else {}))
+
+        @jax.jit
+        def step(p, s, g):
+            traces.append(factory)
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s = params, tx.init(params)
+        for t, g in enumerate(grads_seq):
+            hyper = dict(s.hyperparams, **{changed: jnp.asarray(0.9 - 0.02 * t)})
+            p, s = step(p, s._replace(hyperparams=hyper), g)
+        results.append(p)
+        if factory is ours:
+            assert traces.count(ours) == 1
+            lowered = step.lower(p, s, grads_seq[0])
+    assert _custom_calls(lowered).count("mtapply_step") >= 1
+    for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(np.abs(want).max(initial=0), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
+
+
+def test_eager_injected_steps_register_one_plan(gpu):
+    """A transformation made anew at each eager step (inject_hyperparams) reuses its FFI plan:
+    no GPU memory is taken per step."""
+    rng = np.random.default_rng(7)
+    params = _tree(rng, gpu)
+    tx = optax.inject_hyperparams(mtx.adam)(learning_rate=1e-2)
+    state = tx.init(params)
+    updates, state = tx.update(params, state, params)
+    plans = len(_xla._plans)
+    for _ in range(3):
+        updates, state = tx.update(params, state, params)
+    jax.block_until_ready(updates)
+    assert len(_xla._plans) == plans
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("form", FORMS)
+def test_mu_dtype_keeps_the_moment_in_its_dtype(gpu, form, dtype, monkeypatch):
+    """mu in bfloat16 or float16 (math in float32, as every step): the FFI path equals the
+    buffer callback's bit for bit, and follows optax within the dtype's rounding (optax
+    computes b1 * mu in mu's dtype, mtapply in float32)."""
+    rng = np.random.default_rng(8)
+    params = _tree(rng, gpu)
+    grads_seq = [_tree(rng, gpu) for _ in range(4)]
+    mine, state, _ = _run(_make("adamw", form, mu_dtype=dtype), form, params, grads_seq, True)
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
+    again, again_state, _ = _run(_make("adamw", form, mu_dtype=dtype), form, params, grads_seq,
+                                 True)
+    for got, want in zip(jax.tree.leaves((mine, state)), jax.tree.leaves((again, again_state))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert {x.dtype for x in jax.tree.leaves(state.mu)} == {jnp.dtype(dtype)}
+    theirs, their_state, _ = _run(optax.adamw(1e-3, weight_decay=0.1, mu_dtype=dtype), "optax",
+                                  params, grads_seq, True)
+    for got, want in zip(jax.tree.leaves((mine, state.mu)),
+                         jax.tree.leaves((theirs, their_state[0].mu))):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(np.abs(want).max(initial=0), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat-state", "tree-state"])
+def test_vmap_of_an_update_steps_each_member(gpu, flat):
+    """An ensemble under jax.vmap: the FFI call runs once per member (vmap_method sequential)."""
+    rng = np.random.default_rng(9)
+    tx = mtx.lamb(1e-2, weight_decay=0.01, flat_state=flat)
+    members = [_tree(rng, gpu) for _ in range(3)]
+    grads = [_tree(rng, gpu) for _ in range(3)]
+    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)  # noqa: E731
+
+    def step(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    vstep = jax.jit(jax.vmap(step))
+    p, s = vstep(stack(members), jax.vmap(tx.init)(stack(members)), stack(grads))
+    assert "mtapply_step" in _custom_calls(vstep.lower(p, s, stack(grads)))
+    for k in range(3):
+        want = jax.jit(step)(members[k], tx.init(members[k]), grads[k])
+        for got, expected in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], (p, s))),
+                                 jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+X64 = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np, optax
+import mtapply.optax as mtx
+gpu = [d for d in jax.devices() if d.platform == "gpu"][0]
+rng = np.random.default_rng(0)
+params = jax.device_put({"w": jnp.asarray(rng.standard_normal((50, 3)))}, gpu)
+grads = jax.device_put({"w": jnp.asarray(rng.standard_normal((50, 3)))}, gpu)
+for ours, theirs in ((mtx.adam(1 / 3), optax.adam(1 / 3)),
+                     (mtx.adam(1 / 3, b1=jnp.asarray(0.9)), optax.adam(1 / 3))):
+    u = jax.jit(ours.update)(grads, ours.init(params), params)[0]["w"]
+    v = theirs.update(grads, theirs.init(params), params)[0]["w"]
+    assert u.dtype == jnp.float64
+    # the kernels read lr and the step as float32 on GPUs
+    np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-7)
+print("ok")
+"""
+
+
+def test_float64_params_under_x64(gpu):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", X64], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
