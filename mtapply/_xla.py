@@ -86,8 +86,8 @@ def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numel
     devices: the CUDA ordinals that may run the call.
     """
     lib = _state["lib"]
-    words = {name: field_word(spec.arg_fields, f"{name}_ptr")
-             for name in scalar_operands if f"{name}_ptr" in spec.arg_fields}
+    words = {name: field_word(spec.arg_fields, f"{spec.field_of(name)}_ptr")
+             for name in scalar_operands if f"{spec.field_of(name)}_ptr" in spec.arg_fields}
     names = list(words)
     scalar_words, operand_of = _i32([words[n] for n in names]), _i32([scalar_operands[n] for n in names])
     plan_id = lib.mta_plan_create(len(names), scalar_words.ctypes.data, operand_of.ctypes.data,

@@ -318,7 +318,7 @@ class Plan:
         array for an `*_out` argument becomes an OutputArray."""
         if type(value) is float or type(value) is int or not hasattr(value, "__dlpack__"):
             return value
-        if name.endswith("_out"):
+        if name.endswith("_out") and name in self.spec.outputs:
             return self._output(name, value)
         if name not in self.spec.device_scalars + ("grad_scale", "found_inf"):
             raise TypeError(f"{name} must be a Python number; only "

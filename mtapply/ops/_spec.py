@@ -143,6 +143,15 @@ class OpSpec:
             return {"sr_tensor_array": np.arange(n_tensors, dtype=np.int32)}
         return {}
 
+    @property
+    def outputs(self) -> tuple:
+        """The arguments that are arrays the op writes into (`*_out` kernel arguments)."""
+        return tuple(field for field in self.arg_fields if field.endswith("_out"))
+
+    def field_of(self, name: str) -> str:
+        """The kernel argument word of step argument `name` (a rule may rename it)."""
+        return name
+
     def output_numel(self, name: str, n_tensors: int) -> int:
         """Elements of the output array `name` (an `*_out` argument) for a list of n tensors."""
         raise NotImplementedError(f"{self.name} has no output {name}")
