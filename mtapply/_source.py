@@ -94,16 +94,20 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
-                   flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS) -> str:
+                   flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS,
+                   checks: tuple = ()) -> str:
     """Complete source of one kernel variant (op file, slot dtypes, compile-time flags, elements
-    per chunk), with
-    one entry point per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the
-    last slot holds the fp32 master weights of the 16-bit params of slot 0."""
+    per chunk, the checks of its device scalars: `OpSpec.device_checks`), with one entry point
+    per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the last slot holds
+    the fp32 master weights of the 16-bit params of slot 0. `OpSpec.source` calls it."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
              f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {chunk}",
              f"#define MTA_VEC {vector_width(dtypes)}"]
     lines += [f"#define MTA_{name} {int(value)}" for name, value in flags]
+    lines.append("#define MTA_SCALAR_CHECKS(X) " + " ".join(
+        f"X({word}, {count}, {float(low).hex()}, {float(high).hex()}, {flags}u)"
+        for word, count, low, high, flags in checks))
     seen: set[str] = set()
     lines += inlined_sources(("dtypes.cuh",), seen)
     # With master weights the op's param (slot 0) is the fp32 master, held in the last slot.

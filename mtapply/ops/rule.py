@@ -58,7 +58,8 @@ class RuleSpec(OpSpec):
             if value is None:
                 raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
                                 f"one-element float32 device array")
-            args[self._fields[name]] = number_or_device_scalar(name, value, low=float("-inf"))
+            args[self._fields[name]] = number_or_device_scalar(name, value,
+                                                               self.scalar_range(name))
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
