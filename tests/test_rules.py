@@ -301,7 +301,7 @@ def test_hyperparameters_named_like_cpp_keywords_or_addresses_compile(dtypes):
     assert not {"y_out", "z_array"} & set(spec.arg_fields) and spec.outputs == ()
     types = {"float32": ("float32",) * 4, "bfloat16": ("bfloat16",) + ("float32",) * 3,
              "master": ("bfloat16", "bfloat16", "float32", "float32", "float32")}[dtypes]
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     for arch in ARCHS:
         cubin = _source.compile_offline(source, arch)
         assert cubin[:4] == b"\x7fELF" and _source.entry_name(1).encode() in cubin
@@ -318,7 +318,7 @@ def test_generated_kernels_compile(definition, dtypes):
     types = {"float32": ("float32",) * n, "bfloat16": ("bfloat16",) + ("float32",) * (n - 1),
              "float64": ("float64",) * n,
              "master": ("bfloat16", "bfloat16") + ("float32",) * (n - 1)}[dtypes]
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     assert "#include" not in source
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         cubins = list(pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS))
@@ -358,7 +358,7 @@ def test_shipped_rules_compile_and_stay_short(name, rule, dtype):
     assert len(rule.program.lines) < 30
     spec = rule.spec()
     types = (dtype,) * 2 + ("float32",) * (len(rule.slots) - 2)
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         for cubin in pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS):
             assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
@@ -371,7 +371,7 @@ def test_rules_compile_in_the_optax_param_modes(mode):
     pytest.importorskip("cuda.bindings")
     spec = mtapply.rule("lion", **LION).spec().with_param_mode(mode)
     types = ("float32",) * len(spec.slots)
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     assert f"#define MTA_{'DELTA' if mode == 'delta' else 'ZERO_PARAM'} 1" in source
     assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"
 

@@ -346,9 +346,15 @@ def test_bad_hyperparameter(hyper, error, match):
 
 
 @pytest.mark.parametrize("lr", [np.array([-1.0], np.float32), torch.tensor([float("nan")])])
-def test_bad_array_lr_on_cpu(lr):
+def test_bad_array_lr_on_cpu_skips_the_step_and_raises_the_flag(lr):
+    """As on a GPU (tests/test_device_scalars.py has the rest): a device value is checked when
+    the step runs, which then writes nothing."""
     slots = adam_lists("numpy")
-    assert_refused(slots, ValueError, r"lr must be >= 0\.0", lr=lr)
+    before = snapshot(slots)
+    plan = mtapply.adam_plan(slots["params"], slots["grads"], slots["exp_avgs"],
+                             slots["exp_avg_sqs"])
+    plan.step(**dict(HYPER, lr=lr))
+    assert snapshot(slots) == before and plan.invalid[0] == 1.0
 
 
 def test_array_for_a_hyperparameter_that_must_be_a_number():
