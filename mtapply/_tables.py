@@ -125,10 +125,16 @@ def wait_for(latest, stream: int, event=None) -> None:
     nothing to do). Not where either is being captured into a CUDA graph: a capture cannot wait
     on uncaptured work (a capture on another stream must start after a synchronisation, as
     torch.cuda.graph does)."""
-    if latest is None or latest == stream or _capturing(stream) or _capturing(latest):
+    if latest is None or latest == stream or _capturing(stream):
         return
-    event = event or _Event()
-    event.record(latest)
+    try:
+        if _capturing(latest):
+            return
+        event = event or _Event()
+        event.record(latest)
+    except Exception:  # `latest` was destroyed since: the work queued on it may still run
+        _runtime().deviceSynchronize()
+        return
     event.wait_on(stream)
 
 
