@@ -225,7 +225,6 @@ struct Adam8bit {
                              reinterpret_cast<float*>(job.addresses[EXP_AVG_SQ_ABSMAX]), job.numel};
     scales.load(t, job);
     maps.load();  // then synchronizes
-    if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
     const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
     // words of codes and of params and grads (GROUP elements each), when every base allows them;
     // blocks from `whole` on are cut by the tensor's end (or unaligned) and go element by element

@@ -8,6 +8,7 @@
 //   mta::acc_t                      math type (float, or double for float64 params)
 //   mta::SlotType<S>::type          storage type of slot S
 //   MTA_MASTER, mta::param_t        fp32 master weights (below), and the params' storage type
+//   MTA_SCALAR_CHECKS(X)            the op's device scalars and their ranges (step_runs, below)
 //
 // An op's functor declares N_SLOTS (it uses the first slots of each record), WRITTEN (bit mask
 // of the slots it stores), GRAD (the slot the walker unscales, -1 for none), N_SUMS (per-tensor
@@ -89,6 +90,8 @@ struct Launch {
   float* step_counter;    // a plan that counts its steps: the steps taken, else null
   unsigned* step_arrivals;  // blocks of this step that have read the count (zero between steps)
   long long step_blocks;  // blocks of the step's last pass, which advances the count; else 0
+  long long checked_rows;  // rows of args_rows whose device values step_runs checks (0: none)
+  float* invalid;         // set to 1 by a step that a device value out of its range skipped
   Args args;
 };
 
@@ -112,11 +115,77 @@ __device__ __forceinline__ Args args_of(const Launch<Args>& launch, int tensor) 
   return a;
 }
 
-// Advances a counting plan's step count, after the last block of the step's last pass (over
-// all its launches) is done reading it; a step that found_inf skips does not count.
+// Device scalars (a tensor lr, a device step, GradScaler's scale) are checked by every block
+// before it writes anything, against the ranges the op declares (mtapply.ops._spec.Range): the
+// generated preamble lists them as MTA_SCALAR_CHECKS(X), X(word of the value's address in
+// Args, values there, low, high, flags). A value out of its range skips the whole step, as
+// found_inf does (every block reads the same values, so all agree), and sets *invalid.
+enum : unsigned { CHECK_LOW = 1u, CHECK_LOW_OPEN = 2u, CHECK_HIGH = 4u, CHECK_HIGH_OPEN = 8u,
+                  CHECK_FINITE = 16u, CHECK_WHOLE = 32u };
+#ifndef MTA_SCALAR_CHECKS
+#define MTA_SCALAR_CHECKS(X)
+#endif
+
+__device__ __forceinline__ bool in_range(float value, double low, double high, unsigned flags) {
+  const double v = static_cast<double>(value);
+  if (v != v || ((flags & CHECK_FINITE) && !isfinite(v))) return false;
+  if ((flags & CHECK_LOW) && ((flags & CHECK_LOW_OPEN) ? !(v > low) : !(v >= low))) return false;
+  if ((flags & CHECK_HIGH) && ((flags & CHECK_HIGH_OPEN) ? !(v < high) : !(v <= high))) return false;
+  return !(flags & CHECK_WHOLE) || v == floor(v);
+}
+
+// Whether the device values that `a` points at (as the functor reads them: a counted step
+// comes from the counter) lie in their ranges; Args are 8-byte words.
 template <class Args>
-__device__ __forceinline__ void count_step(const Launch<Args>& launch) {
-  if (launch.step_blocks == 0 || (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f)) return;
+__device__ __forceinline__ bool args_in_range(const Launch<Args>& launch, Args a) {
+  static_assert(sizeof(Args) % 8 == 0, "kernel arguments are 8-byte words");
+  if constexpr (HasStep<Args>::value) {
+    if (launch.step_counter) a.step_ptr = nullptr;
+  }
+  (void)launch;
+  const unsigned long long* words = reinterpret_cast<const unsigned long long*>(&a);
+  (void)words;
+  bool ok = true;
+#define MTA_CHECK_SCALAR(WORD, COUNT, LOW, HIGH, FLAGS)                                  \
+  static_assert((WORD) < sizeof(Args) / 8, "a checked device scalar's word lies in Args"); \
+  if (const float* p = reinterpret_cast<const float*>(words[WORD]))                      \
+    for (int j = 0; j < (COUNT); ++j) ok = ok && in_range(p[j], LOW, HIGH, FLAGS);
+  MTA_SCALAR_CHECKS(MTA_CHECK_SCALAR)
+#undef MTA_CHECK_SCALAR
+  return ok;
+}
+
+// Whether this step writes: not when found_inf is set, nor when a device value is out of its
+// range (then *invalid is set). Per block, a few scalar loads before the walk; the rows of
+// per-tensor args (where some hold device values the host did not check) are split among the
+// block's threads.
+template <class Args>
+__device__ __forceinline__ bool step_runs(const Launch<Args>& launch) {
+  if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return false;
+  bool valid = !launch.grad_scale_ptr ||
+               in_range(*launch.grad_scale_ptr, 0.0, 0.0, CHECK_LOW | CHECK_LOW_OPEN | CHECK_FINITE);
+  if constexpr (HasStep<Args>::value) {  // the step is the count plus one: a whole number >= 1
+    if (launch.step_counter)
+      valid = valid && in_range(*launch.step_counter, 0.0, 0.0, CHECK_LOW | CHECK_FINITE | CHECK_WHOLE);
+  }
+  if (!launch.args_rows) {
+    valid = valid && args_in_range(launch, launch.args);
+  } else if (launch.checked_rows > 0) {
+    bool bad = !valid;
+    for (long long r = threadIdx.x; r < launch.checked_rows; r += MTA_BLOCK)
+      bad = bad || !args_in_range(launch, launch.args_rows[r]);
+    valid = !__syncthreads_or(bad);
+  }
+  if (!valid && threadIdx.x == 0 && launch.invalid) *launch.invalid = 1.0f;
+  return valid;
+}
+
+// Advances a counting plan's step count, after the last block of the step's last pass (over
+// all its launches) is done reading it; a step that found_inf or an invalid value skips (`runs`
+// false in every block) does not count.
+template <class Args>
+__device__ __forceinline__ void count_step(const Launch<Args>& launch, bool runs) {
+  if (launch.step_blocks == 0 || !runs) return;
   __syncthreads();  // every thread of the block has read the count
   if (threadIdx.x != 0) return;
   __threadfence();
@@ -317,7 +386,6 @@ __device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
 template <class Op>
 __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
   constexpr int N = Op::N_SLOTS;
-  if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return;
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
   const Chunk job = chunk_of(launch);
   const long long numel = job.numel;
@@ -364,6 +432,7 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
 #define MTA_DEFINE_ENTRY(NAME, OP)                                                  \
   extern "C" __global__ void __launch_bounds__(MTA_BLOCK, mta::MinBlocks<OP>::value) \
   NAME(const mta::Launch<OP::Args> launch) {                                        \
-    mta::walk<OP>(launch);                                                          \
-    mta::count_step(launch);                                                        \
+    const bool runs = mta::step_runs(launch);                                       \
+    if (runs) mta::walk<OP>(launch);                                                \
+    mta::count_step(launch, runs);                                                  \
   }

@@ -86,6 +86,7 @@ def step(spec, tensors: dict, *, table_mode=None, stream=None, **arguments) -> P
 def _step_recent(recent: _Recent, framework: str, stream, arguments: dict) -> Plan:
     if stream is not None:
         _order_after_producer(framework, recent.description, stream)
+    recent.plan._vouch_alive()  # the call's own tensors, described, lie at its addresses
     recent.plan.step(stream=stream, **arguments)
     if not recent.frozen and _capturing(framework, recent.description, stream):
         recent.frozen = True

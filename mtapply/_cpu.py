@@ -1,7 +1,9 @@
 """The CPU backend: the same ops on host memory, with NumPy, slowly but with the same semantics.
 
 Tensors are viewed in place through their addresses (zero copy); the math runs in float32 for
-16- and 32-bit storage and float64 for float64, then rounds back to the storage type.
+16- and 32-bit storage and float64 for float64, then rounds back to the storage type. Values
+given as one-element float32 arrays (device scalars on a GPU) are read when the step runs and
+checked as the kernels check them: one out of its range makes the step write nothing.
 """
 from __future__ import annotations
 
@@ -53,14 +55,24 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> None:
+def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None) -> bool:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
     with its row's where `rows` (mtapply._rows.Rows) is given; grads are divided by
     `grad_scale` first (AMP), in the math type, as the kernel does. With master
     weights the op sees the fp32 master as its param, and the param receives the rounded
-    result. Param modes as `OpSpec.with_param_mode` says."""
+    result. Param modes as `OpSpec.with_param_mode` says.
+
+    DeviceScalars (of `args`, the rows, `grad_scale`, `found_inf`) are read now: nothing is
+    written where found_inf is non-zero, nor where a value is out of its range, which returns
+    False (as the kernels do, see kernels/walker.cuh `step_runs`)."""
+    if found_inf is not None and _read(found_inf) != 0.0:
+        return True
+    values = _values(spec, args, rows, grad_scale)
+    if values is None:
+        return False
+    args, row_args, grad_scale = values
     if rows is None and spec.cpu_run(refs, args, grad_scale):
-        return
+        return True
     first = refs[spec.slots[0]]
     for i in range(len(first)):
         if first[i].numel == 0:
@@ -74,7 +86,7 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> Non
             arrays["params"] = np.zeros_like(arrays["params"])
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        tensor_args = args if rows is None else rows.checked[rows.row_of[i]]
+        tensor_args = args if rows is None else row_args[rows.row_of[i]]
         for name, values in spec.cpu_update(dict(arrays), tensor_args, dtype, i).items():
             if name == "params" and spec.param_mode == "delta":
                 store(refs["updates"][i], values - arrays["params"])
@@ -85,3 +97,42 @@ def run(spec, refs: dict, args: dict, grad_scale: float = 1.0, rows=None) -> Non
             store(refs[name][i], values)
             if name == "params" and spec.master_weights:
                 store(refs["master_params"][i], values)
+    return True
+
+
+def _values(spec, args: dict, rows, grad_scale):
+    """(args, each row's args, grad_scale) with every DeviceScalar read; None where one is out
+    of the range its op declares."""
+    from .ops._spec import GRAD_SCALE
+
+    if not isinstance(grad_scale, float):
+        grad_scale = _read(grad_scale)
+        if not GRAD_SCALE.holds(grad_scale):
+            return None
+    checks = [(spec.field_of(name), spec.scalar_range(name), spec.scalar_count(name))
+              for name in spec.device_scalars]
+    resolved = [_read_args(args, checks)]
+    if rows is not None:
+        resolved += [_read_args(row, checks) for row in rows.checked]
+    if any(r is None for r in resolved):
+        return None
+    return resolved[0], resolved[1:], grad_scale
+
+
+def _read_args(args: dict, checks: list) -> dict | None:
+    out = dict(args)
+    for field, allowed, count in checks:
+        value = args.get(field)
+        if hasattr(value, "ptr") and not hasattr(value, "ref"):  # a DeviceScalar
+            values = [_read(value, j) for j in range(count)]
+            if not all(map(allowed.holds, values)):
+                return None
+            out[field] = values[0]
+    return out
+
+
+def _read(scalar, index: int = 0) -> float:
+    """The float32 value at a DeviceScalar's address in host memory (a number stays itself)."""
+    if isinstance(scalar, (int, float)):
+        return float(scalar)
+    return float(ctypes.c_float.from_address(scalar.ptr + 4 * index).value)

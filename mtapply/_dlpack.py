@@ -14,7 +14,13 @@ _FLAG_READ_ONLY, _FLAG_IS_COPIED = 1, 2
 _UINT, _FLOAT, _BFLOAT = 1, 2, 4
 _DTYPES = {(_FLOAT, 16): "float16", (_FLOAT, 32): "float32", (_FLOAT, 64): "float64",
            (_BFLOAT, 16): "bfloat16", (_UINT, 8): "uint8"}  # uint8: codes of 8-bit states
-_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 5: "complex", 6: "bool"}
+# DLPack's type codes (dlpack.h v1.1), for messages naming a dtype mtapply does not take
+_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle ", 4: "bfloat", 5: "complex",
+               6: "bool", 7: "float8_e3m4", 8: "float8_e4m3", 9: "float8_e4m3b11fnuz",
+               10: "float8_e4m3fn", 11: "float8_e4m3fnuz", 12: "float8_e5m2",
+               13: "float8_e5m2fnuz", 14: "float8_e8m0fnu", 15: "float6_e2m3fn",
+               16: "float6_e3m2fn", 17: "float4_e2m1fn"}
+_SIZED = (0, 1, 2, 3, 4, 5)  # the codes whose name takes the width in bits (int8, complex64)
 
 
 class _DLDevice(ctypes.Structure):
@@ -85,7 +91,10 @@ def device_of(obj, where: str) -> tuple:
     if not hasattr(obj, "__dlpack_device__") or not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{where} is a {type(obj).__name__}, which does not implement DLPack: "
                         f"pass a torch tensor, CuPy array or NumPy array")
-    kind, ordinal = obj.__dlpack_device__()
+    try:
+        kind, ordinal = obj.__dlpack_device__()
+    except Exception as error:  # the producer refuses (torch's meta device, ...)
+        raise _refused(obj, where, error) from None
     kind = int(kind)
     if kind == _DEVICE_CPU:
         return ("cpu", 0)
@@ -104,7 +113,10 @@ def export(obj, where: str, stream: int | None) -> TensorRef:
     device = device_of(obj, where)
     # torch refuses to export tensors that require grad (every nn.Parameter); detach shares memory.
     source = obj.detach() if getattr(obj, "requires_grad", False) and hasattr(obj, "detach") else obj
-    capsule = _call_dlpack(source, stream if device[0] == "cuda" else None)
+    try:
+        capsule = _call_dlpack(source, stream if device[0] == "cuda" else None)
+    except Exception as error:  # the producer refuses to export it (sparse, conjugate, ...)
+        raise _refused(obj, where, error) from None
     name = _capsule_name(capsule)
     if name == b"dltensor_versioned":
         managed = _DLManagedTensorVersioned.from_address(_capsule_pointer(capsule, name))
@@ -119,14 +131,35 @@ def export(obj, where: str, stream: int | None) -> TensorRef:
     numel = 1
     for extent in shape:
         numel *= extent
-    code, bits, lanes = dl.dtype.code, dl.dtype.bits, dl.dtype.lanes
-    dtype = _DTYPES.get((code, bits)) if lanes == 1 else None
-    dtype = dtype or f"{_CODE_NAMES.get(code, f'code{code}')}{bits}" + (f"x{lanes}" if lanes != 1 else "")
+    dtype = dtype_name(dl.dtype.code, dl.dtype.bits, dl.dtype.lanes)
     row_major = all(s == r for s, r, e in zip(strides, row_major_strides(shape), shape) if e != 1)
     return TensorRef(obj=obj, ptr=(dl.data or 0) + dl.byte_offset, numel=numel, shape=shape,
                      strides=strides, dtype=dtype, device=device,
                      read_only=bool(flags & _FLAG_READ_ONLY), copied=bool(flags & _FLAG_IS_COPIED),
                      row_major=row_major)
+
+
+def dtype_name(code: int, bits: int, lanes: int = 1) -> str:
+    """A DLPack dtype in words: "float32", "float8_e4m3fn", "complex64", "bool", "int8x4"."""
+    name = _DTYPES.get((code, bits)) if lanes == 1 else None
+    if name is None:
+        base = _CODE_NAMES.get(code)
+        if base is None:
+            name = f"an unknown DLPack type (code {code}, {bits} bits)"
+        else:
+            name = f"{base}{bits}" if code in _SIZED else base
+    return name + (f"x{lanes}" if lanes != 1 else "")
+
+
+def _refused(obj, where: str, error: Exception) -> TypeError:
+    """The error for a tensor that its producer does not export through DLPack."""
+    what = type(obj).__name__
+    details = [f"{name} {getattr(obj, name)}" for name in ("dtype", "device")
+               if getattr(obj, name, None) is not None]
+    described = f"a {what}" + (f" ({', '.join(details)})" if details else "")
+    return TypeError(f"{where} is {described} that cannot be read through DLPack: its producer "
+                     f"says \"{str(error).strip() or type(error).__name__}\". mtapply takes "
+                     f"dense floating tensors in CPU or CUDA memory: move or convert it first")
 
 
 def _call_dlpack(obj, stream):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._tables import DeviceFloats
-from .ops._spec import check_number
+from .ops._spec import LR
 
 
 class GroupLrs:
@@ -26,8 +26,8 @@ class GroupLrs:
         """Checks the groups' lrs (one per group), raising before anything is written, and
         copies them on `stream`, the launch stream of the step that reads them, where they
         changed."""
-        if not lrs.min() >= 0.0:  # NaN fails too
-            k = int(np.flatnonzero(~(lrs >= 0.0))[0])
-            check_number(f"lr of param group {k}", float(lrs[k]), low=0.0)
+        if not (lrs.min() >= 0.0 and lrs.max() < np.inf):  # NaN fails too
+            k = int(np.flatnonzero(~((lrs >= 0.0) & (lrs < np.inf)))[0])
+            LR.check(f"lr of param group {k}", float(lrs[k]))
         self.values.write(lrs, stream)
         self.values.table.launched_on(stream)  # the step's launches read it next, there

@@ -14,7 +14,7 @@ import sys
 
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
-_HEADER = "<2QdQQ6Q2q2Q2Qq"  # table, AMP scaling, workspace, rows, step count; then the op's
+_HEADER = "<2QdQQ6Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:
@@ -98,6 +98,7 @@ class KernelLaunch:
         self._workspace = (0,) * 8
         self._rows = (0, 0)
         self._counting = (0, 0, 0)
+        self._checks = (0, 0)  # rows the kernel checks, the address of the `invalid` flag
         self._arrays: dict = {}
 
     def set_table(self, blocks_ptr: int, records_ptr: int) -> None:
@@ -108,10 +109,16 @@ class KernelLaunch:
         n_nonempty): see kernels/walker.cuh, `Launch`."""
         self._workspace = (partials_ptr, arrivals_ptr, sums_ptr, *plan_sums)
 
-    def set_rows(self, rows_ptr: int, row_of_ptr: int) -> None:
+    def set_rows(self, rows_ptr: int, row_of_ptr: int, checked_rows: int = 0) -> None:
         """Per-tensor args: the device rows of distinct args (as `row_words` packs them) and
-        each tensor's row; (0, 0) for the launch's own args."""
+        each tensor's row; (0, 0) for the launch's own args. `checked_rows`: how many rows the
+        kernel checks (all of them where some hold device values the host did not check)."""
         self._rows = (rows_ptr, row_of_ptr)
+        self._checks = (checked_rows, self._checks[1])
+
+    def set_invalid(self, flag_ptr: int) -> None:
+        """The float32 flag the launch sets to 1 when a device value is out of its range."""
+        self._checks = (self._checks[0], flag_ptr)
 
     def set_counting(self, counter_ptr: int, arrivals_ptr: int, step_blocks: int) -> None:
         """The plan's step counter, which this launch reads (plus one) as the step, and its
@@ -151,6 +158,7 @@ class KernelLaunch:
         values += self._workspace
         values += self._rows
         values += self._counting
+        values += self._checks
         for name, has_pointer in self._layout:
             if name.endswith("_array"):
                 values.append(self._arrays[name])

@@ -12,6 +12,8 @@ Python path, which has the same semantics. `MTAPPLY_NATIVE=0` keeps to Python th
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,11 +22,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import warnings
 from pathlib import Path
 
-from ._source import bundled_dir, cache_dir
+from ._source import bundled_dir, cache_dir, read_entry, trusted_folder, write_entry
 
 _lock = threading.Lock()
 _loaded: dict = {}  # name -> ctypes library, or None once it failed
@@ -66,28 +69,59 @@ def _build_and_load(name: str):
 
 
 def _built(name: str) -> Path:
-    """The cached shared library, compiled now if it is not there yet."""
+    """The cached shared library, compiled now if it is not there yet (or does not verify)."""
     recipe = _RECIPES[name]
     source = bundled_dir("csrc") / f"{name}.cpp"
     flags = recipe.flags()
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    identity = repr((source.read_bytes(), flags, recipe.version(), compiler, sys.version))
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"{name}-{digest}.so"
-    if path.is_file():
+    identity = hashlib.sha256(repr((source.read_bytes(), flags, recipe.version(), compiler,
+                                    sys.version)).encode()).digest()
+    folder = trusted_folder(cache_dir() / "native")
+    if folder is None:  # not trusted: a private folder of this process, removed at exit
+        folder = _private_folder()
+    path = folder / f"{name}-{identity.hex()[:16]}.so"
+    stamp = path.with_suffix(".sha256")  # the library's identity and SHA-256
+    stored = read_entry(stamp, identity)
+    if stored is not None and stored == _digest(path):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    command = [*shlex.split(compiler), "-O2", "-std=c++17", "-fPIC", "-shared", "-w",
-               str(source), "-o", str(partial), *flags]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{done.stderr[-2000:]}")
-    partial.replace(path)
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        command = [*shlex.split(compiler), "-O2", "-std=c++17", "-fPIC", "-shared", "-w",
+                   str(source), "-o", partial, *flags]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{done.stderr[-2000:]}")
+        digest = _digest(Path(partial))
+        os.replace(partial, path)  # atomic: a concurrent loader sees a whole library or none
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+    write_entry(stamp, identity, digest)
+    if _digest(path) != digest:  # replaced meanwhile by another process's build: verify it
+        raise RuntimeError(f"{path} changed while it was being verified: try again")
     return path
+
+
+def _digest(path: Path) -> bytes | None:
+    """SHA-256 of a file's bytes, None where it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return None
+
+
+_private = []  # this process's own folder, where the cache folder is not trusted
+
+
+def _private_folder() -> Path:
+    if not _private:
+        folder = Path(tempfile.mkdtemp(prefix="mtapply-native-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _private.append(folder)
+    return _private[0]
 
 
 class _Recipe:

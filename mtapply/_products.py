@@ -87,7 +87,7 @@ class BoundProducts:
         tf32 = framework_tf32(self.framework)
         for device, batches in self.devices.items():
             stream = stream_pointer(None, self.framework, device)
-            with _Handle(device, stream, tf32) as handle:
+            with _Handle(device, stream, tf32, self.framework) as handle:
                 for indices, batch in batches:
                     batch.run(addresses[indices], scalars, handle, stream)
         return self.left
@@ -113,21 +113,35 @@ def _gemm(op_a, op_b, a_shape, b_shape, c_shape) -> tuple:
 
 
 class _Handle:
-    """CuPy's cuBLAS handle of a device, set to host scalars on `stream` (and TF32 tensor cores
-    or none) for one call and given back as it was (CuPy launches on it too)."""
+    """A cuBLAS handle set to host scalars on `stream` (and TF32 tensor cores or none) for one
+    call and given back as it was. For torch matrices, torch's handle of its current stream,
+    which is `stream`: torch gives each stream its own cuBLAS workspace, where a handle moved
+    from stream to stream (cublasSetStream) shares one default workspace between the work of
+    both streams. Otherwise CuPy's handle of the device, which CuPy itself moves to its
+    current stream at each of its calls."""
 
-    def __init__(self, device: int, stream: int, tf32: bool):
-        self.device, self.stream, self.tf32 = device, stream, tf32
+    def __init__(self, device: int, stream: int, tf32: bool, framework: str | None = None):
+        self.device, self.stream, self.tf32, self.framework = device, stream, tf32, framework
 
     def __enter__(self) -> int:
-        import cupy
         from cupy_backends.cuda.libs import cublas
 
-        with cupy.cuda.Device(self.device):
-            self.handle = cupy.cuda.device.get_cublas_handle()
-        self.saved = (cublas.getStream(self.handle), cublas.getPointerMode(self.handle),
-                      cublas.getMathMode(self.handle))
-        cublas.setStream(self.handle, self.stream)
+        if self.framework == "torch":
+            import torch
+
+            with torch.cuda.device(self.device):  # set to the current stream, its workspace
+                self.handle = torch.cuda.current_blas_handle()
+            moved = False
+        else:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self.handle = cupy.cuda.device.get_cublas_handle()
+            moved = True
+        self.saved = (cublas.getStream(self.handle) if moved else None,
+                      cublas.getPointerMode(self.handle), cublas.getMathMode(self.handle))
+        if moved:
+            cublas.setStream(self.handle, self.stream)
         cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setMathMode(self.handle, _TF32_MATH if self.tf32 else _DEFAULT_MATH)
         return self.handle
@@ -135,7 +149,8 @@ class _Handle:
     def __exit__(self, *exc) -> None:
         from cupy_backends.cuda.libs import cublas
 
-        cublas.setStream(self.handle, self.saved[0])
+        if self.saved[0] is not None:
+            cublas.setStream(self.handle, self.saved[0])
         cublas.setPointerMode(self.handle, self.saved[1])
         cublas.setMathMode(self.handle, self.saved[2])
 

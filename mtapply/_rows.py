@@ -91,10 +91,10 @@ def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def per_tensor(hyper: dict) -> list:
+def per_tensor(hyper: dict, outputs=()) -> list:
     """The names of the values given per tensor: lists, tuples, 1-D NumPy arrays of more than
-    one element (a one-element array is one value for all)."""
-    return [name for name, value in hyper.items() if not name.endswith("_out") and (
+    one element (a one-element array is one value for all); not the `outputs` arrays."""
+    return [name for name, value in hyper.items() if name not in outputs and (
         isinstance(value, (list, tuple))
         or (isinstance(value, np.ndarray) and value.ndim == 1 and value.size != 1))]
 
@@ -105,7 +105,7 @@ def rows_for(spec, hyper: dict, n_tensors: int, scalar, previous: Rows | None = 
     `scalar(name, value)` resolves a device value for `spec.arguments`; `previous` (the
     latest step's rows, on a GPU) is returned again, or patched, where the values allow it.
     """
-    names = per_tensor(hyper)
+    names = per_tensor(hyper, spec.outputs)
     if not names:
         return None
     if previous is not None and previous.hyper.keys() == hyper.keys():

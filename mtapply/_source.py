@@ -11,10 +11,16 @@ appends `-ftz=true` after the caller's options: torch keeps float32 denormals, a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
+import stat
+import tempfile
+import threading
+import time
+import warnings
 from pathlib import Path
 
 # CUDA storage type of each supported dtype, and its size in bytes.
@@ -88,16 +94,20 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
-                   flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS) -> str:
+                   flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS,
+                   checks: tuple = ()) -> str:
     """Complete source of one kernel variant (op file, slot dtypes, compile-time flags, elements
-    per chunk), with
-    one entry point per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the
-    last slot holds the fp32 master weights of the 16-bit params of slot 0."""
+    per chunk, the checks of its device scalars: `OpSpec.device_checks`), with one entry point
+    per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the last slot holds
+    the fp32 master weights of the 16-bit params of slot 0. `OpSpec.source` calls it."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
              f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {chunk}",
              f"#define MTA_VEC {vector_width(dtypes)}"]
     lines += [f"#define MTA_{name} {int(value)}" for name, value in flags]
+    lines.append("#define MTA_SCALAR_CHECKS(X) " + " ".join(
+        f"X({word}, {count}, {float(low).hex()}, {float(high).hex()}, {flags}u)"
+        for word, count, low, high, flags in checks))
     seen: set[str] = set()
     lines += inlined_sources(("dtypes.cuh",), seen)
     # With master weights the op's param (slot 0) is the fp32 master, held in the last slot.
@@ -119,6 +129,7 @@ def entry_name(pass_index: int) -> str:
 
 
 _loaded: dict = {}
+_loading = threading.Lock()  # one thread compiles and loads a variant; the others wait for it
 
 
 def kernel_functions(source: str, device_id: int, n_passes: int,
@@ -131,18 +142,22 @@ def kernel_functions(source: str, device_id: int, n_passes: int,
     if functions is None:
         import cupy
 
-        with cupy.cuda.Device(device_id):
-            arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
-            module = cupy.cuda.function.Module()
-            module.load(_compiled_binary(source, arch, options))
-            functions = [module.get_function(entry_name(k)) for k in range(n_passes)]
-        _loaded[key] = functions
+        with _loading:
+            functions = _loaded.get(key)
+            if functions is None:
+                with cupy.cuda.Device(device_id):
+                    arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
+                    module = cupy.cuda.function.Module()
+                    module.load(_compiled_binary(source, arch, options))
+                    functions = [module.get_function(entry_name(k)) for k in range(n_passes)]
+                _loaded[key] = functions
     return functions
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: $MTAPPLY_CACHE_DIR, else ~/.cache/mtapply."""
-    return Path(os.environ.get("MTAPPLY_CACHE_DIR") or Path.home() / ".cache" / "mtapply")
+    """Where compiled kernels are kept: $MTAPPLY_CACHE_DIR (`~` expanded), else ~/.cache/mtapply."""
+    configured = os.environ.get("MTAPPLY_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "mtapply"
 
 
 def _compiled_binary(source: str, arch: str, options: tuple) -> bytes:
@@ -150,21 +165,108 @@ def _compiled_binary(source: str, arch: str, options: tuple) -> bytes:
     from cupy.cuda import compiler
     from cupy_backends.cuda.libs import nvrtc
 
-    identity = repr((source, options, arch, nvrtc.getVersion())).encode()
-    path = cache_dir() / f"{hashlib.sha256(identity).hexdigest()}.bin"
-    if path.is_file():
-        return path.read_bytes()
-    binary = compiler.compile_using_nvrtc(source, options, arch)
-    binary = binary[0] if isinstance(binary, tuple) else binary  # (binary, name mapping) in CuPy 13+
-    binary = binary.encode() if isinstance(binary, str) else binary
-    try:  # a read-only or full disk only costs a recompilation next time
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(binary)
-        partial.replace(path)
+    identity = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).digest()
+    folder = trusted_folder(cache_dir())
+    path = folder / f"{identity.hex()}.bin" if folder is not None else None
+    binary = read_entry(path, identity) if path is not None else None
+    if binary is None:
+        binary = compiler.compile_using_nvrtc(source, options, arch)
+        binary = binary[0] if isinstance(binary, tuple) else binary  # (binary, names) in CuPy 13+
+        binary = binary.encode() if isinstance(binary, str) else binary
+        if path is not None:
+            write_entry(path, identity, binary)
+    return binary
+
+
+# -- the disk cache: entries verified before use, in folders only their owner can write -------
+
+_MAGIC = b"mtapply cache entry 1\n"
+_STALE_SECONDS = 24 * 3600  # temporary files older than this were left by a process that died
+_untrusted_warned: set = set()
+
+
+def trusted_folder(folder: Path) -> Path | None:
+    """`folder` (made, private to this user, where it is missing), or None where it cannot be
+    used or is not trusted: owned by another user, or writable by others (anyone could plant
+    a file there). Warns once per folder that is not trusted."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.stat()
+    except OSError:  # read-only or full disk: compiled code is kept in memory only
+        return None
+    owner = getattr(os, "getuid", None)
+    mine = owner is None or info.st_uid == owner()
+    if stat.S_ISDIR(info.st_mode) and mine and not info.st_mode & stat.S_IWOTH:
+        return folder
+    if str(folder) not in _untrusted_warned:
+        _untrusted_warned.add(str(folder))
+        why = "is owned by another user" if not mine else "is writable by other users"
+        warnings.warn(f"mtapply does not use its cache folder {folder}: it {why}, so a file "
+                      f"there could have been planted. Compiled code is kept in memory only; "
+                      f"set MTAPPLY_CACHE_DIR to a folder of your own (chmod 700)",
+                      RuntimeWarning, stacklevel=3)
+    return None
+
+
+def read_entry(path: Path, identity: bytes) -> bytes | None:
+    """The payload of the cache entry at `path`, or None where there is none or it does not
+    verify: a file that is not an entry, the entry of another identity, a truncated or altered
+    payload (its SHA-256 is stored beside it), or a file of another user."""
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            data = file.read()
+    except OSError:
+        return None
+    owner = getattr(os, "getuid", None)
+    if owner is not None and info.st_uid != owner():
+        return None
+    header = len(_MAGIC) + 64
+    if len(data) < header or not data.startswith(_MAGIC):
+        return None
+    stored_identity, digest = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:header]
+    payload = data[header:]
+    if stored_identity != identity or hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload
+
+
+def write_entry(path: Path, identity: bytes, payload: bytes) -> None:
+    """Stores `payload` as the entry of `identity` at `path`: written to a temporary file of
+    its own and renamed over the entry (atomic: concurrent threads and processes each see a
+    whole entry or none). A failure (a full or read-only disk) only costs a recompilation."""
+    data = _MAGIC + identity + hashlib.sha256(payload).digest() + payload
+    write_atomically(path, lambda file: file.write(data))
+
+
+def write_atomically(path: Path, fill) -> None:
+    """Makes the file at `path` from `fill(file)` (a binary file object) through a temporary
+    file in the same folder renamed over it; the temporary file never outlives the call."""
+    _remove_stale(path.parent)
+    try:
+        handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                           suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(handle, "wb") as file:
+            fill(file)
+        os.replace(partial, path)
     except OSError:
         pass
-    return binary
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)  # gone already where the rename succeeded
+
+
+def _remove_stale(folder: Path) -> None:
+    """Removes temporary files that processes which died while writing left behind."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for partial in folder.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - partial.stat().st_mtime > _STALE_SECONDS:
+                    partial.unlink()
 
 
 def compile_offline(source: str, arch: str, options: tuple | None = None) -> bytes:

@@ -9,11 +9,21 @@ unified: the table lives in managed memory that the host writes directly. Two bu
   and the host writes a buffer only once the launches that read it have finished (an event), so
   host writes never race a kernel.
 Either way a step with an unchanged table does no host-to-device traffic at all.
+
+Lifetimes: kernels and copies read this memory on the launch stream (the framework's, not
+CuPy's), long after the host has moved on. So the work on one table is kept in one chain: a
+launch or upload on another stream than the latest waits for it (an event, only when the
+stream changes). And memory that mtapply lets go (`Keeper`) goes back to CuPy's pools only once
+an event recorded on its latest stream has passed: CuPy orders a freed block after the work of
+the stream it was allocated under, which is not the launch stream, and reuses pinned blocks at
+once.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import threading
 
 import numpy as np
 
@@ -84,6 +94,90 @@ class _Event:
             pass
 
 
+_retired: collections.deque = collections.deque()  # (event, memory): kept until the event
+_retired_lock = threading.RLock()  # reentrant: a collection may run a Keeper's __del__
+
+
+def retire(memory: list, stream, device_id: int) -> None:
+    """Lets `memory` (CuPy device or pinned allocations) go back to its pool once the work
+    queued so far on `stream` (its latest, None for none) has run."""
+    collect()
+    if not memory or stream is None:
+        return
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            event = _Event()
+            event.record(stream)
+    except Exception:  # a destroyed stream (its work still runs), shutdown, a broken context
+        try:
+            _runtime().deviceSynchronize()
+        except Exception:
+            pass
+        return
+    with _retired_lock:
+        _retired.append((event, memory))
+
+
+def wait_for(latest, stream: int, event=None) -> None:
+    """Makes `stream` wait for the work queued so far on `latest` (None, or the same stream:
+    nothing to do). Not where either is being captured into a CUDA graph: a capture cannot wait
+    on uncaptured work (a capture on another stream must start after a synchronisation, as
+    torch.cuda.graph does)."""
+    if latest is None or latest == stream or _capturing(stream):
+        return
+    try:
+        if _capturing(latest):
+            return
+        event = event or _Event()
+        event.record(latest)
+    except Exception:  # `latest` was destroyed since: the work queued on it may still run
+        _runtime().deviceSynchronize()
+        return
+    event.wait_on(stream)
+
+
+def collect() -> None:
+    """Gives back the retired memory whose work has run (oldest first)."""
+    with _retired_lock:
+        while _retired and _retired[0][0].done():
+            _retired.popleft()
+
+
+def retired() -> int:
+    """How many releases still wait for their work to run."""
+    with _retired_lock:
+        return len(_retired)
+
+
+class Keeper:
+    """Memory that kernels or copies on `stream` (the latest stream that used it, set by its
+    owner) may still read or write: when the owner drops it, it is retired (`retire`)."""
+
+    __slots__ = ("memory", "stream", "device_id")
+
+    def __init__(self, device_id: int):
+        self.memory: list = []
+        self.stream = None
+        self.device_id = device_id
+
+    def __del__(self):
+        try:
+            retire(self.memory, self.stream, self.device_id)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __reduce_ex__(self, protocol):
+        raise _not_copied(self)
+
+
+def _not_copied(obj) -> TypeError:
+    return TypeError(f"{type(obj).__name__} holds device memory and the addresses of tensors: it "
+                     f"cannot be copied or pickled. Build a new plan (or optimizer) over the "
+                     f"copied tensors instead")
+
+
 class MemcpyTable:
     """A table in device memory, updated by async copies on the launch stream."""
 
@@ -95,34 +189,41 @@ class MemcpyTable:
 
         self.nbytes = nbytes
         self.device_id = device_id
+        collect()
+        self._keep = Keeper(device_id)  # the device table and the staging buffers
         with cupy.cuda.Device(device_id):
             self._device = cupy.cuda.alloc(max(nbytes, 16))
             self._staging = [self._pinned() for _ in range(self.RING)]
             self._copied = [_Event() for _ in range(self.RING)]
-            self._reader_done = _Event()
+            self._latest_done = _Event()
+        self._keep.memory += [self._device, *self._staging]
         self._next = 0
-        self._reader_stream = None
-        self._last_copy = None
-        self._ordered_streams: set = set()
+
+    def __reduce_ex__(self, protocol):
+        raise _not_copied(self)
 
     @property
     def ptr(self) -> int:
         return self._device.ptr
 
     def before_launch(self, stream: int) -> None:
-        """Orders a launch on `stream` after the latest upload, made on another stream.
+        """Orders a launch on `stream` after the latest upload or launch that used the table,
+        where that was on another stream (one chain of work: see the module's docstring).
 
         A stream being captured cannot wait on uncaptured work; a capture on another stream than
         the upload's must start after a device synchronisation, as torch.cuda.graph does.
         """
-        if stream not in self._ordered_streams:
-            if not _capturing(stream):
-                self._last_copy.wait_on(stream)
-            self._ordered_streams.add(stream)
+        if stream != self._keep.stream:
+            self._follow(stream)
 
     def launched_on(self, stream: int) -> None:
         """Notes the stream of the latest launch that reads the table."""
-        self._reader_stream = stream
+        self._keep.stream = stream
+
+    def _follow(self, stream: int) -> None:
+        """Makes `stream` wait for the work queued so far on the table's latest stream."""
+        wait_for(self._keep.stream, stream, self._latest_done)
+        self._keep.stream = stream
 
     def write(self, table: np.ndarray, stream: int) -> None:
         """Copies `table` (uint8) to the device, ordered on `stream` after earlier readers."""
@@ -130,16 +231,13 @@ class MemcpyTable:
             raise RuntimeError("mtapply cannot upload a pointer table while the stream is being "
                                "captured into a CUDA graph: run one step before capturing, and "
                                "keep the same tensors while the graph is in use")
-        if self._reader_stream is not None and self._reader_stream != stream:
-            self._reader_done.record(self._reader_stream)
-            self._reader_done.wait_on(stream)
+        if stream != self._keep.stream:  # after the launches that read the table, and copies
+            self._follow(stream)
         k = self._free_staging()
         staging = self._staging[k]
         np.frombuffer(staging, dtype=np.uint8, count=table.nbytes)[:] = table
         _runtime().memcpyAsync(self._device.ptr, staging.ptr, table.nbytes, _H2D, stream)
         self._copied[k].record(stream)
-        self._last_copy = self._copied[k]
-        self._ordered_streams = {stream}
 
     def _pinned(self):
         import cupy
@@ -157,6 +255,7 @@ class MemcpyTable:
                 with cupy.cuda.Device(self.device_id):
                     self._staging.insert(k, self._pinned())
                     self._copied.insert(k, _Event())
+                self._keep.memory.append(self._staging[k])
             else:
                 self._copied[k].wait_host()  # MAX_RING copies in flight
         self._next = (k + 1) % len(self._staging)
@@ -171,6 +270,9 @@ class DeviceFloats:
         self.table = MemcpyTable(4 * n, device_id)
         self._held = None  # the values last written
 
+    def __reduce_ex__(self, protocol):
+        raise _not_copied(self)
+
     def write(self, values: np.ndarray, stream: int) -> None:
         values = np.ascontiguousarray(values, np.float32).reshape(-1)
         if self._held is None or not same_values(values, self._held):
@@ -180,7 +282,7 @@ class DeviceFloats:
     def scalar(self, i: int):
         from .ops._spec import DeviceScalar
 
-        return DeviceScalar(ptr=self.table.ptr + 4 * i, obj=self.table)
+        return DeviceScalar(ptr=self.table.ptr + 4 * i, obj=self.table, checked=True)
 
 
 class UnifiedTable:
@@ -196,22 +298,36 @@ class UnifiedTable:
             raise RuntimeError(f"cuda:{device_id} cannot access managed memory concurrently with "
                                f"the host, which the unified table mode needs: use "
                                f"table_mode='memcpy'")
+        collect()
+        self._keep = Keeper(device_id)
         with cupy.cuda.Device(device_id):
             self._buffers = [cupy.cuda.malloc_managed(max(nbytes, 16)) for _ in range(2)]
             self._released = [_Event() for _ in range(2)]
+            self._latest_done = _Event()
+        self._keep.memory += self._buffers
         self._current = 0
         self._written = False
-        self._reader_stream = None
+
+    def __reduce_ex__(self, protocol):
+        raise _not_copied(self)
 
     @property
     def ptr(self) -> int:
         return self._buffers[self._current].ptr
 
+    @property
+    def _reader_stream(self):
+        return self._keep.stream
+
     def before_launch(self, stream: int) -> None:
-        """Host writes are complete before any later launch: nothing to order."""
+        """Host writes are complete before any later launch; launches on a new stream wait for
+        the latest one's (one chain of work)."""
+        if stream != self._keep.stream:
+            wait_for(self._keep.stream, stream, self._latest_done)
+            self._keep.stream = stream
 
     def launched_on(self, stream: int) -> None:
-        self._reader_stream = stream
+        self._keep.stream = stream
 
     def write(self, table: np.ndarray, stream: int) -> None:
         """Writes `table` into the buffer not read by the latest launch; switches to it."""

@@ -122,8 +122,8 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
     if operands.size and (operands.min() < 0 or operands.max() >= len(elements)):
         raise ValueError(f"mtapply: a plan's operand index is outside the call's "
                          f"{len(elements)} buffers")
-    words = {name: field_word(spec.arg_fields, f"{name}_ptr")
-             for name in scalar_operands if f"{name}_ptr" in spec.arg_fields}
+    words = {name: field_word(spec.arg_fields, f"{spec.field_of(name)}_ptr")
+             for name in scalar_operands if f"{spec.field_of(name)}_ptr" in spec.arg_fields}
     names = list(words)
     scalar_words = _i32([words[n] for n in names])
     operand_of = _i32([scalar_operands[n] for n in names])

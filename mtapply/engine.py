@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -19,10 +21,33 @@ from ._launch import KernelLaunch, stream_pointer
 from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import DeviceScalar, OutputArray, check_number
+from .ops._spec import GRAD_SCALE, STEP, DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
 _SCALARS_KEPT = 8
+_CLOSED = "this plan was closed (Plan.close): build a new plan"
+
+
+def _freed(slot: str, index: int) -> str:
+    return (f"{slot}[{index}] was freed after plan.release({slot!r}): a step would write freed "
+            f"memory. Bind {slot!r} to live tensors again (plan.rebind), or build a new plan")
+
+
+class _Lost:
+    """Notes, in a plan it does not keep alive, which released tensor was freed."""
+
+    __slots__ = ("plan", "slot")
+
+    def __init__(self, plan: weakref.ref, slot: str):
+        self.plan, self.slot = plan, slot
+
+    def callback(self, index: int):
+        def freed(_reference, lost=self, index=index) -> None:
+            plan = lost.plan()
+            if plan is not None:
+                plan._tensor_freed(lost.slot, index)
+
+        return freed
 
 
 class Plan:
@@ -33,6 +58,22 @@ class Plan:
         tensors: slot name -> list of tensors, in the spec's slot order.
         table_mode: "memcpy" or "unified" (default: $MTAPPLY_TABLE_MODE, else "memcpy").
         stream: default launch stream; None means the tensors' framework's current stream.
+
+    Device values: a hyperparameter, `grad_scale` or `found_inf` may be a one-element float32
+    array on the tensors' device (the same on the CPU), read when the step runs, so a step
+    never waits for the host. Each op declares the range of each such value (`OpSpec.ranges`:
+    lr finite and >= 0, step a whole number >= 1, grad_scale finite and > 0, ...). A number out
+    of its range is refused at once (ValueError); a device value out of its range is found by
+    the step itself, which then writes nothing, as with found_inf set (a plan that counts its
+    steps does not count it), and sets `plan.invalid` to 1: a one-element float32 array the
+    caller reads when it likes, without a sync (`clear_invalid` zeroes it).
+
+    Lifetime: the plan holds its tensors unless `release(slot)` hands them to the caller; a step
+    after one of them was freed is refused. `close()` gives the device memory back (once the
+    launches queued so far have run) and refuses every later call. A plan holds device memory
+    and raw addresses: copying or pickling one is refused (build a new plan over the copies).
+    Its methods may be called from several threads: they run one at a time (a lock), and the
+    GPU work of steps on different streams is ordered as they were called.
     """
 
     def __init__(self, spec, tensors: dict, *, table_mode: str | None = None, stream=None):
@@ -66,6 +107,16 @@ class Plan:
             self._cuda = self._launchers(stream)
         self._repeat = None  # the latest launching step on one GPU (`_Repeat`)
         self._counter = None  # where the plan keeps its step count (`count_steps`)
+        self._lock = threading.RLock()
+        self._refusal = None  # why every call is refused now (closed; a released tensor freed)
+        self._watched: dict = {}  # released slot -> weak references to its tensors
+        self._lost: dict = {}  # released slot -> index of a tensor freed since
+        self._invalid_host = np.zeros(1, np.float32)  # `invalid` of a plan without a GPU
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a Plan holds device memory and the addresses of its tensors: it cannot "
+                        "be copied or pickled. Build a new plan over the copied tensors (e.g. "
+                        "mtapply.adam_plan(...)) instead")
 
     def _launchers(self, stream):
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
@@ -103,6 +154,10 @@ class Plan:
 
     def forget_stream(self) -> None:
         """Steps without `stream=` launch on the framework's current stream from now on."""
+        with self._lock:
+            self._forget_stream()
+
+    def _forget_stream(self) -> None:
         self._stream = None
         self._repeat = None
         if self._counter is not None and self._counter.alone is not None:
@@ -119,13 +174,16 @@ class Plan:
         `step` (pass no `step=`, or `counter` itself) and advances it, unless `found_inf`
         skips the step; on a GPU the step's own launches do both, so a training loop's
         counter costs no launch of its own."""
-        if "step" not in self.spec.device_scalars:
-            raise ValueError(f"{self.spec.name} takes no step count: count_steps does not apply")
-        if isinstance(self._cuda, _Devices):
-            raise ValueError("count_steps needs the plan's tensors on one GPU; the counter "
-                             "is read by every launch")
-        self._counter = _StepCounter(self, counter)
-        self._repeat = None  # the launches' words change
+        with self._lock:
+            self._open()
+            if "step" not in self.spec.device_scalars:
+                raise ValueError(f"{self.spec.name} takes no step count: count_steps does not "
+                                 f"apply")
+            if isinstance(self._cuda, _Devices):
+                raise ValueError("count_steps needs the plan's tensors on one GPU; the counter "
+                                 "is read by every launch")
+            self._counter = _StepCounter(self, counter)
+            self._repeat = None  # the launches' words change
 
     def step(self, *, stream=None, grad_scale=None, found_inf=None, after_pass=None,
              **hyper) -> None:
@@ -138,16 +196,27 @@ class Plan:
         `after_pass(k)`, for ops of several passes on one GPU, is called on the host once pass k
         is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
         all-reduce of `sums()` across the ranks that hold shards of the same tensors.
-        """
-        counter = self._counter
-        if counter is None:
-            self._step(stream, grad_scale, found_inf, after_pass, hyper)
-            return
-        self._step(stream, grad_scale, found_inf, after_pass, counter.hyper(hyper))
-        if counter.alone is not None:
-            counter.alone.step(value=1.0, found_inf=found_inf, stream=stream)
 
-    def _step(self, stream, grad_scale, found_inf, after_pass, hyper: dict) -> None:
+        A device value out of its range (see the class's docstring) skips the step and sets
+        `invalid`; a number out of its range raises ValueError before anything is written.
+        """
+        with self._lock:
+            if self._refusal is not None:
+                raise RuntimeError(self._refusal)
+            counter = self._counter
+            if counter is None:
+                self._step(stream, grad_scale, found_inf, after_pass, hyper)
+                return
+            counted = counter.hyper(hyper)
+            if counted is None:  # the host counter holds no step count: as a kernel would
+                self._invalid_host[0] = 1.0
+                return
+            if self._step(stream, grad_scale, found_inf, after_pass, counted) is not False:
+                if counter.alone is not None:
+                    counter.alone.step(value=1.0, found_inf=found_inf, stream=stream)
+
+    def _step(self, stream, grad_scale, found_inf, after_pass, hyper: dict):
+        """The step; False where the CPU found a device value out of its range."""
         repeat = self._repeat
         if repeat is not None and after_pass is None:
             changed = repeat.changes(self, stream, grad_scale, found_inf, hyper)
@@ -162,7 +231,7 @@ class Plan:
             **{k: self._scalar(k, v) for k, v in hyper.items()})
         scale = 1.0 if grad_scale is None else self._scalar("grad_scale", grad_scale)
         if not isinstance(scale, DeviceScalar):
-            scale = check_number("grad_scale", scale, low=0.0, low_open=True)
+            scale = GRAD_SCALE.check("grad_scale", scale)
         skip = None if found_inf is None else self._scalar("found_inf", found_inf)
         if skip is not None and not isinstance(skip, DeviceScalar):
             if check_number("found_inf", skip) != 0:
@@ -171,14 +240,17 @@ class Plan:
         if self._n == 0:
             return
         if self._cuda is None:
-            _cpu.run(self.spec, self._refs, args, grad_scale=scale, rows=rows)
+            if not _cpu.run(self.spec, self._refs, args, grad_scale=scale, rows=rows,
+                            found_inf=skip):
+                self._invalid_host[0] = 1.0
+                return False
         else:
             chosen = self._stream if stream is None else stream
             if after_pass is not None and isinstance(self._cuda, _Devices):
                 raise ValueError("after_pass needs the plan's tensors on one GPU")
+            self._repeat = None  # (also where the launches below are interrupted)
             self._cuda.run(args, lambda device_id: self._stream_for(device_id, chosen), scale, skip,
                            after_pass, rows)
-            self._repeat = None
             if isinstance(self._cuda, _Launcher) and after_pass is None and _repeatable(hyper,
                                                                                     rows):
                 self._repeat = _Repeat(self, stream, grad_scale, found_inf, hyper, (scale, skip),
@@ -200,34 +272,68 @@ class Plan:
         """The per-tensor sums that a multi-pass op's first pass leaves for the next (LARS:
         ||p||^2 and ||g||^2; LAMB: ||p||^2 and ||u||^2), as a CuPy array of (tensors, sums)
         in the plan's own group order; None for ops without sums or plans not on one GPU."""
+        self._open()
         if not isinstance(self._cuda, _Launcher) or self._cuda.all_sums is None:
             return None
         import cupy
 
         return cupy.ndarray((self._n, self.spec.n_sums), cupy.float32, self._cuda.all_sums)
 
+    @property
+    def invalid(self):
+        """A one-element float32 array that a step sets to 1 when a device value it was given
+        is out of its range (the step then wrote nothing). It stays set until `clear_invalid`.
+        A CuPy array on the plan's GPU (torch.from_dlpack reads it in place), a NumPy array on
+        the CPU; for a plan over several GPUs, a tuple of one per GPU, in device order."""
+        self._open()
+        if self._cuda is None:
+            return self._invalid_host
+        return self._cuda.invalid_flags()
+
+    def clear_invalid(self, *, stream=None) -> None:
+        """Zeroes `invalid`, on the launch stream (ordered after the steps queued so far)."""
+        with self._lock:
+            self._open()
+            if self._cuda is None:
+                self._invalid_host[0] = 0.0
+                return
+            chosen = self._stream if stream is None else stream
+            self._cuda.clear_invalid(lambda device_id: self._stream_for(device_id, chosen))
+            self._repeat = None  # the next step orders itself after the clearing
+
     def rebind(self, slot: str, tensors, *, stream=None) -> None:
-        """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else."""
-        if slot not in self.spec.slots:
-            raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
-                             f"{', '.join(self.spec.slots)}")
-        first = self.spec.slots[0]
-        check_lists({first: self._refs[first], slot: tensors})
-        chosen = self._stream if stream is None else stream
-        launch_stream = (lambda device: self._stream_for(device[1], chosen)) if self._cuda else None
-        self._repeat = None  # the tables change
-        fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written, launch_stream)
-        addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
-        check_no_overlap(self._extents({slot: addresses}), self.spec.written)
-        self._refs[slot] = fresh
-        self._released.discard(slot)
-        self._alive.pop(slot, None)
-        self._addresses[slot] = addresses
-        if slot in self.spec.written:
-            self._written_extents = None
-        if self._cuda is not None:
-            self._cuda = self._cuda.rebound({self.spec.slots.index(slot): addresses},
-                                            lambda device_id: self._stream_for(device_id, chosen))
+        """Points `slot` at new tensors of the same shapes and dtypes, keeping everything else.
+        A refused rebind (a bad tensor, a wrong count) leaves the plan bound as it was."""
+        with self._lock:
+            self._open()
+            if slot not in self.spec.slots:
+                raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
+                                 f"{', '.join(self.spec.slots)}")
+            check_lists({slot: tensors})
+            if len(tensors) != self._n:
+                first = self.spec.slots[0]
+                bound = "the plan" if slot == first else first
+                raise ValueError(f"{slot} has {len(tensors)} tensors but {bound} has {self._n}: "
+                                 f"pass one {slot} tensor per {first[:-1] or first}")
+            chosen = self._stream if stream is None else stream
+            launch_stream = ((lambda device: self._stream_for(device[1], chosen))
+                             if self._cuda else None)
+            fresh = ingest_slot(slot, tensors, self._refs[slot], slot in self.spec.written,
+                                launch_stream)
+            addresses = np.fromiter((ref.ptr for ref in fresh), np.uint64, len(fresh))
+            check_no_overlap(self._extents({slot: addresses}), self.spec.written)
+            if self._cuda is not None:  # raises, changing nothing, where it cannot upload
+                self._cuda = self._cuda.rebound({self.spec.slots.index(slot): addresses},
+                                                lambda device_id: self._stream_for(device_id,
+                                                                                   chosen))
+            self._repeat = None  # the tables changed
+            self._refs[slot] = fresh
+            self._released.discard(slot)
+            self._alive.pop(slot, None)
+            self._addresses[slot] = addresses
+            self._bound_again(slot)
+            if slot in self.spec.written:
+                self._written_extents = None
 
     def rebind_addresses(self, slot: str, tensors: list, addresses: np.ndarray, *, stream=None,
                          keep_alive: bool = True) -> None:
@@ -238,46 +344,107 @@ class Plan:
         keep_alive=False the plan does not hold the tensors: the caller keeps them alive while
         they are bound (as an optimizer's params hold their grads).
         """
-        if self._cuda is None:
-            self.rebind(slot, tensors, stream=stream)
-            return
-        self.rebind_columns({slot: addresses}, stream=stream)
-        if keep_alive:
-            self._alive[slot] = tensors  # the plan keeps its tensors alive
-        else:
-            self._alive.pop(slot, None)
+        with self._lock:
+            if self._cuda is None:
+                self.rebind(slot, tensors, stream=stream)
+                return
+            self.rebind_columns({slot: addresses}, stream=stream)
+            if keep_alive:
+                self._alive[slot] = tensors  # the plan keeps its tensors alive
+            else:
+                self._alive.pop(slot, None)
 
     def rebind_columns(self, moved: dict, *, stream=None) -> None:
         """`rebind_addresses` of several slots at once (slot -> addresses), for tensors that the
         caller holds alive: every overlap is checked before anything changes, then the tables
         are uploaded once."""
-        moved = {slot: np.asarray(addresses, np.uint64) for slot, addresses in moved.items()}
-        self._repeat = None  # the tables change
-        for slot, addresses in moved.items():
-            if len(addresses) != self._n:
-                raise ValueError(f"{slot} has {len(addresses)} addresses but the plan has "
-                                 f"{self._n} tensors")
-        if self.spec.written & set(moved):
-            check_no_overlap(self._extents(moved), self.spec.written)
-        else:
+        with self._lock:
+            self._open()
+            for slot in moved:
+                if slot not in self.spec.slots:
+                    raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
+                                     f"{', '.join(self.spec.slots)}")
+            moved = {slot: np.asarray(addresses, np.uint64) for slot, addresses in moved.items()}
             for slot, addresses in moved.items():
-                self._check_against_written(slot, addresses)
-        chosen = self._stream if stream is None else stream
-        for slot in moved:
-            self._alive.pop(slot, None)
-        self._addresses.update(moved)
-        if self.spec.written & set(moved):
-            self._written_extents = None
-        columns = {self.spec.slots.index(slot): addresses for slot, addresses in moved.items()}
-        self._cuda = self._cuda.rebound(columns, lambda device_id: self._stream_for(device_id, chosen))
+                if addresses.shape != (self._n,):
+                    raise ValueError(f"{slot} has {len(addresses.reshape(-1))} addresses but the "
+                                     f"plan has {self._n} tensors")
+            if self.spec.written & set(moved):
+                check_no_overlap(self._extents(moved), self.spec.written)
+            else:
+                for slot, addresses in moved.items():
+                    self._check_against_written(slot, addresses)
+            chosen = self._stream if stream is None else stream
+            columns = {self.spec.slots.index(slot): addresses for slot, addresses in moved.items()}
+            self._cuda = self._cuda.rebound(columns,
+                                            lambda device_id: self._stream_for(device_id, chosen))
+            self._repeat = None  # the tables changed
+            for slot in moved:
+                self._alive.pop(slot, None)
+                self._bound_again(slot)
+            self._addresses.update(moved)
+            if self.spec.written & set(moved):
+                self._written_extents = None
 
     def release(self, slot: str) -> None:
         """Drops the plan's references to the tensors bound to `slot` (their addresses stay):
-        the caller then keeps them alive while the plan may launch on them."""
-        self._alive.pop(slot, None)
-        if slot not in self._released:
-            self._refs[slot] = [dataclasses.replace(ref, obj=None) for ref in self._refs[slot]]
-            self._released.add(slot)
+        the caller then keeps them alive while the plan may launch on them. Where one of them
+        is freed all the same, later steps are refused (RuntimeError) until `slot` is bound
+        again (`rebind`): a step would write freed memory."""
+        with self._lock:
+            if slot not in self.spec.slots:
+                raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
+                                 f"{', '.join(self.spec.slots)}")
+            self._alive.pop(slot, None)
+            if slot not in self._released and self._refusal != _CLOSED:
+                self._watch(slot)
+                self._refs[slot] = [dataclasses.replace(ref, obj=None) for ref in self._refs[slot]]
+                self._released.add(slot)
+
+    def close(self) -> None:
+        """Lets the plan go: its tensors are no longer held, its device memory goes back to
+        the pool once the launches queued so far have run, and every later call is refused."""
+        with self._lock:
+            self._refusal = _CLOSED
+            self._cuda = self._repeat = self._counter = self._latest_rows = None
+            self._refs = {name: [] for name in self._refs}
+            self._alive, self._watched, self._lost = {}, {}, {}
+            self._scalars.clear()
+
+    def _watch(self, slot: str) -> None:
+        """Weak references to the tensors of `slot`, which note any of them that is freed."""
+        lost = _Lost(weakref.ref(self), slot)
+        watched = []
+        for index, ref in enumerate(self._refs[slot]):
+            try:
+                watched.append(weakref.ref(ref.obj, lost.callback(index)))
+            except TypeError:  # an object without weak references: the caller's word only
+                pass
+        self._watched[slot] = watched
+
+    def _tensor_freed(self, slot: str, index: int) -> None:
+        if self._refusal != _CLOSED and slot in self._watched:
+            self._lost.setdefault(slot, index)
+            self._refusal = self._refusal or _freed(slot, self._lost[slot])
+
+    def _bound_again(self, slot: str) -> None:
+        """`slot` holds tensors the caller just gave: freed ones no longer count."""
+        self._watched.pop(slot, None)
+        if self._lost.pop(slot, None) is not None and self._refusal != _CLOSED:
+            self._refusal = _freed(*next(iter(self._lost.items()))) if self._lost else None
+
+    def _vouch_alive(self) -> None:
+        """The caller has checked that live tensors lie at the plan's addresses (the one-call
+        API's memory): tensors freed since `release` no longer count."""
+        with self._lock:
+            if self._refusal != _CLOSED:
+                self._lost.clear()
+                self._refusal = None
+
+    def _open(self) -> None:
+        """Refused once closed (a rebind writes no tensor: it may follow a freed one)."""
+        if self._refusal == _CLOSED:
+            raise RuntimeError(_CLOSED)
 
     def _check_against_written(self, slot: str, addresses: np.ndarray) -> None:
         """A read-only slot's new tensors against the written tensors (which never overlap one
@@ -314,17 +481,15 @@ class Plan:
         return stream_pointer(stream, self._framework, device_id)
 
     def _scalar(self, name: str, value):
-        """A number stays a number; a one-element device array becomes a DeviceScalar; an
-        array for an `*_out` argument becomes an OutputArray."""
+        """A number stays a number; a one-element float32 array on the plan's device (the CPU
+        too) becomes a DeviceScalar; an array for an `*_out` argument becomes an OutputArray."""
         if type(value) is float or type(value) is int or not hasattr(value, "__dlpack__"):
             return value
-        if name.endswith("_out"):
+        if name.endswith("_out") and name in self.spec.outputs:
             return self._output(name, value)
         if name not in self.spec.device_scalars + ("grad_scale", "found_inf"):
             raise TypeError(f"{name} must be a Python number; only "
                             f"{', '.join(self.spec.device_scalars)} may be device arrays")
-        if self._cuda is None:
-            return float(np.asarray(value, dtype=np.float64).reshape(-1)[0])
         cached = self._scalars.get(id(value))
         if cached is not None and cached.obj is value:
             self._scalars.move_to_end(id(value))
@@ -333,10 +498,15 @@ class Plan:
         if isinstance(self._cuda, _Devices):
             raise ValueError(f"{name} as a device array is read by every launch, but the tensors "
                              f"are on several GPUs: pass a number, or one plan per GPU")
-        if ref.dtype != "float32" or ref.numel != 1 or ref.device != self.device:
-            raise ValueError(f"{name} as a device array must be a one-element float32 array on "
-                             f"cuda:{self.device[1]}, got {ref.dtype} {ref.shape} on {ref.device}")
-        scalar = DeviceScalar(ptr=ref.ptr, obj=value)
+        count = 1 if name in ("grad_scale", "found_inf") else self.spec.scalar_count(name)
+        if (ref.dtype != "float32" or ref.numel != count
+                or (self.device is not None and ref.device != self.device)):
+            where = "the tensors' device" if self.device is None else _device_label(self.device)
+            size = "one-element" if count == 1 else f"{count}-element"
+            raise ValueError(f"{name} as a device array must be a {size} float32 array on "
+                             f"{where}, got {ref.dtype} {ref.shape} on "
+                             f"{_device_label(ref.device)}")
+        scalar = DeviceScalar(ptr=ref.ptr, obj=value)  # read, and checked, when the step runs
         self._remember(value, scalar)
         return scalar
 
@@ -401,14 +571,18 @@ class _StepCounter:
         self.alone = None if launched else Plan(AddSpec(), {"tensors": [counter]},
                                                 stream=plan._stream)
 
-    def hyper(self, hyper: dict) -> dict:
-        """The step's hyperparameters, with the step the counter gives."""
+    def hyper(self, hyper: dict) -> dict | None:
+        """The step's hyperparameters, with the step the counter gives; None where the counter,
+        read on the host, holds no step count (a whole number >= 0), as a kernel would find."""
         step = hyper.get("step", self.counter)
         if step is not self.counter:
             raise ValueError("step: this plan counts its steps in the array given to "
                              "count_steps; pass no step= (or that array)")
-        if self.host is not None or self.unread:
-            return dict(hyper, step=1.0 if self.unread else float(self.host[0]) + 1.0)
+        if self.unread:
+            return dict(hyper, step=1.0)
+        if self.host is not None:
+            step = float(self.host[0]) + 1.0
+            return dict(hyper, step=step) if STEP.holds(step) else None
         return hyper if "step" in hyper else dict(hyper, step=self.counter)
 
 
@@ -527,19 +701,26 @@ def _same(value, held) -> bool:
 
 
 class _Launcher:
-    """The kernels, tables, workspaces and argument words of a plan's groups on one GPU."""
+    """The kernels, tables, workspaces and argument words of a plan's groups on one GPU.
+
+    Its device memory is kept (`_tables.Keeper`) until the launches queued on its latest
+    stream have run: launches on a new stream wait for the previous stream's (through the
+    tables, `MemcpyTable.before_launch`), so the latest stream's work is the last to use it."""
 
     def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
-        self.launches, self.tables, self._memory = [], [], []
+        _tables.collect()
+        self._keep = _tables.Keeper(device_id)
+        self.launches, self.tables, self._memory = [], [], self._keep.memory
         self._rows = _RowTables(spec, device_id)
         self.all_sums = None
+        self._counters: list = []  # (memory, bytes) of the counts a kernel leaves at zero
+        self._interrupted = False  # a step's launches stopped part way: counts may be left
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
-            source = _source.variant_source(spec.kernel_file, functors, group.dtypes, spec.flags,
-                                            group.chunk)
+            source = spec.source(group.dtypes)
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes))
             self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
@@ -551,7 +732,44 @@ class _Launcher:
             if spec.n_sums:
                 self._attach_sums(spec.n_sums, numels, stream)
             self._attach_arrays(arrays, stream)
+            self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
+        self._memory.append(self.invalid)
+        for passes in self.launches:
+            for launch in passes:
+                launch.set_invalid(self.invalid.ptr)
         self.upload(stream)
+        self._keep.stream = stream
+
+    def __reduce_ex__(self, protocol):
+        raise _tables._not_copied(self)
+
+    def invalid_flags(self):
+        import cupy
+
+        return cupy.ndarray((1,), cupy.float32, self.invalid)
+
+    def clear_invalid(self, stream_of) -> None:
+        import cupy
+
+        stream = stream_of(self.device_id)
+        with cupy_device(self.device_id):
+            self._follow(stream)  # after the steps that may set it, before the next ones
+            cupy.cuda.runtime.memsetAsync(self.invalid.ptr, 0, 4, stream)
+
+    def _zero_counters(self, stream: int) -> None:
+        """The counts that a step's launches leave at zero (arrivals, finished tensors, step
+        arrivals), zeroed again: launches of a pass that stopped part way (an error, an
+        interrupt) may have left them counting."""
+        for memory, nbytes in self._counters:
+            _tables._runtime().memsetAsync(memory.ptr, 0, nbytes, stream)
+        self._interrupted = False
+
+    def _follow(self, stream: int) -> None:
+        """Work about to be queued on `stream` (not a launch) joins the plan's chain: after
+        its latest work, and before the next launches (which wait for the tables' stream)."""
+        for table in self.tables:
+            table.before_launch(stream)
+        self._keep.stream = stream
 
     def _attach_sums(self, n_sums: int, numels: np.ndarray, stream: int) -> None:
         """The sums workspace: per group, block partials, arrival counts and a slice of the
@@ -567,12 +785,14 @@ class _Launcher:
         mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
         finished = _device_copy(np.zeros(1, np.uint32), stream)
         self._memory += [all_sums, mapping, finished]
+        self._counters.append((finished, 4))
         self.all_sums = all_sums
         plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
         for group, offset, passes in zip(self.groups, offsets, self.launches):
             partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
             arrivals = _device_copy(np.zeros(max(len(group.numels), 1), np.uint32), stream)
             self._memory += [partials, arrivals]
+            self._counters.append((arrivals, 4 * max(len(group.numels), 1)))
             for launch in passes:
                 launch.set_workspace(partials.ptr, arrivals.ptr, all_sums.ptr + 4 * n_sums * int(offset),
                                      plan_sums)
@@ -601,15 +821,24 @@ class _Launcher:
 
     def rebound(self, columns: dict, stream_of) -> "_Launcher":
         """Points slots at new addresses (slot index -> addresses); `stream_of(device_id)` is
-        the launch stream."""
+        the launch stream. Raises, changing nothing, where the tables cannot be uploaded."""
         stream = stream_of(self.device_id)
-        self.pointers = self.pointers.copy()
+        self.check_upload(stream)
+        pointers = self.pointers.copy()
         for slot_index, addresses in columns.items():
-            self.pointers[:, slot_index] = addresses
+            pointers[:, slot_index] = addresses
+        self.pointers = pointers
         for group in self.groups:
-            group.pointers = self.pointers[group.indices]
+            group.pointers = pointers[group.indices]
         self.upload(stream)
+        self._keep.stream = stream
         return self
+
+    def check_upload(self, stream: int) -> None:
+        if _tables._capturing(stream):
+            raise RuntimeError("mtapply cannot upload a pointer table while the stream is being "
+                               "captured into a CUDA graph: rebind before capturing, and keep "
+                               "the same tensors while the graph is in use")
 
     def _busy(self) -> list:
         """The groups with blocks to launch."""
@@ -639,7 +868,9 @@ class _Launcher:
             return False
         with cupy_device(self.device_id):
             arrivals = _device_copy(np.zeros(1, np.uint32), stream)
+            self._follow(stream)
         self._memory.append(arrivals)
+        self._counters.append((arrivals, 4))
         last = self._n_passes() - 1
         for k in busy:
             for p, launch in enumerate(self.launches[k]):
@@ -671,19 +902,24 @@ class _Launcher:
                 self.tables[k].before_launch(stream)
                 self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream,
                                  self._slotted[k])
+            if self._interrupted:  # (after the wait for the interrupted launches' stream)
+                self._zero_counters(stream)
             # every pass and hook runs even with nothing to launch here: ranks that all-reduce
             # between passes must all reach the hook
             n_passes = self._n_passes()
             for p in range(n_passes):
+                self._interrupted = True  # until the pass's launches are all queued
                 for k in busy:
                     launch = self.launches[k][p]
                     launch.set_args(args, grad_scale, found_inf)
                     launch.launch(stream)
+                self._interrupted = False
                 if after_pass is not None and p + 1 < n_passes:
                     after_pass(p)
             for k in busy:
                 self.tables[k].launched_on(stream)
                 self._rows.launched_on(k, stream)
+            self._keep.stream = stream
         finally:
             if switch:
                 device.__exit__(None, None, None)
@@ -752,7 +988,7 @@ class _RowTables:
         for table in (held.rows_table, held.row_of_table):
             table.before_launch(stream)
         for launch in launches:
-            launch.set_rows(held.rows_table.ptr, held.row_of_table.ptr)
+            launch.set_rows(held.rows_table.ptr, held.row_of_table.ptr, held.checked_rows)
 
     def launched_on(self, k: int, stream: int) -> None:
         held = self._tables.get(k)
@@ -808,6 +1044,7 @@ class _HeldRows:
     rows: Rows
     slot_table: object  # the slots' table its rows point into, or None
     slot_names: tuple  # the names its rows read from the slots
+    checked_rows: int  # the rows the kernel checks: all where some hold a caller's device value
 
     @classmethod
     def packed(cls, held, launch, indices: np.ndarray, rows: Rows, stream: int,
@@ -828,8 +1065,10 @@ class _HeldRows:
         if held is None or row_of_table is not held.row_of_table or not np.array_equal(
                 row_of, held.row_of):
             row_of_table.write(row_of.view(np.uint8), stream)
+        unchecked = any(isinstance(value, DeviceScalar) and not value.checked
+                        for row in checked for value in row.values())
         return cls(rows_table, row_of_table, words, row_of, rows,
-                   slots.table if names else None, names)
+                   slots.table if names else None, names, len(checked) if unchecked else 0)
 
 
 def _table_for(table, nbytes: int, device_id: int):
@@ -865,7 +1104,16 @@ class _Devices:
         for (_, _, launcher), part_rows in zip(self.parts, self._rows_of_parts(rows)):
             launcher.run(args, stream_of, grad_scale, found_inf, rows=part_rows)
 
+    def invalid_flags(self) -> tuple:
+        return tuple(launcher.invalid_flags() for _, _, launcher in self.parts)
+
+    def clear_invalid(self, stream_of) -> None:
+        for _, _, launcher in self.parts:
+            launcher.clear_invalid(stream_of)
+
     def rebound(self, columns: dict, stream_of) -> "_Devices":
+        for device_id, _, launcher in self.parts:
+            launcher.check_upload(stream_of(device_id))
         self.parts = [(device_id, indices,
                        launcher.rebound({k: a[indices] for k, a in columns.items()}, stream_of))
                       for device_id, indices, launcher in self.parts]

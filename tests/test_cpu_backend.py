@@ -244,14 +244,15 @@ def test_tiny_lr_leaves_params_bit_identical(flags, dtype, lib):
 
 def _array_scalars():
     return [("numpy [1]", lambda v: np.array([v], np.float32)),
-            ("numpy 0-d", lambda v: np.array(v, np.float64)),
+            ("numpy 0-d", lambda v: np.array(v, np.float32)),
             ("torch [1]", lambda v: torch.tensor([v], dtype=torch.float32)),
-            ("torch 0-d", lambda v: torch.tensor(v, dtype=torch.float64))]
+            ("torch 0-d", lambda v: torch.tensor(v, dtype=torch.float32))]
 
 
 @pytest.mark.parametrize("kind,make", _array_scalars(), ids=[k for k, _ in _array_scalars()])
 def test_array_lr_and_step(kind, make):
-    """lr and step as one-element arrays (device scalars on a GPU) act as their values."""
+    """lr and step as one-element float32 arrays (device scalars on a GPU) act as their
+    values."""
     rng = np.random.default_rng()
     flags = dict(amsgrad=True, decoupled_weight_decay=False, maximize=False)
     ours = make_slots("adam", flags, SHAPES, "float32", "numpy", rng)

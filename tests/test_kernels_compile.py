@@ -82,8 +82,10 @@ def test_every_registered_op_has_a_test_row():
 
 @pytest.mark.parametrize("spec,dtypes", list(variants()))
 def test_variant_compiles(spec, dtypes):
-    source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
+    source = spec.source(dtypes)
     assert "#include" not in source, "headers must be inlined (CuPy's cache keys on the source text)"
+    for word, count, *_ in spec.device_checks():  # each device scalar checked before the walk
+        assert f"X({word}, {count}, " in source
     for name, value in spec.flags:
         assert f"#define MTA_{name} {int(value)}" in source
     with ThreadPoolExecutor(len(ARCHS)) as pool:
@@ -110,7 +112,7 @@ def test_adam8bit_groups_compile(group, decoupled, maximize):
     dtypes = ADAM8BIT_GROUPS[group]
     functors = spec.functors_for(dtypes)
     assert functors == (("mta::Adam8bit",) if group.startswith("8bit") else ("mta::Adam",))
-    source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
+    source = spec.source(dtypes)
     assert "#include" not in source and "CODE_WORDS[" in source
     cubin = _source.compile_offline(source, "sm_90", spec.compile_options(dtypes))
     assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
@@ -122,7 +124,7 @@ def test_adam8bit_with_stochastic_rounding_compiles():
     spec = Adam8bitSpec(decoupled_weight_decay=True, stochastic_rounding=True)
     for dtypes in (ADAM8BIT_GROUPS["8bit-bf16"], ("bfloat16", "bfloat16") + ("float32",) * 4):
         functors = spec.functors_for(dtypes)
-        source = _source.variant_source(spec.kernel_file, functors, dtypes, spec.flags)
+        source = spec.source(dtypes)
         assert "#define MTA_STOCHASTIC 1" in source
         assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"
 
@@ -134,7 +136,7 @@ def test_adam8bit_with_stochastic_rounding_compiles():
 def test_stochastic_rounding_variants_compile(name, flags, grads):
     spec = REGISTRY[name](stochastic_rounding=True, **flags)
     dtypes = ("bfloat16", grads) + ("float32",) * (len(spec.slots) - 2)
-    source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
+    source = spec.source(dtypes)
     assert "#define MTA_STOCHASTIC 1" in source and "philox4x32_10" in source
     cubin = _source.compile_offline(source, "sm_90")
     assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
@@ -147,8 +149,8 @@ def test_variant_sources_differ_by_key_and_are_memoised():
                                            dtype_signatures(4).values()):
         spec = spec_cls(**flags)
         dtypes = dtypes + (dtypes[-1],) * (len(spec.slots) - 4)
-        source = _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
-        assert source is _source.variant_source(spec.kernel_file, spec.functors, dtypes, spec.flags)
+        source = spec.source(dtypes)
+        assert source is spec.source(dtypes)
         sources[(spec.flags, dtypes)] = source
     assert len(set(sources.values())) == len(sources), "two compile keys share one source"
 
@@ -162,7 +164,7 @@ def test_chunk_is_a_multiple_of_every_vector_width(dtypes):
 
 def test_broken_source_raises_with_the_compiler_log():
     spec = REGISTRY["adam"]()
-    source = _source.variant_source(spec.kernel_file, spec.functors, ("float32",) * 4, spec.flags)
+    source = spec.source(("float32",) * 4)
     broken = source + "\n__device__ float mta_broken() { return undeclared_value_xyz; }\n"
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_90") as info:
         _source.compile_offline(broken, "sm_90")

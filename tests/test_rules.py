@@ -234,13 +234,77 @@ def test_step_is_required_only_by_rules_that_read_it():
     mtapply.rule("lion", **LION).step(*lists, lr=0.1)  # no step needed
 
 
+ARCHS = ("sm_80", "sm_90")
+
+
 def test_cuda_source_is_readable():
     source = mtapply.rule("lion", **LION).cuda_source()
     assert "// param = param * (1 - lr * weight_decay) - lr * sign(c)" in source
-    assert "scalar_arg(a.lr_ptr, a.lr)" in source and "N_SLOTS = 3" in source
+    assert "scalar_arg(a.hp_lr, a.hv_lr)" in source and "N_SLOTS = 3" in source
 
 
-ARCHS = ("sm_80", "sm_90")
+# names a Python identifier may take that C++ reserves or mtapply's host reads as addresses
+AWKWARD = dict(slots="param:rw grad:r auto:rw register:r",
+               hyper=dict(lr=None, int=1.5, new=0.5, default=0.25, template=2.0, float=0.75,
+                          x=0.5, x_ptr=0.125, y_out=3.0, z_array=0.5, this=1.0, a=2.0),
+               sums={"virtual": "grad * grad"},
+               finish="namespace = sqrt(virtual) * default",
+               update="""
+                   const = int * grad + new * template * float + x * x_ptr * y_out * z_array
+                   auto = auto * this + const * a + namespace * register
+                   param = param - lr * auto
+               """)
+
+
+def _awkward_reference(p, g, auto, register, *, lr, int=1.5, new=0.5, default=0.25,
+                       template=2.0, float=0.75, x=0.5, x_ptr=0.125, y_out=3.0, z_array=0.5,
+                       this=1.0, a=2.0):
+    namespace = np.sqrt(np.sum(np.float32(g) ** 2, dtype=np.float64).astype(np.float32)) * default
+    const = int * g + new * template * float + x * x_ptr * y_out * z_array
+    auto = auto * this + const * a + namespace * register
+    return p - lr * auto, auto
+
+
+@pytest.mark.parametrize("hyper", [dict(lr=0.1),
+                                   dict(lr=0.01, int=-1.0, x_ptr=2.0, y_out=0.5, z_array=4.0),
+                                   dict(lr=np.array([0.05], np.float32), default=0.5,
+                                        x_ptr=np.array([-0.5], np.float32),
+                                        int=np.array([2.0], np.float32))],
+                         ids=["defaults", "numbers", "arrays"])
+def test_hyperparameters_named_like_cpp_keywords_or_addresses_run_on_the_cpu(hyper):
+    rule = mtapply.rule("awkward", **AWKWARD)
+    rng = np.random.default_rng(3)
+    lists = [[np.float32(rng.standard_normal(n)) for n in (5, 130)] for _ in range(4)]
+    expected = [_awkward_reference(*map(np.float64, column),
+                                   **{k: float(np.asarray(v).reshape(-1)[0])
+                                      for k, v in hyper.items()})
+                for column in zip(*lists)]
+    rule.step(*lists, **hyper)
+    for (p, auto), got_p, got_auto in zip(expected, lists[0], lists[2]):
+        np.testing.assert_allclose(got_p, p, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_auto, auto, rtol=1e-5, atol=1e-6)
+    # one value per tensor (rows) of a hyperparameter whose name ends in _ptr
+    before = [t.copy() for t in lists[0]]
+    rule.plan(*lists).step(lr=[0.0, 0.0], x_ptr=[1.0, 2.0], y_out=(1.0, 1.0))
+    for old, new in zip(before, lists[0]):
+        np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.parametrize("dtypes", ["float32", "bfloat16", "master"])
+def test_hyperparameters_named_like_cpp_keywords_or_addresses_compile(dtypes):
+    pytest.importorskip("cuda.bindings")
+    rule = mtapply.rule("awkward", **AWKWARD)
+    spec = rule.spec(master_weights=dtypes == "master")
+    assert {"x_ptr", "y_out", "z_array"} <= set(spec.device_scalars)
+    # no number is taken for an address (x_ptr is x's pointer word, not x_ptr's number)
+    assert spec.field_of("x") == "x" and spec.field_of("x_ptr") not in ("x_ptr", "x")
+    assert not {"y_out", "z_array"} & set(spec.arg_fields) and spec.outputs == ()
+    types = {"float32": ("float32",) * 4, "bfloat16": ("bfloat16",) + ("float32",) * 3,
+             "master": ("bfloat16", "bfloat16", "float32", "float32", "float32")}[dtypes]
+    source = spec.source(types)
+    for arch in ARCHS:
+        cubin = _source.compile_offline(source, arch)
+        assert cubin[:4] == b"\x7fELF" and _source.entry_name(1).encode() in cubin
 
 
 @pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING, LARS, LAMB],
@@ -254,7 +318,7 @@ def test_generated_kernels_compile(definition, dtypes):
     types = {"float32": ("float32",) * n, "bfloat16": ("bfloat16",) + ("float32",) * (n - 1),
              "float64": ("float64",) * n,
              "master": ("bfloat16", "bfloat16") + ("float32",) * (n - 1)}[dtypes]
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     assert "#include" not in source
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         cubins = list(pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS))
@@ -294,7 +358,7 @@ def test_shipped_rules_compile_and_stay_short(name, rule, dtype):
     assert len(rule.program.lines) < 30
     spec = rule.spec()
     types = (dtype,) * 2 + ("float32",) * (len(rule.slots) - 2)
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         for cubin in pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS):
             assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin
@@ -307,7 +371,7 @@ def test_rules_compile_in_the_optax_param_modes(mode):
     pytest.importorskip("cuda.bindings")
     spec = mtapply.rule("lion", **LION).spec().with_param_mode(mode)
     types = ("float32",) * len(spec.slots)
-    source = _source.variant_source(spec.kernel_file, spec.functors, types, spec.flags)
+    source = spec.source(types)
     assert f"#define MTA_{'DELTA' if mode == 'delta' else 'ZERO_PARAM'} 1" in source
     assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,71 @@ class DeviceScalar:
 
     ptr: int
     obj: object  # keeps the memory alive
+    checked: bool = False  # a value mtapply wrote after checking it on the host (its slots)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a step argument may take. A number outside is refused on the host (a
+    ValueError naming the argument); a device value outside makes every kernel of the step
+    write nothing (as found_inf does) and raise the plan's `invalid` flag. NaN is never in."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    finite: bool = False
+    whole: bool = False  # an integer
+
+    def holds(self, v: float) -> bool:
+        return ((self.low < v if self.low_open else self.low <= v)
+                and (v < self.high if self.high_open else v <= self.high)
+                and (not self.finite or v - v == 0.0) and (not self.whole or v.is_integer()))
+
+    def check(self, name: str, value) -> float:
+        """`value` as a float, or ValueError/TypeError naming `name` and the range."""
+        if type(value) is not float:  # the common case costs one type test: this runs every step
+            value = _to_float(name, value)
+        if not self.holds(value):
+            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+        return value
+
+    def describe(self) -> str:
+        parts = []
+        low, high = self.low > -math.inf, self.high < math.inf
+        if low and high:
+            parts.append(f"{'(' if self.low_open else '['}{self.low}, "
+                         f"{self.high}{')' if self.high_open else ']'}")
+        elif low:
+            parts.append(f">{'' if self.low_open else '='} {self.low}")
+        elif high:
+            parts.append(f"<{'' if self.high_open else '='} {self.high}")
+        if self.finite:
+            parts.append("finite")
+        if self.whole:
+            parts.append("a whole number")
+        return " and ".join(parts) or "a number (not NaN)"
+
+    def kernel_check(self, word: int, count: int) -> tuple:
+        """(word, count, low, high, flags): the kernel's check of `count` float32 values at the
+        address in argument word `word` (kernels/walker.cuh, MTA_SCALAR_CHECKS)."""
+        low, high = self.low > -math.inf, self.high < math.inf
+        flags = (low * CHECK_LOW | (low and self.low_open) * CHECK_LOW_OPEN | high * CHECK_HIGH
+                 | (high and self.high_open) * CHECK_HIGH_OPEN | self.finite * CHECK_FINITE
+                 | self.whole * CHECK_WHOLE)
+        return (word, count, float(self.low) if low else 0.0, float(self.high) if high else 0.0,
+                int(flags))
+
+
+CHECK_LOW, CHECK_LOW_OPEN, CHECK_HIGH, CHECK_HIGH_OPEN, CHECK_FINITE, CHECK_WHOLE = (
+    1, 2, 4, 8, 16, 32)  # as kernels/walker.cuh numbers them
+ANY = Range()  # a number: anything but NaN
+LR = Range(low=0.0, finite=True)
+STEP = Range(low=1.0, finite=True, whole=True)  # the 1-based step count
+GRAD_SCALE = Range(low=0.0, low_open=True, finite=True)  # AMP's loss scale
+NORM = Range(low=0.0, finite=True)  # a norm given to a step (LAMB's global_grad_norm)
+FACTOR = Range(finite=True)  # a factor or addend of the list utilities
+RANGES = {"lr": LR, "step": STEP}  # of the names every op that takes them reads alike
 
 
 @dataclass(frozen=True)
@@ -57,6 +123,7 @@ class OpSpec:
     # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
     slot_formats: dict = {}
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
+    ranges: dict = {}  # device scalar -> its Range, where RANGES does not give it (else ANY)
 
     def _use_master_weights(self, enabled: bool) -> None:
         """Adds the `master_params` slot: the kernel updates the fp32 master (read in place of
@@ -143,6 +210,36 @@ class OpSpec:
             return {"sr_tensor_array": np.arange(n_tensors, dtype=np.int32)}
         return {}
 
+    def scalar_range(self, name: str) -> Range:
+        """What step argument `name` (a device scalar) may hold."""
+        return self.ranges.get(name) or RANGES.get(name, ANY)
+
+    def scalar_count(self, name: str) -> int:
+        """Float32 values a device value of `name` holds (one; Adam's lr per label: one each)."""
+        return 1
+
+    def device_checks(self) -> tuple:
+        """The kernel's checks of every device scalar the op reads (`Range.kernel_check`)."""
+        return tuple(self.scalar_range(name).kernel_check(
+                         self.arg_fields.index(f"{self.field_of(name)}_ptr"),
+                         self.scalar_count(name))
+                     for name in self.device_scalars
+                     if f"{self.field_of(name)}_ptr" in self.arg_fields)
+
+    def source(self, dtypes: tuple) -> str:
+        """The CUDA source of the op's kernel for a group whose slots have these dtypes."""
+        return _source.variant_source(self.kernel_file, self.functors_for(dtypes), dtypes,
+                                      self.flags, self.chunk_for(dtypes), self.device_checks())
+
+    @property
+    def outputs(self) -> tuple:
+        """The arguments that are arrays the op writes into (`*_out` kernel arguments)."""
+        return tuple(field for field in self.arg_fields if field.endswith("_out"))
+
+    def field_of(self, name: str) -> str:
+        """The kernel argument word of step argument `name` (a rule may rename it)."""
+        return name
+
     def output_numel(self, name: str, n_tensors: int) -> int:
         """Elements of the output array `name` (an `*_out` argument) for a list of n tensors."""
         raise NotImplementedError(f"{self.name} has no output {name}")
@@ -195,11 +292,12 @@ def _to_float(name: str, value) -> float:
     return float(value)
 
 
-def number_or_device_scalar(name: str, value, *, low: float):
-    """A DeviceScalar or a DLPack array (made a DeviceScalar by the plan) as is; else a checked number.
+def number_or_device_scalar(name: str, value, allowed: Range):
+    """A DeviceScalar or a DLPack array (made a DeviceScalar by the plan) as is, checked by the
+    kernel; else a number checked against `allowed`.
 
     NumPy scalars (np.float32, np.int64) become floats here, so they are range-checked too.
     """
     if isinstance(value, DeviceScalar) or hasattr(value, "__dlpack__"):
         return value
-    return check_number(name, value, low=low)
+    return allowed.check(name, value)

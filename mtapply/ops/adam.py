@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar, seed_words
+from ._spec import LR, STEP, OpSpec, check_number, number_or_device_scalar, seed_words
 
 
 class AdamSpec(OpSpec):
@@ -65,6 +65,12 @@ class AdamSpec(OpSpec):
             arrays["lr_label_array"] = np.asarray(self.lr_labels, np.int32)
         return arrays
 
+    def scalar_count(self, name: str) -> int:
+        """With lr_labels, a device lr holds one lr per label."""
+        if name == "lr" and self.lr_labels is not None:
+            return max(self.lr_labels, default=0) + 1
+        return 1
+
     def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                   seed=0) -> dict:
         """Checked hyperparameters. lr and step are numbers or DeviceScalars (checked earlier)."""
@@ -72,8 +78,8 @@ class AdamSpec(OpSpec):
                 "beta2": check_number("beta2", beta2, low=0.0, high=1.0, high_open=True),
                 "eps": check_number("eps", eps, low=0.0),
                 "weight_decay": check_number("weight_decay", weight_decay, low=0.0)}
-        args["lr"] = number_or_device_scalar("lr", lr, low=0.0)
-        args["step"] = number_or_device_scalar("step", step, low=1.0)
+        args["lr"] = number_or_device_scalar("lr", lr, LR)
+        args["step"] = number_or_device_scalar("step", step, STEP)
         args.update(seed_words(seed))
         return args
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar
+from ._spec import LR, NORM, STEP, OpSpec, check_number, number_or_device_scalar
 
 
 class LAMBSpec(OpSpec):
@@ -35,6 +35,7 @@ class LAMBSpec(OpSpec):
                   "grad_averaging", "bias_correction", "max_grad_norm", "global_grad_norm",
                   "global_grad_norm_ptr")
     device_scalars = ("lr", "step", "global_grad_norm")
+    ranges = {"global_grad_norm": NORM}
 
     def __init__(self, *, adam_w_mode: bool = True, use_nvlamb: bool = False,
                  master_weights: bool = False):
@@ -54,14 +55,14 @@ class LAMBSpec(OpSpec):
                 "grad_averaging": 1.0 if grad_averaging else 0.0,
                 "bias_correction": 1.0 if bias_correction else 0.0,
                 "max_grad_norm": check_number("max_grad_norm", max_grad_norm, low=0.0),
-                "lr": number_or_device_scalar("lr", lr, low=0.0),
-                "step": number_or_device_scalar("step", step, low=1.0)}
+                "lr": number_or_device_scalar("lr", lr, LR),
+                "step": number_or_device_scalar("step", step, STEP)}
         if args["max_grad_norm"] > 0 and global_grad_norm is None:
             raise TypeError("max_grad_norm > 0 clips by the global gradient norm: pass "
                             "global_grad_norm (a number or a one-element device array)")
         args["global_grad_norm"] = (0.0 if global_grad_norm is None else
                                     number_or_device_scalar("global_grad_norm", global_grad_norm,
-                                                            low=0.0))
+                                                            NORM))
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:

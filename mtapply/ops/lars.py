@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar
+from ._spec import LR, OpSpec, check_number, number_or_device_scalar
 
 
 class LARSSpec(OpSpec):
@@ -47,7 +47,7 @@ class LARSSpec(OpSpec):
     def arguments(self, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                   eps=0.0, step=None) -> dict:
         """Checked hyperparameters. `step` is accepted for a uniform interface and unused."""
-        return {"lr": number_or_device_scalar("lr", lr, low=0.0),
+        return {"lr": number_or_device_scalar("lr", lr, LR),
                 "momentum": check_number("momentum", momentum, low=0.0),
                 "weight_decay": check_number("weight_decay", weight_decay, low=0.0),
                 "trust_coefficient": check_number("trust_coefficient", trust_coefficient, low=0.0),

@@ -33,9 +33,13 @@ class RuleSpec(OpSpec):
         self.arg_fields = _cuda.arg_fields(program)
         self.device_scalars = (*program.hyper, STEP)
         self._names = frozenset(self.device_scalars)
+        self._fields = {name: _cuda.field_name(name) for name in self.device_scalars}
         # a rule that never reads the step does not need one
         self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
         self._use_master_weights(master_weights)
+
+    def field_of(self, name: str) -> str:
+        return self._fields.get(name, name)
 
     @property
     def functors(self) -> tuple:
@@ -54,12 +58,13 @@ class RuleSpec(OpSpec):
             if value is None:
                 raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
                                 f"one-element float32 device array")
-            args[name] = number_or_device_scalar(name, value, low=float("-inf"))
+            args[self._fields[name]] = number_or_device_scalar(name, value,
+                                                               self.scalar_range(name))
         return args
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}
-        scalars = {name: float(value) for name, value in args.items()}  # numbers on the CPU
+        scalars = {name: float(args[field]) for name, field in self._fields.items()}
         new = _numpy.evaluate(self.program, rule_arrays, scalars, dtype)
         return {list_name(name): values for name, values in new.items()}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._spec import OpSpec, number_or_device_scalar
+from ._spec import FACTOR, OpSpec, number_or_device_scalar
 
 
 class _ElementwiseSpec(OpSpec):
@@ -12,6 +12,7 @@ class _ElementwiseSpec(OpSpec):
     kernel_file = "scaling.cuh"
     arg_fields = ("factor", "factor_ptr", "found_inf_out")
     device_scalars = ("factor",)
+    ranges = {"factor": FACTOR, "value": FACTOR}
 
 
 class ScaleSpec(_ElementwiseSpec):
@@ -27,7 +28,7 @@ class ScaleSpec(_ElementwiseSpec):
         self.flags = (("OUT", self.into_outputs),)
 
     def arguments(self, *, factor) -> dict:
-        return {"factor": number_or_device_scalar("factor", factor, low=-np.inf),
+        return {"factor": number_or_device_scalar("factor", factor, FACTOR),
                 "found_inf_out": None}
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
@@ -49,7 +50,7 @@ class UnscaleSpec(_ElementwiseSpec):
         return 1
 
     def arguments(self, *, factor, found_inf_out) -> dict:
-        return {"factor": number_or_device_scalar("factor", factor, low=-np.inf),
+        return {"factor": number_or_device_scalar("factor", factor, FACTOR),
                 "found_inf_out": found_inf_out}
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
@@ -74,8 +75,11 @@ class AddSpec(_ElementwiseSpec):
     flags = ()
 
     def arguments(self, *, value) -> dict:
-        return {"factor": number_or_device_scalar("value", value, low=-np.inf),
+        return {"factor": number_or_device_scalar("value", value, FACTOR),
                 "found_inf_out": None}
+
+    def field_of(self, name: str) -> str:
+        return "factor" if name == "value" else name
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         return {"tensors": arrays["tensors"] + dtype(args["factor"])}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import OpSpec, check_number, number_or_device_scalar, seed_words
+from ._spec import LR, STEP, OpSpec, check_number, number_or_device_scalar, seed_words
 
 
 class SGDSpec(OpSpec):
@@ -43,7 +43,7 @@ class SGDSpec(OpSpec):
         args = {"momentum": check_number("momentum", momentum, low=0.0),
                 "dampening": check_number("dampening", dampening, low=0.0, high=1.0),
                 "weight_decay": check_number("weight_decay", weight_decay, low=0.0),
-                "lr": number_or_device_scalar("lr", lr, low=0.0)}
+                "lr": number_or_device_scalar("lr", lr, LR)}
         if args["momentum"] != 0 and not self.has_buffers:
             raise ValueError(f"momentum={momentum} needs momentum_buffers: pass one buffer per "
                              f"param (torch.zeros_like), or momentum=0")
@@ -56,7 +56,7 @@ class SGDSpec(OpSpec):
         if step is None and args["momentum"] != 0:
             raise TypeError("step is required with momentum: pass the 1-based step count (step=1 "
                             "sets the buffers to the gradient, as torch.optim.SGD does)")
-        args["step"] = 2.0 if step is None else number_or_device_scalar("step", step, low=1.0)
+        args["step"] = 2.0 if step is None else number_or_device_scalar("step", step, STEP)
         args.update(seed_words(seed))
         return args
 

@@ -2,6 +2,8 @@
 
 The functor has the shape of the hand-written ones (kernels/sgd.cuh): an Args struct of 8-byte
 words (each hyperparameter and the step as a number and a device pointer, read by scalar_arg),
+every name of the rule prefixed in C++ (hv_, hp_, h_, t_, s_, q_: a rule's names are Python
+identifiers, which may be C++ keywords such as `int` or `default`),
 a constructor that computes every uniform value once per launch in double, as torch does on the
 host, and rounds it to acc_t, and an operator() over one element's slots in acc_t.
 """
@@ -26,8 +28,8 @@ _COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "=="
 def functor_source(program: Program, struct: str) -> str:
     """C++ of the rule's functors (`functor_names`) and their Args, in namespace mta, for
     kernels that include walker.cuh first."""
-    fields = [f"  {'const float*' if f.endswith('_ptr') else 'double'} {f};"
-              for f in arg_fields(program)]
+    fields = [f"  {ctype} {field};" for name in (*program.hyper, STEP)
+              for ctype, field in zip(("double", "const float*"), c_fields(name))]
     parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
     if program.sums:
         parts.append(_Writer(program, f"{struct}Sums", f"{struct}Args", first_pass=True).functor())
@@ -41,8 +43,28 @@ def functor_names(program: Program, struct: str) -> tuple:
 
 
 def arg_fields(program: Program) -> tuple:
-    """The Args words in order: each hyperparameter and the step, then its device pointer."""
-    return tuple(f for name in (*program.hyper, STEP) for f in (name, f"{name}_ptr"))
+    """The Args words in order, as the host names them: each hyperparameter and the step (by
+    `field_name`), then its device pointer (the same, plus "_ptr")."""
+    return tuple(f for name in (*program.hyper, STEP)
+                 for f in (field_name(name), f"{field_name(name)}_ptr"))
+
+
+# The host names a kernel argument word by a suffix where it carries an address (`_ptr`,
+# `_array`, `_out`: mtapply._launch): a hyperparameter whose name ends so gets a mark that no
+# identifier has, so that its number is not taken for an address.
+_ADDRESS_SUFFIXES = ("_ptr", "_array", "_out")
+
+
+def field_name(name: str) -> str:
+    """The host's name of the argument word of hyperparameter `name`."""
+    return f"{name}#" if name.endswith(_ADDRESS_SUFFIXES) else name
+
+
+def c_fields(name: str) -> tuple:
+    """The C++ names of the Args fields of hyperparameter `name`, its number and its device
+    pointer: prefixed, so that no name is a C++ keyword and none clashes with another (`x`'s
+    pointer and `x_ptr`'s number). The step keeps the names the walker reads."""
+    return (STEP, f"{STEP}_ptr") if name == STEP else (f"hv_{name}", f"hp_{name}")
 
 
 class _Writer:
@@ -60,7 +82,7 @@ class _Writer:
 
     def functor(self) -> str:
         program, n_sums = self.program, len(self.program.sums)
-        reads = [f"    const double h_{name} = scalar_arg(a.{name}_ptr, a.{name});"
+        reads = [f"    const double h_{name} = scalar_arg(a.{c_fields(name)[1]}, a.{c_fields(name)[0]});"
                  for name in (*program.hyper, STEP)]
         if self.first_pass:
             for line in program.lines[:program.prefix]:
