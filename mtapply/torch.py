@@ -35,7 +35,6 @@ group. CPU params run on mtapply's NumPy backend.
 """
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 from itertools import chain, repeat
@@ -541,11 +540,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-@functools.cache
+_OUTSIDE_GRAPHS = []  # `_fused_step` kept out of torch.compile's graphs, once made
+
+
 def _outside_graphs():
     """`_fused_step` kept out of torch.compile's graphs; made at first use, since
     torch.compiler.disable imports torch._dynamo (most of a second)."""
-    return torch.compiler.disable(_FusedOptimizer._fused_step)
+    if not _OUTSIDE_GRAPHS:
+        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_FusedOptimizer._fused_step))
+    return _OUTSIDE_GRAPHS[0]
 
 
 class Adam(_FusedOptimizer):
