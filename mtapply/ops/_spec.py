@@ -184,7 +184,8 @@ def check_number(name: str, value, *, low=None, high=None, high_open=False, low_
             or (high is not None and (value >= high if high_open else value > high))):
         lo = "" if low is None else f"{'(' if low_open else '['}{low}, "
         hi = "" if high is None else f"{high}{')' if high_open else ']'}"
-        rng = f"{lo}{hi}" if lo and hi else (f">{'' if low_open else '='} {low}" if lo else f"<= {high}")
+        rng = f"{lo}{hi}" if lo and hi else (f">{'' if low_open else '='} {low}" if lo else (
+            f"<{'' if high_open else '='} {high}" if hi else "a number"))
         raise ValueError(f"{name} must be {rng}, got {value!r}")
     return value
 

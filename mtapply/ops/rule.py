@@ -7,7 +7,7 @@ import hashlib
 from .. import _source
 from ..rules import _cuda, _numpy
 from ..rules._language import STEP, Program
-from ._spec import OpSpec, number_or_device_scalar
+from ._spec import DeviceScalar, OpSpec, check_number
 
 
 class RuleSpec(OpSpec):
@@ -35,6 +35,9 @@ class RuleSpec(OpSpec):
         self._names = frozenset(self.device_scalars)
         # a rule that never reads the step does not need one
         self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
+        # each value's accepted range: the declared one, and steps count from 1
+        self._bounds = {**{name: accepted.bounds() for name, accepted in program.ranges.items()},
+                        STEP: dict(low=1.0)}
         self._use_master_weights(master_weights)
 
     @property
@@ -54,8 +57,17 @@ class RuleSpec(OpSpec):
             if value is None:
                 raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
                                 f"one-element float32 device array")
-            args[name] = number_or_device_scalar(name, value, low=float("-inf"))
+            args[name] = self._checked(name, value)
         return args
+
+    def _checked(self, name: str, value):
+        """A device value as is (the kernel reads it); a number checked: finite, in range."""
+        if isinstance(value, DeviceScalar) or hasattr(value, "__dlpack__"):
+            return value
+        value = check_number(name, value, **self._bounds[name])
+        if value - value != 0.0:  # inf (NaN was refused above)
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+        return value
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}

@@ -15,12 +15,17 @@ a launch: numbers, hyperparameters, step, and what is computed from them alone) 
 and boolean (a comparison) or numeric. Per-tensor sums (and finish lines computed from them)
 are uniform too: the kernel's functor computes uniform values once per block of one tensor.
 Both code generators walk the same checked `Program`.
+
+Each hyperparameter is declared with its default (None: required) and optionally the range a
+step accepts, as `(default, "RANGE")`: ">= 0", "> 0", "<= 1", "< 1", or an interval "[0, 1)",
+"(0, 1]", "[0, 1]", "(0, 1)". Every value given to a step is a finite number within its range.
 """
 from __future__ import annotations
 
 import ast
 import keyword
 import math
+import re
 from dataclasses import dataclass, field
 
 FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
@@ -78,6 +83,7 @@ class Program:
     kinds: dict = field(default_factory=dict)
     sums: tuple = ()
     prefix: int = 0
+    ranges: dict = field(default_factory=dict)  # hyperparameter name -> its declared Range
 
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
@@ -112,32 +118,96 @@ def parse_slots(text: str) -> tuple:
     return tuple(slots)
 
 
-def check_hyper(hyper: dict, slots: tuple) -> dict:
-    """name -> default (a number, or None for a required hyperparameter)."""
+@dataclass(frozen=True)
+class Range:
+    """The values a hyperparameter accepts: finite numbers, within bounds where given."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    text: str = "finite"
+
+    def bounds(self) -> dict:
+        """The bounds as `mtapply.ops._spec.check_number` takes them."""
+        return dict(low=self.low, high=self.high, low_open=self.low_open,
+                    high_open=self.high_open)
+
+
+FINITE = Range()
+_NUMBER = r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*"
+_BOUND = re.compile(rf"\s*(>=|>|<=|<){_NUMBER}")
+_INTERVAL = re.compile(rf"\s*([\[(]){_NUMBER},{_NUMBER}([\])])\s*")
+
+
+def parse_range(name: str, text) -> Range:
+    """A declared range: ">= a", "> a", "<= b", "< b" or an interval "[a, b)" (any brackets)."""
+    if not isinstance(text, str):
+        raise TypeError(f"hyper: the range of {name!r} must be a string such as \">= 0\" or "
+                        f"\"[0, 1)\", got {text!r}")
+    bound = _BOUND.fullmatch(text)
+    if bound:
+        op, value = bound.group(1), float(bound.group(2))
+        if op[0] == ">":
+            return Range(low=value, low_open=op == ">", text=text.strip())
+        return Range(high=value, high_open=op == "<", text=text.strip())
+    interval = _INTERVAL.fullmatch(text)
+    if interval:
+        low, high = float(interval.group(2)), float(interval.group(3))
+        if low > high:
+            raise ValueError(f"hyper: the range {text!r} of {name!r} is empty (low > high)")
+        return Range(low=low, high=high, low_open=interval.group(1) == "(",
+                     high_open=interval.group(4) == ")", text=text.strip())
+    raise ValueError(f"hyper: {text!r} is not a range of {name!r}: write \">= 0\", \"> 0\", "
+                     f"\"<= 1\", \"< 1\" or an interval such as \"[0, 1)\"")
+
+
+def check_hyper(hyper: dict, slots: tuple) -> tuple:
+    """(name -> default (a number, or None for a required hyperparameter), name -> Range).
+    Each value of `hyper` is a default, or a (default, range text) pair."""
     if not isinstance(hyper, dict):
         raise TypeError(f"hyper must be a dict of name -> default, got {type(hyper).__name__}")
     taken = {s.name for s in slots}
-    out = {}
-    for name, default in hyper.items():
+    defaults, ranges = {}, {}
+    for name, declared in hyper.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"hyper: {name!r} is not a valid name")
         if name in taken or name in FUNCTIONS or name == STEP:
             raise ValueError(f"hyper: {name!r} is already a slot or a reserved name")
+        default, ranges[name] = declared, FINITE
+        if isinstance(declared, tuple):
+            if len(declared) != 2:
+                raise TypeError(f"hyper: {name!r} is declared as {declared!r}: give a default, "
+                                f"or a (default, range) pair such as (0.9, \"[0, 1)\")")
+            default, ranges[name] = declared[0], parse_range(name, declared[1])
         if default is not None and (isinstance(default, bool)
                                     or not isinstance(default, (int, float))):
             raise TypeError(f"hyper: the default of {name!r} must be a number or None "
                             f"(required), got {default!r}")
-        out[name] = None if default is None else float(default)
-    return out
+        defaults[name] = None if default is None else float(default)
+        if default is not None:
+            _check_default(name, defaults[name], ranges[name])
+    return defaults, ranges
 
 
-def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "") -> Program:
+def _check_default(name: str, value: float, accepted: Range) -> None:
+    low, high = accepted.low, accepted.high
+    if (not math.isfinite(value)
+            or (low is not None and (value <= low if accepted.low_open else value < low))
+            or (high is not None and (value >= high if accepted.high_open else value > high))):
+        raise ValueError(f"hyper: the default {value!r} of {name!r} is outside its range "
+                         f"{accepted.text}")
+
+
+def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
+          ranges: dict | None = None) -> Program:
     """The checked program of an update text (with its sums and finish lines, see Program);
-    ValueError or TypeError naming the line."""
+    ValueError or TypeError naming the line. `ranges`: name -> Range (FINITE where absent)."""
     if not isinstance(update, str) or not isinstance(finish or "", str):
         raise TypeError("update and finish must be strings of assignments")
     sums = _check_sums(sums, slots, hyper)
-    program = Program(slots, hyper, ())
+    program = Program(slots, hyper, (), ranges={name: (ranges or {}).get(name, FINITE)
+                                                 for name in hyper})
     checker = _Checker(program, set(sums))
     texts = _texts(update, "update")
     if not texts:
