@@ -4,8 +4,9 @@ A plan walks dense memory of a real floating dtype, in any dimension order (chan
 included), each slot of a param laid out as the param. torch.optim also steps:
 
 - complex params: their params, grads and states are viewed as real (`torch.view_as_real`),
-  as torch.optim views them, so the elementwise update is the same; a norm over a tensor
-  (LARS, LAMB) is then the norm of its complex values, |z|^2 = re^2 + im^2.
+  as torch.optim views them, so the elementwise update is the same (Adam's second moment, as
+  torch.optim's, is kept per real and imaginary part); a norm over a tensor (LARS, LAMB) is
+  then the norm of its complex values, |z|^2 = re^2 + im^2, and 8-bit blocks span both parts.
 - params that are not dense (a strided view such as `w[:, ::2]`): the plan steps a row-major
   stand-in, copied from the param before the step's launches and back after them, on torch's
   current stream (the launch stream). A slow path: two copies per such param per step.
@@ -24,8 +25,8 @@ import types
 import torch
 
 from ._dlpack import is_dense as _is_dense_ref
+from ._dlpack import row_major_strides
 
-_STRIDE = torch.Tensor.stride
 _IS_COMPLEX = torch.Tensor.is_complex
 
 
@@ -37,13 +38,7 @@ def is_dense(tensor) -> bool:
 
 def dense_strides(tensor) -> tuple:
     """The strides a plan steps a param with: its own where it is dense, else row-major."""
-    if is_dense(tensor):
-        return tensor.stride()
-    strides, step = [], 1
-    for extent in reversed(tensor.shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
+    return tensor.stride() if is_dense(tensor) else row_major_strides(tuple(tensor.shape))
 
 
 def as_real(tensor):
