@@ -103,7 +103,7 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
 def _values(spec, args: dict, rows, grad_scale):
     """(args, each row's args, grad_scale) with every DeviceScalar read; None where one is out
     of the range its op declares."""
-    from .ops._spec import GRAD_SCALE
+    from ._ranges import GRAD_SCALE
 
     if not isinstance(grad_scale, float):
         grad_scale = _read(grad_scale)

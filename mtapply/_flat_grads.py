@@ -8,7 +8,9 @@ unless something replaced them. What can be checked in O(1) is checked every ste
 - each buffer's version counter, which any in-place write through a view advances: a buffer
   untouched since the last step or zeroing means the grads went elsewhere (`model.zero_grad()`
   sets them to None and backward then allocates new ones). Those grads are copied back into
-  the views and the views put back, so that step is still right.
+  the views and the views put back (O(n)), so that step is still right; where every grad had
+  moved, that was a zeroing (HF's Trainer calls `model.zero_grad()` at every step), taken
+  without a warning.
 - a few params in rotation: a `.grad` assigned, a param's storage replaced or a param group
   edited since is reported with an error, since earlier steps may already have missed it.
 """
@@ -18,6 +20,8 @@ import operator
 import warnings
 
 import torch
+
+from ._torch_layouts import dense_strides
 
 CHECKED_PER_STEP = 4  # params whose grad and storage are verified per step, in rotation
 PLACED_PER_STEP = 2  # params whose place in their group is verified per step, in rotation
@@ -40,12 +44,9 @@ class FlatGrads:
     """The flat grad buffers of an optimizer's param groups (lists of params)."""
 
     def __init__(self, groups: list):
-        """`groups`: lists of plain contiguous params (the caller refuses DTensors)."""
-        for g, params in enumerate(groups):
-            for i, p in enumerate(params):
-                if not p.is_contiguous():
-                    raise ValueError(f"flat_grads=True needs contiguous params; param {i} of param "
-                                     f"group {g} is strided: make it contiguous or use flat_grads=False")
+        """`groups`: lists of plain params (the caller refuses DTensors), of any layout: each
+        view has its param's strides where the param is dense (channels_last too), else
+        row-major ones (see `mtapply._torch_layouts.dense_strides`)."""
         self.lengths = [len(params) for params in groups]
         self._layout = [list(params) for params in groups]
         self.buffers = self._allocate(groups)
@@ -72,7 +73,7 @@ class FlatGrads:
         for (device, dtype), (members, total) in layout.items():
             buffer = torch.zeros(total, dtype=dtype, device=device)
             for g, i, p, offset in members:
-                view = buffer[offset:offset + p.numel()].view(p.shape)
+                view = buffer.as_strided(p.shape, dense_strides(p), offset)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
@@ -164,21 +165,32 @@ class FlatGrads:
 
     def restore(self) -> None:
         """O(n): grads found outside their views are copied back in and the views put back;
-        a grad found None is zero (the param had none this step)."""
-        moved = False
+        a grad found None is zero (the param had none this step). Where no grad was found in
+        its view, every one was set to None since the last step (`model.zero_grad()`, as HF's
+        Trainer calls it at every step) and made again by backward: that is a zeroing of the
+        buffers, taken quietly. Where only some moved, a warning says what it costs."""
+        copied, sources, zeroed, kept = [], [], [], 0
+        for entry in self.entries:
+            grad = entry.param.grad
+            if entry.view is None:
+                continue
+            if grad is entry.view:
+                kept += 1
+                continue
+            if grad is None:
+                zeroed.append(entry.view)
+            else:
+                copied.append(entry.view)
+                sources.append(grad)
+            entry.param.grad = entry.view
         with torch.no_grad():
-            for entry in self.entries:
-                grad = entry.param.grad
-                if entry.view is None or grad is entry.view:
-                    continue
-                moved = True
-                if grad is None:
-                    entry.view.zero_()
-                else:
-                    entry.view.copy_(grad)
-                entry.param.grad = entry.view
-        if moved and not self._warned:
+            if zeroed:
+                torch._foreach_zero_(zeroed)
+            if copied:
+                torch._foreach_copy_(copied, sources)
+        if kept and (copied or zeroed) and not self._warned:
             self._warned = True
-            warnings.warn("flat_grads=True: grads were found outside the flat buffers (set to None "
-                          "by model.zero_grad()?) and copied back, at O(n) host cost per step: "
-                          "use optimizer.zero_grad() to keep them in place", stacklevel=4)
+            warnings.warn("flat_grads=True: some grads were found outside the flat buffers "
+                          "(assigned, or set to None) and copied back, at O(n) host cost per "
+                          "step: zero them with optimizer.zero_grad() and leave .grad to backward",
+                          stacklevel=4)

@@ -21,7 +21,8 @@ from ._launch import KernelLaunch, stream_pointer
 from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
-from .ops._spec import GRAD_SCALE, STEP, DeviceScalar, OutputArray, check_number
+from ._ranges import GRAD_SCALE, STEP
+from .ops._spec import DeviceScalar, OutputArray, check_number
 from .plan import group_tensors
 
 _SCALARS_KEPT = 8

@@ -23,6 +23,7 @@ from . import _calls
 from ._dlpack import framework_of
 from ._products import BoundProducts, batchable, data_ptr, operand_addresses
 from .engine import Plan
+from .ops._spec import check_number
 from .ops.adam import AdamSpec
 
 PROJECTION_TYPES = ("std", "reverse_std", "left", "right")
@@ -235,16 +236,25 @@ def adam_arguments(lr, step: int, betas, eps, weight_decay, correct_bias: bool) 
                 eps=eps / math.sqrt(1.0 - beta2 ** step), weight_decay=weight_decay)
 
 
-def check_options(lr, weight_decay, eps, betas, rank=None, update_proj_gap=1) -> None:
-    if lr < 0.0 or eps < 0.0 or weight_decay < 0.0 or lr * weight_decay >= 1.0:
-        raise ValueError(f"Invalid lr={lr}, eps={eps} or weight_decay={weight_decay} "
-                         f"(each >= 0, lr * weight_decay < 1)")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {betas}")
-    if rank is not None and (not isinstance(rank, int) or rank < 1):
-        raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    if update_proj_gap < 1:
-        raise ValueError(f"update_proj_gap must be >= 1, got {update_proj_gap}")
+def check_options(lr, weight_decay, eps, betas, rank=None, update_proj_gap=1,
+                  where: str = "") -> None:
+    """Raises ValueError or TypeError naming the option as the caller gave it (after `where`,
+    e.g. "param group 1: ") and its value, before anything is written."""
+    lr = check_number(f"{where}lr", lr, low=0.0)
+    check_number(f"{where}eps", eps, low=0.0)
+    weight_decay = check_number(f"{where}weight_decay", weight_decay, low=0.0)
+    if not lr * weight_decay < 1.0:
+        raise ValueError(f"{where}lr * weight_decay must be < 1 (the params are scaled by "
+                         f"1 - lr * weight_decay), got lr={lr!r} and weight_decay={weight_decay!r}")
+    if len(betas) != 2:
+        raise ValueError(f"{where}betas must be two numbers (beta1, beta2), got {betas!r}")
+    for k, beta in enumerate(betas):
+        check_number(f"{where}betas[{k}]", beta, low=0.0, high=1.0, high_open=True)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"{where}rank must be a positive integer, got {rank!r}")
+    if isinstance(update_proj_gap, bool) or not isinstance(update_proj_gap, int) or (
+            update_proj_gap < 1):
+        raise ValueError(f"{where}update_proj_gap must be an integer >= 1, got {update_proj_gap!r}")
 
 
 # the functional form

@@ -24,14 +24,28 @@ FSDP2's DTensor params.
 Params whose storage was replaced (`p.data = ...`) are bound again; a grad tensor whose own
 storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
 
+Every layout torch.optim steps is stepped (`mtapply._torch_layouts`): channels_last and other
+dense params in place, their states made in their layout; complex params as their real views,
+as torch.optim steps them; params that are not dense (a strided view) through a dense copy, a
+slow path of two copies per such param per step.
+
+A step is whole or nothing: every group's options are checked (by the op's own checks, with
+the group's index and the option's name) before any group launches, where the groups changed
+since the last check; a rule-based optimizer checks each hyperparameter against the range its
+rule declares. GradScaler's `unscale_` -> clip -> `step` sequence (Lightning's 16-mixed with
+gradient_clip_val) runs without a host synchronisation (`mtapply._optimizer_step.AmpScaling`).
+
 The step count lives on the device, one counter per plan, shared by the plan's params (their
 `state["step"]` is that counter), read and advanced by the step's own launches unless
 `GradScaler`'s `found_inf` skips the step, so a skipped step leaves it unchanged without a host
 synchronisation. SGD's first momentum step creates the buffers on the host's side: if that very
 step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD leaves
-them uninitialised there). `lr` may be a float or a 0-d/one-element float32 tensor on the
-params' device (capturable: a CUDA graph of the whole training step replays correctly), in each
-group. CPU params run on mtapply's NumPy backend.
+them uninitialised there). `lr` may be a float or a one-element tensor, in each group: a
+float32 one on the params' GPU is read by the kernels (capturable: a CUDA graph of the whole
+training step replays correctly); any other (a 0-d CPU tensor, as torch's schedulers and tests
+make them, one on another GPU, a float64 one) is copied to a slot on the params' device before
+each step's launches, with no host synchronisation (`mtapply._group_lrs.TensorCopies`). CPU
+params run on mtapply's NumPy backend.
 """
 from __future__ import annotations
 
@@ -48,10 +62,14 @@ from . import lamb as _lamb
 from . import lars as _lars
 from . import sgd as _sgd
 from ._flat_grads import FlatGrads
-from ._group_lrs import GroupLrs
+from ._group_lrs import GroupLrs, TensorCopies
 from ._launch import stream_pointer
-from ._optimizer_step import lean_step
+from ._optimizer_step import AmpScaling, lean_step
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
+from ._torch_layouts import PlanLists, Staging, as_real, as_reals, dense_strides
+from ._ranges import ANY as ANY_NUMBER
+from ._ranges import LR, Range
+from .ops._spec import check_number
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
            "GaLoreAdamW", "Lion", "RMSprop",
@@ -61,8 +79,10 @@ _GRAD = operator.attrgetter("grad")
 _LR = operator.itemgetter("lr")
 _PARAMS = operator.itemgetter("params")
 _DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DEREF = weakref.ref.__call__
+_BETAS = {"beta1": "betas[0]", "beta2": "betas[1]", "beta3": "betas[2]"}  # the ops' names
 
 
 def _addresses(tensors: list) -> np.ndarray:
@@ -73,16 +93,17 @@ class _Part:
     """Params of a group on one device that share a step count, bound to one plan and one
     device counter."""
 
-    def __init__(self, indices, params, plan, counter):
+    def __init__(self, indices, params, plan, counter, staging=None):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
         if plan is not None and counter is not None:
             plan.count_steps(counter)  # each step reads it and, unless found_inf, advances it
+        self.staging = staging or None  # stand-ins copied around each step (_torch_layouts)
         self.device = params[0].device
         self.group_of = None  # in a merged group: each param's group index
         self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
         self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
         self.lrs = None  # in a merged group on a GPU: the groups' number lrs, on the device
-        self.float32_math = all(p.dtype != torch.float64 for p in params)
+        self.float32_math = all(p.dtype not in (torch.float64, torch.complex128) for p in params)
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
         if plan is not None and _is_dtensor(params[0]):
@@ -106,6 +127,10 @@ class _Bound:
         self.sharded = any(map(_is_dtensor, params))
         self.param_addresses = _addresses(_locals(params))
         self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
+        local = _locals(grads)  # the layouts the plans took: row-major, or these strides
+        self.grad_strides = None if all(map(_IS_CONTIGUOUS, local)) else list(map(_STRIDE, local))
+        # whether the plans take other tensors than the grads themselves (real views, stand-ins)
+        self.reshaped = any(part.staging for part in parts) or any(map(torch.is_complex, grads))
         self.complete = False  # with flat_grads: holds every param of its group that needs a grad
 
     def params_moved(self) -> bool:
@@ -113,21 +138,25 @@ class _Bound:
         params = _locals(self.params) if self.sharded else self.params
         return not np.array_equal(_addresses(params), self.param_addresses)
 
-    def follow_grads(self, grads: list) -> None:
-        """Points the plans at this step's grads, if any moved."""
+    def follow_grads(self, grads: list) -> bool:
+        """Points the plans at this step's grads, if any moved; False (nothing done) where a
+        grad is laid out otherwise than the one bound, so that the group is bound again."""
         if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
-            return
+            return True
         local = _locals(grads) if self.sharded else grads
-        if not all(map(_IS_CONTIGUOUS, local)):
-            raise ValueError("a param's .grad is not contiguous: mtapply needs dense grads laid out "
-                             "like their params (assign contiguous grads)")
+        if not (all(map(_IS_CONTIGUOUS, local)) if self.grad_strides is None
+                else list(map(_STRIDE, local)) == self.grad_strides):
+            return False
         addresses = _addresses(local)
+        whole = len(self.parts) == 1
         for part in self.parts:
-            whole = len(self.parts) == 1
-            part.plan.rebind_addresses("grads", local if whole else [local[i] for i in part.indices],
-                                       addresses if whole else addresses[part.indices],
-                                       keep_alive=False)
+            mine = local if whole else [local[i] for i in part.indices]
+            at = addresses if whole else addresses[part.indices]
+            if self.reshaped:
+                mine, at = (part.staging or Staging()).bound_grads(mine, at)
+            part.plan.rebind_addresses("grads", mine, at, keep_alive=False)
         self.grad_refs = list(map(weakref.ref, grads))
+        return True
 
 
 class _LatestStep:
@@ -144,8 +173,8 @@ class _LatestStep:
     @classmethod
     def of(cls, parts: list, version: int) -> _LatestStep | None:
         if any(part.plan is None or part.plan._repeat is None or part.sums is not None
-               or part.after_pass is not None or not part.plan._relaunch_is_the_step()
-               for _, part in parts):
+               or part.after_pass is not None or part.staging is not None
+               or not part.plan._relaunch_is_the_step() for _, part in parts):
             return None
         return cls(parts, version)
 
@@ -175,7 +204,8 @@ class _LatestStep:
 class _FusedOptimizer(torch.optim.Optimizer):
     """What the mtapply optimizers share: binding groups to plans, AMP, device step counters."""
 
-    _step_supports_amp_scaling = True  # consumes GradScaler's grad_scale / found_inf itself
+    # takes GradScaler's grad_scale / found_inf itself, and grads unscaled by its unscale_
+    _step_supports_amp_scaling = AmpScaling()
     _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
     # whether groups of equal compile options step as one plan, each tensor reading its
     # group's hyperparameters (per-tensor rows): ops whose hyperparameters are plain numbers
@@ -191,6 +221,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._latest = None  # the latest step, where a step may repeat it (`_LatestStep`)
         super().__init__(params, defaults)
         self._bound: dict = {}
+        self._check_groups()  # as each step checks them again where they changed
         if self._flat_grads:
             self._make_flat()
 
@@ -217,13 +248,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():  # being traced: the launch stays out of the graph
-            _outside_graphs()(self)
+            _outside_graphs(_FusedOptimizer._fused_step)(self)
         else:  # (torch.compiler.disable's wrapper would cost every eager step)
             self._fused_step()
         return loss
 
     def _fused_step(self) -> None:
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
+        if self._checked_at != self._group_changes.version:
+            self._check_groups()  # every group's options, before any group steps
+        if self._copies:
+            self._copies.refresh()  # tensor hyperparameters copied to the params' devices
         attributes = self.__dict__  # GradScaler.step sets grad_scale and found_inf there
         grad_scale, found_inf = attributes.get("grad_scale"), attributes.get("found_inf")
         if self._latest is not None and grad_scale is None and found_inf is None:
@@ -234,36 +269,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._grouped_steps(grad_scale, found_inf)
 
     def _grouped_steps(self, grad_scale, found_inf) -> None:
-        stepped = []  # the parts stepped, where every group stepped by its bound parts
+        """Binds every group (raising any refusal before anything is written), then steps
+        them."""
         flat = self._flat_grads_in_place()
-        self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
         merged = self._merged_group()  # params edited in place merge again, as torch sees them
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
             self._bound.clear()
+        prepared = []
+        stepped = flat  # whether every group steps by its bound parts
         for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
             bound = self._bound.get(index) if flat else None
-            if bound is not None and bound.complete and bound.options == self._compile_options(group):
-                for part in bound.parts:  # O(1) in the number of params
-                    self._step_part(part, group, grad_scale, found_inf)
-                if stepped is not None:
-                    stepped += [(index, part) for part in bound.parts]
-            else:
-                self._step_group(index, group, grad_scale, found_inf)
-                stepped = None
+            if bound is None or not bound.complete or bound.options != self._compile_options(group):
+                bound = self._prepare_group(index, group)
+                stepped = False
                 if self._flat is not None and index in self._bound:
                     self._bound[index].complete = self._bound[index].key == tuple(
                         id(p) for p in group["params"] if p.requires_grad)
+            prepared.append((index, group, bound))
+        self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
+        for index, group, bound in prepared:
+            self._launch_group(index, group, bound, grad_scale, found_inf)
         if self._flat is not None:
             self._flat.mark()
         if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
-            self._latest = _LatestStep.of(stepped, self._group_changes.version)
+            parts = [(index, part) for index, _, bound in prepared for part in bound.parts]
+            self._latest = _LatestStep.of(parts, self._group_changes.version)
 
     @classmethod
     def _repeats_steps(cls) -> bool:
         """Whether a step's host work is that of its parts' launches alone (no work across
         groups, no per-group host work), so that a step repeating the latest may skip it."""
         return (cls._before_groups is _FusedOptimizer._before_groups
-                and cls._step_group is _FusedOptimizer._step_group
+                and cls._launch_group is _FusedOptimizer._launch_group
                 and cls._step_part is _FusedOptimizer._step_part)
 
     def _flat_grads_in_place(self) -> bool:
@@ -307,6 +344,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._merged = (0, None)  # the groups' params changed: merge them again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if torch.compiler.is_compiling():  # in a compiled training step: run outside its graph
+            _outside_graphs(_FusedOptimizer._zero_grad)(self, set_to_none)
+        else:
+            self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         if self._flat_grads:  # the views stay, zeroed: one fill per buffer (set_to_none aside)
             self._refresh_flat()
             self._flat.zero_()
@@ -357,7 +400,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
         flat_grads and every grad in its view, the buffers that hold all the grads."""
 
-    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+    def _prepare_group(self, index, group) -> _Bound | None:
+        """The group bound to plans that point at this step's grads (None where no param
+        has a grad); raises where the group cannot step, before any group launches."""
         # The common case costs C-level scans only: the same params, every one with a grad.
         params = group["params"]
         grads = list(map(_GRAD, params))
@@ -369,19 +414,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if not same:
             params = [p for p in params if p.grad is not None]
             if not params:
-                return
+                return None
             grads = list(map(_GRAD, params))
             if bound is None or bound.options != options or bound.key != tuple(map(id, params)):
                 bound = None
-        if bound is not None and bound.params_moved():
-            bound = None  # storage replaced under the params: bind them again
+        if bound is not None and (bound.params_moved() or not bound.follow_grads(grads)):
+            bound = None  # storage replaced under the params, or grads of another layout
         if bound is None:
             bound = self._bind(tuple(map(id, params)), options, group, params, grads)
             self._bound[index] = bound
-        else:
-            bound.follow_grads(grads)
-        for part in bound.parts:
-            self._step_part(part, group, grad_scale, found_inf)
+        return bound
+
+    def _launch_group(self, index, group, bound, grad_scale, found_inf) -> None:
+        """Steps a group as `_prepare_group` prepared it."""
+        if bound is not None:
+            for part in bound.parts:
+                self._step_part(part, group, grad_scale, found_inf)
 
     def _merged_group(self) -> dict | None:
         """All param groups as one, where they can step as one plan: an op of plain-number
@@ -472,17 +520,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
             part.sums.zero_()  # empty shards add nothing: their rows are never written
         if part.counter is not None:
             hyper["step"] = part.counter  # the plan counts the step in it
+        staging = part.staging
+        if staging is not None:
+            staging.before([p.grad for p in part.params])
         try:
             part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
         finally:
             part.plan.release("grads")
+        if staging is not None:
+            staging.after()
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
             if p.is_sparse or p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if not _local(p).is_contiguous():
-                raise ValueError("mtapply optimizers need contiguous params (p.data.contiguous())")
         owner = _owners(group) if "groups" in group else None  # params keep their group's
         for p in params:
             own = group["groups"][owner[id(p)]] if owner else group
@@ -500,8 +551,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for (_, count), indices in classes.items():
             members = [params[i] for i in indices]
             counter = self._counter(members, count) if counting else None
-            plan = self._make_plan(group, members, _locals([grads[i] for i in indices]))
-            parts.append(_Part(np.asarray(indices), members, plan, counter))
+            lists = PlanLists(self.state, members, [grads[i] for i in indices], _local)
+            plan = self._make_plan(group, lists)
+            parts.append(_Part(np.asarray(indices), members, plan, counter, lists.staging))
             if owner:
                 parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
         return _Bound(key, options, list(params), grads, parts)
@@ -510,10 +562,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Whether the group's params keep a device step counter."""
         return self._counts_steps
 
-    def _states(self, params, name: str) -> list:
-        """The state tensors `name` of params, as the plan takes them (local shards)."""
-        return _locals([self.state[p][name] for p in params])
-
     def _counter(self, params, count: float):
         """One device step counter for params of equal step count: their `state["step"]`."""
         counter = torch.tensor(count, dtype=torch.float32, device=params[0].device)
@@ -521,9 +569,80 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self.state[p]["step"] = counter
         return counter
 
-    @staticmethod
-    def _lr(group, device):
-        return _scalar_option(group["lr"], device, "lr")
+    # -- hyperparameters ------------------------------------------------------------------------
+
+    def _hyper(self, group, device) -> dict:
+        """The group's hyperparameters as its plans on `device` take them: a tensor value
+        as a device value there (`_device_value`)."""
+        values = self._values(group)
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                values[name] = self._device_value(value, device, name, group)
+        return values
+
+    def _device_value(self, value, device, name: str, group):
+        """A one-element tensor hyperparameter as a plan on `device` reads it: itself where
+        it is float32 on that GPU; else a float32 slot there, refreshed from it before every
+        step's launches (`mtapply._group_lrs.TensorCopies`); a CPU plan reads a CPU tensor
+        itself, checked with the others before any group launches."""
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        if device.type == "cpu" and value.device.type != "cpu":
+            raise ValueError(f"a tensor {name} on {value.device} for params on the CPU: put "
+                             f"it on the CPU")
+        if value.device == device and value.dtype == torch.float32 and device.type == "cuda":
+            return value.reshape(1) if value.dim() == 0 else value
+        if self._copies is None:
+            self._copies = TensorCopies()
+        return self._copies.slot(value, device, name, self._range(group, name))
+
+    def _range(self, group, name: str) -> Range:
+        """The values hyperparameter `name` may take."""
+        return LR if name == "lr" else ANY_NUMBER
+
+    def _check_groups(self) -> None:
+        """Checks every group's options as a step takes them, before any group steps; run
+        where the groups changed since the last check (only the lrs, vectorised, where only
+        numbers were set as lrs: a scheduler's step)."""
+        changes, groups = self._group_changes, self.param_groups
+        if changes.since(self._checked_at) == {"lr"} and self._numeric_lrs:
+            _check_lrs(np.fromiter(map(_LR, groups), np.float64, len(groups)),
+                       self._range(groups[0], "lr"))
+        else:
+            for index, group in enumerate(groups):
+                self._check_group(index, group)
+            self._numeric_lrs = all(type(g["lr"]) in (float, int) for g in groups)
+            if self._copies:
+                self._copies.keep_only([value for group in groups for value in group.values()
+                                        if isinstance(value, torch.Tensor)])
+        self._checked_at = changes.version
+
+    def _check_group(self, index: int, group) -> None:
+        """Raises where a group's options are outside what its step accepts: the op's own
+        checks, of the values a step would take (a CPU tensor's read on the host)."""
+        values = self._checked_values(group)
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"param group {index}: Tensor {name} must be 1-element")
+                if value.device.type == "cpu":
+                    values[name] = float(value)
+        try:
+            self._checking_spec(group).arguments(**values)
+        except (TypeError, ValueError) as error:
+            word, space, rest = str(error).partition(" ")
+            raise type(error)(f"param group {index}: {self._OPTION_NAMES.get(word, word)}{space}"
+                              f"{rest}") from None
+
+    # the op's names of options a user gives otherwise (betas), for messages
+    _OPTION_NAMES: dict = {}
+    _checked_at = 0  # the group changes version whose options were last checked
+    _numeric_lrs = False  # whether every group's lr was a number at the last whole check
+    _copies = None  # TensorCopies, made at the first tensor hyperparameter that needs one
+
+    def _checked_values(self, group) -> dict:
+        """The hyperparameters to check, as `_checking_spec(group).arguments` takes them."""
+        return dict(self._values(group), step=1.0)
 
     # -- per optimizer --------------------------------------------------------------------------
 
@@ -533,22 +652,46 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _init_state(self, group, p, state) -> None:
         raise NotImplementedError
 
-    def _make_plan(self, group, params, grads):
+    def _make_plan(self, group, lists: PlanLists):
+        """The plan of `lists` (params of the group, of one device and step count)."""
         raise NotImplementedError
 
-    def _hyper(self, group, device) -> dict:
+    def _values(self, group) -> dict:
+        """The group's hyperparameters by the op's names, tensors as given."""
+        raise NotImplementedError
+
+    def _checking_spec(self, group):
+        """An op spec whose `arguments` checks the group's hyperparameters."""
         raise NotImplementedError
 
 
-_OUTSIDE_GRAPHS = []  # `_fused_step` kept out of torch.compile's graphs, once made
+def _laid_out_as(zeros, form):
+    """Fresh zeros shaped as `form` in its dense layout (8-bit codes are blockwise in memory
+    order, so they are made in the layout the param steps with); others as they are."""
+    if tuple(zeros.shape) != tuple(form.shape):
+        return zeros  # a per-block scale
+    return torch.empty_strided(form.shape, dense_strides(form), dtype=zeros.dtype,
+                               device=zeros.device).zero_()
 
 
-def _outside_graphs():
-    """`_fused_step` kept out of torch.compile's graphs; made at first use, since
-    torch.compiler.disable imports torch._dynamo (most of a second)."""
-    if not _OUTSIDE_GRAPHS:
-        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_FusedOptimizer._fused_step))
-    return _OUTSIDE_GRAPHS[0]
+def _check_lrs(lrs: np.ndarray, allowed: Range) -> None:
+    """Raises, naming the first group, where an lr is outside `allowed`."""
+    k = allowed.first_outside(lrs)
+    if k is not None:
+        allowed.check(f"param group {k}: lr", float(lrs[k]))
+
+
+_DISABLED: dict = {}  # method -> the method kept out of torch.compile's graphs
+
+
+def _outside_graphs(method):
+    """`method` kept out of torch.compile's graphs (dynamo cannot trace the tracked param
+    groups); made at first use, since torch.compiler.disable imports torch._dynamo (most of a
+    second). A plain dict, which dynamo reads without a warning (as it would not a cache)."""
+    disabled = _DISABLED.get(method)
+    if disabled is None:
+        disabled = _DISABLED[method] = torch.compiler.disable(method)
+    return disabled
 
 
 class Adam(_FusedOptimizer):
@@ -563,6 +706,7 @@ class Adam(_FusedOptimizer):
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  flat_grads=False, stochastic_rounding=False, seed=0):
         _check_adam_args(lr, betas, eps, weight_decay)
+        _check_torch_adam_flags(lr, betas, foreach, fused, capturable)
         if differentiable:
             raise ValueError("differentiable=True is not supported by mtapply's fused step")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -573,6 +717,7 @@ class Adam(_FusedOptimizer):
         super().__init__(params, defaults, flat_grads)
 
     _merges_groups = True
+    _OPTION_NAMES = _BETAS
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),
@@ -586,21 +731,24 @@ class Adam(_FusedOptimizer):
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _make_plan(self, group, params, grads):
+    def _make_plan(self, group, lists):
         amsgrad, decoupled, maximize, stochastic = self._compile_options(group)
-        return _adam.adam_plan(_aliases(params), grads, self._states(params, "exp_avg"),
-                               self._states(params, "exp_avg_sq"),
-                               max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if amsgrad else None,
+        return _adam.adam_plan(lists.bound, lists.grads, lists.state("exp_avg"),
+                               lists.state("exp_avg_sq"),
+                               max_exp_avg_sqs=lists.state("max_exp_avg_sq") if amsgrad else None,
                                amsgrad=amsgrad, decoupled_weight_decay=decoupled,
                                maximize=maximize, stochastic_rounding=stochastic)
 
-    def _hyper(self, group, device) -> dict:
+    def _values(self, group) -> dict:
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=self._lr(group, device), beta1=float(beta1), beta2=float(beta2),
-                     eps=group["eps"], weight_decay=group["weight_decay"])
+        hyper = dict(lr=group["lr"], beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                     weight_decay=group["weight_decay"])
         if group.get("stochastic_rounding", False):
             hyper["seed"] = group.get("seed", 0)
         return hyper
+
+    def _checking_spec(self, group):
+        return _adam.AdamSpec()
 
 
 class AdamW(Adam):
@@ -644,9 +792,10 @@ class Adam8bit(Adam):
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            made = _adam8bit.adam8bit_state([p.detach()], threshold=group["min_8bit_size"])
+            form = as_real(p.detach())  # as the plan steps it: complex as real
+            made = _adam8bit.adam8bit_state([form], threshold=group["min_8bit_size"])
             for name, column in zip(_8BIT_STATE, made.lists()):
-                state[name] = column[0]
+                state[name] = _laid_out_as(column[0], form)
 
     def load_state_dict(self, state_dict) -> None:
         """torch.optim's loading casts every state tensor of a float param to the param's
@@ -662,10 +811,10 @@ class Adam8bit(Adam):
                 if self.state[p][key].dtype != dtype:
                     self.state[p][key] = self.state[p][key].to(dtype)
 
-    def _make_plan(self, group, params, grads):
+    def _make_plan(self, group, lists):
         _, decoupled, maximize, stochastic = self._compile_options(group)
-        return _adam8bit.adam8bit_plan(_aliases(params), grads,
-                                       *(self._states(params, name) for name in _8BIT_STATE),
+        return _adam8bit.adam8bit_plan(lists.bound, lists.grads,
+                                       *map(lists.state, _8BIT_STATE),
                                        decoupled_weight_decay=decoupled, maximize=maximize,
                                        stochastic_rounding=stochastic)
 
@@ -699,6 +848,7 @@ class SGD(_FusedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
                  flat_grads=False, stochastic_rounding=False, seed=0):
+        _check_one_element(lr, "lr")
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -721,44 +871,51 @@ class SGD(_FusedOptimizer):
         # stochastic rounding draws its bits per step: only then does SGD count its steps
         return bool(group.get("stochastic_rounding", False))
 
-    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+    def _prepare_group(self, index, group):
         # torch's first step copies the grad into a new buffer: params without one take a
         # one-off step=1 launch, and join the group's plan from the next step on
+        fresh = []
         if group["momentum"] != 0:
             fresh = [p for p in group["params"]
                      if p.grad is not None and self.state[p].get("momentum_buffer") is None]
             if fresh:
-                for own, params in _by_group(group, fresh):  # each with its group's options
-                    self._first_step(own, params, grad_scale, found_inf)
                 stepped = set(map(id, fresh))
-                rest = [p for p in group["params"] if id(p) not in stepped]
-                return self._step_params(index, dict(group, params=rest), grad_scale, found_inf)
-        self._step_params(index, group, grad_scale, found_inf)
+                group = dict(group, params=[p for p in group["params"] if id(p) not in stepped])
+        return fresh, super()._prepare_group(index, group)
 
-    def _step_params(self, index, group, grad_scale, found_inf) -> None:
-        super()._step_group(index, group, grad_scale, found_inf)
+    def _launch_group(self, index, group, prepared, grad_scale, found_inf) -> None:
+        # (fresh params, bound) from _prepare_group; a bound group alone on the flat_grads path
+        fresh, bound = prepared if isinstance(prepared, tuple) else ((), prepared)
+        for own, params in _by_group(group, fresh) if fresh else ():  # each with its options
+            self._first_step(own, params, grad_scale, found_inf)
+        super()._launch_group(index, group, bound, grad_scale, found_inf)
 
     def _first_step(self, group, params, grad_scale, found_inf) -> None:
-        buffers = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        fresh = {p: {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                 for p in params}
         by_device: dict = {}
-        for i, p in enumerate(params):
-            by_device.setdefault(p.device, []).append(i)
-        for device, indices in by_device.items():
-            part = _Part(indices, [params[i] for i in indices], None, None)
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, members in by_device.items():
+            part = _Part(None, members, None, None)
+            lists = PlanLists(fresh, members, [p.grad for p in members], _local)
             hyper = dict(self._hyper(group, device), step=1)
-            _sgd.sgd_step(_locals(part.params), _locals([params[i].grad for i in indices]),
-                          _locals([buffers[i] for i in indices]), **hyper,
+            if lists.staging:
+                lists.staging.before([p.grad for p in members])
+            _sgd.sgd_step(lists.bound, lists.grads, lists.state("momentum_buffer"), **hyper,
                           nesterov=group["nesterov"], maximize=group["maximize"],
                           stochastic_rounding=self._counts(group),
                           grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
-        for p, b in zip(params, buffers):
-            self.state[p]["momentum_buffer"] = b
+            if lists.staging:
+                lists.staging.after()
+        for p in params:
+            self.state[p]["momentum_buffer"] = fresh[p]["momentum_buffer"]
             if self._counts(group):
                 self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
 
-    def _make_plan(self, group, params, grads):
-        buffers = self._states(params, "momentum_buffer") if group["momentum"] else None
-        return _sgd.sgd_plan(_aliases(params), grads, buffers, nesterov=group["nesterov"],
+    def _make_plan(self, group, lists):
+        buffers = lists.state("momentum_buffer") if group["momentum"] else None
+        return _sgd.sgd_plan(lists.bound, lists.grads, buffers, nesterov=group["nesterov"],
                              maximize=group["maximize"], stochastic_rounding=self._counts(group))
 
     def _init_state(self, group, p, state) -> None:
@@ -767,13 +924,16 @@ class SGD(_FusedOptimizer):
         if self._counts(group) and "step" not in state:
             state["step"] = torch.tensor(0.0)
 
-    def _hyper(self, group, device) -> dict:
-        hyper = dict(lr=self._lr(group, device), momentum=group["momentum"],
-                     dampening=group["dampening"], weight_decay=group["weight_decay"],
+    def _values(self, group) -> dict:
+        hyper = dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                     weight_decay=group["weight_decay"],
                      step=2 if group["momentum"] != 0 else None)
         if self._counts(group):
             hyper["seed"] = group.get("seed", 0)
         return hyper
+
+    def _checking_spec(self, group):
+        return _sgd.SGDSpec(nesterov=bool(group["nesterov"]))
 
 
 def _owners(merged) -> dict:
@@ -822,14 +982,19 @@ class _RuleBased(_FusedOptimizer):
             if name != "grad" and name not in state:
                 state[name] = self._initial(group, p, name)
 
-    def _make_plan(self, group, params, grads):
-        lists, rule = {"param": _aliases(params), "grad": grads}, self._rule(group)
-        return rule.plan(*(lists[name] if name in lists else self._states(params, name)
+    def _make_plan(self, group, lists):
+        given, rule = {"param": lists.bound, "grad": lists.grads}, self._rule(group)
+        return rule.plan(*(given[name] if name in given else lists.state(name)
                            for name in rule.slots))
 
-    def _hyper(self, group, device) -> dict:
-        return {name: _scalar_option(value, device, name)
-                for name, value in self._rule_hyper(group).items()}
+    def _values(self, group) -> dict:
+        return self._rule_hyper(group)
+
+    def _checking_spec(self, group):
+        return self._rule(group).spec()
+
+    def _range(self, group, name: str) -> Range:
+        return self._rule(group).program.ranges[name]
 
 
 class RuleOptimizer(_RuleBased):
@@ -848,6 +1013,8 @@ class RuleOptimizer(_RuleBased):
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
                             f"{', '.join(rule.hyper)})")
+        for name, value in hyper.items():
+            _check_one_element(value, name)
         self.rule = rule
         defaults = {name: hyper.get(name, required if default is None else default)
                     for name, default in rule.hyper.items()}
@@ -861,6 +1028,8 @@ class Lion(_RuleBased):
     """Lion (lion-pytorch's arguments and state: `exp_avg`), from `mtapply.rules.library.lion`:
     p = p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g.
     """
+
+    _OPTION_NAMES = _BETAS
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  flat_grads=False):
@@ -881,6 +1050,8 @@ class Adan(_RuleBased):
     """Adan (`mtapply.rules.library.adan`, optax.adan's update) with the arguments of the
     authors' PyTorch implementation: betas=(beta1, beta2, beta3), eps, weight_decay (decoupled:
     p -= lr * (update + weight_decay * p)). State: `m`, `v`, `n`, `prev_grad`, `step`."""
+
+    _OPTION_NAMES = _BETAS
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  *, flat_grads=False):
@@ -909,7 +1080,8 @@ class ScheduleFreeAdamW(_RuleBased):
     and `train()` puts y back. Per group, the running max lr, the sum of the averaging weights
     and the steps taken are host numbers in the group (saved with state_dict); each param's
     state holds `z` (a copy of the param at first), `nu` and `step`. lr is a number (the weights
-    are computed on the host); a step skipped by GradScaler still advances them."""
+    are computed on the host: a tensor lr is read there at each step, which costs a CUDA one a
+    synchronisation); a step skipped by GradScaler still advances them."""
 
     _merges_groups = False  # its per-group running values live in each group
 
@@ -931,20 +1103,44 @@ class ScheduleFreeAdamW(_RuleBased):
     def _initial(self, group, p, name: str):
         return p.detach().clone() if name == "z" else super()._initial(group, p, name)
 
-    def _step_group(self, index, group, grad_scale, found_inf) -> None:
+    def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
+        for index, group in enumerate(self.param_groups):  # a tensor lr, filled in place
+            if isinstance(group["lr"], torch.Tensor):
+                LR.check(f"param group {index}: lr", float(group["lr"]))
+
+    def _prepare_group(self, index, group):
         if not group["train_mode"]:
             raise RuntimeError("ScheduleFreeAdamW.step() in eval mode: call optimizer.train() "
                                "first (eval() put the averaged params in place)")
-        if all(map(operator.is_, map(_GRAD, group["params"]), repeat(None))):
+        return super()._prepare_group(index, group)
+
+    def _launch_group(self, index, group, bound, grad_scale, found_inf) -> None:
+        """Advances the group's running values (every step the group takes, whichever way it
+        was prepared: with flat_grads too), then steps it. They are the optimizer's own
+        values, not options: set without noting a change of the group."""
+        if bound is None:
             return  # no step for this group: its averaging weights stay as they are
         k = group["k"]
-        group["_lr"] = self._scheduled(group, k)  # the base step's, as optax's count
-        lr_max = group["lr_max"] = max(group["lr_max"], self._scheduled(group, k + 1))
+        lr_max = max(group["lr_max"], self._scheduled(group, k + 1))
         weight = lr_max ** group["weight_lr_power"]
-        group["weight_sum"] += weight
-        group["_ck"] = weight / group["weight_sum"] if group["weight_sum"] > 0 else 0.0
-        group["k"] = k + 1
-        super()._step_group(index, group, grad_scale, found_inf)
+        weight_sum = group["weight_sum"] + weight
+        for key, value in (("_lr", self._scheduled(group, k)),  # the base step's, as optax's
+                           ("lr_max", lr_max), ("weight_sum", weight_sum),
+                           ("_ck", weight / weight_sum if weight_sum > 0 else 0.0),
+                           ("k", k + 1)):
+            dict.__setitem__(group, key, value)
+        super()._launch_group(index, group, bound, grad_scale, found_inf)
+
+    _OPTION_NAMES = {"b1": "betas[0]", "b2": "betas[1]"}
+
+    def _checked_values(self, group) -> dict:
+        # the step's lr is at most the group's; the averaging weight ck is in [0, 1]
+        return dict(self._rule_hyper(dict(group, _lr=group["lr"], _ck=0.0)), step=1.0)
+
+    def _check_group(self, index: int, group) -> None:
+        super()._check_group(index, group)
+        check_number(f"param group {index}: warmup_steps", group["warmup_steps"], low=0.0)
+        check_number(f"param group {index}: weight_lr_power", group["weight_lr_power"])
 
     @staticmethod
     def _scheduled(group, step: int) -> float:
@@ -1002,8 +1198,10 @@ class Adagrad(_RuleBased):
         return library.adagrad(bool(group["maximize"]))
 
     def _initial(self, group, p, name: str):
-        return torch.full_like(p, float(group["initial_accumulator_value"]),
-                               memory_format=torch.preserve_format)
+        value = float(group["initial_accumulator_value"])
+        if p.is_complex():  # as torch: both parts of the real view start at the value
+            value = complex(value, value)
+        return torch.full_like(p, value, memory_format=torch.preserve_format)
 
 
 class RMSprop(_RuleBased):
@@ -1029,9 +1227,20 @@ class RMSprop(_RuleBased):
         return library.rmsprop(bool(group["centered"]), group["momentum"] > 0,
                                bool(group["maximize"]))
 
+    def _check_group(self, index: int, group) -> None:
+        super()._check_group(index, group)  # momentum too, where it is above 0
+        check_number(f"param group {index}: momentum", group["momentum"], low=0.0)
+
+
+def _check_one_element(value, name: str) -> None:
+    """torch.optim's refusal of a tensor option of several elements (an lr, in torch)."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element")
+
 
 def _check_options(**values) -> None:
     """torch.optim's checks of non-negative options, with its messages."""
+    _check_one_element(values.get("lr"), "lr")
     for name, value in values.items():
         if not 0.0 <= float(value):
             label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
@@ -1044,17 +1253,6 @@ def _differ(a, b) -> bool:
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                     and a.data_ptr() == b.data_ptr())
     return a != b
-
-
-def _scalar_option(value, device, name: str):
-    """A group's option as a plan takes it: a float, or a one-element float32 tensor on the
-    params' device (read by the kernel)."""
-    if isinstance(value, torch.Tensor):
-        if value.device != device or value.dtype != torch.float32:
-            raise ValueError(f"a tensor {name} must be float32 on {device} (the params' "
-                             f"device), got {value.dtype} on {value.device}")
-        return value.reshape(1) if value.dim() == 0 else value
-    return float(value)
 
 
 def optimizer(rule, params, *, flat_grads=False, **hyper) -> RuleOptimizer:
@@ -1079,12 +1277,6 @@ def _local(tensor):
 
 def _locals(tensors: list) -> list:
     return list(map(_local, tensors)) if any(map(_is_dtensor, tensors)) else tensors
-
-
-def _aliases(params: list) -> list:
-    """New tensors on the params' (local) storage, for plans to hold: that storage then outlives
-    a `p.data = ...` until the plan is bound again, so a launch never writes freed memory."""
-    return [_local(p).detach() for p in params]
 
 
 def _shard_groups(param) -> list:
@@ -1122,6 +1314,7 @@ class LARS(_FusedOptimizer):
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                  eps=0.0, exclude=False, *, flat_grads=False):
+        _check_one_element(lr, "lr")
         for name, value in (("learning rate", lr), ("momentum", momentum),
                             ("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
                             ("epsilon", eps)):
@@ -1143,17 +1336,20 @@ class LARS(_FusedOptimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _make_plan(self, group, params, grads):
+    def _make_plan(self, group, lists):
         owner = _owners(group) if "groups" in group else None
         exclude = [bool((group["groups"][owner[id(p)]] if owner else group)["exclude"])
-                   for p in params]
-        return _lars.lars_plan(_aliases(params), grads, self._states(params, "momentum_buffer"),
+                   for p in lists.params]
+        return _lars.lars_plan(lists.bound, lists.grads, lists.state("momentum_buffer"),
                                exclude=exclude)
 
-    def _hyper(self, group, device) -> dict:
-        return dict(lr=self._lr(group, device), momentum=group["momentum"],
+    def _values(self, group) -> dict:
+        return dict(lr=group["lr"], momentum=group["momentum"],
                     weight_decay=group["weight_decay"],
                     trust_coefficient=group["trust_coefficient"], eps=group["eps"])
+
+    def _checking_spec(self, group):
+        return _lars.LARSSpec()
 
 
 class LAMB(_FusedOptimizer):
@@ -1162,6 +1358,7 @@ class LAMB(_FusedOptimizer):
     the device (one launch per device and dtype, with a plan bound once, like the step's).
     State per param: `step`, `exp_avg`, `exp_avg_sq`."""
 
+    _OPTION_NAMES = _BETAS
     _merges_groups = True
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
@@ -1201,21 +1398,33 @@ class LAMB(_FusedOptimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _make_plan(self, group, params, grads):
+    def _make_plan(self, group, lists):
         adam_w_mode, use_nvlamb = self._compile_options(group)
-        return _lamb.lamb_plan(_aliases(params), grads, self._states(params, "exp_avg"),
-                               self._states(params, "exp_avg_sq"), adam_w_mode=adam_w_mode,
+        return _lamb.lamb_plan(lists.bound, lists.grads, lists.state("exp_avg"),
+                               lists.state("exp_avg_sq"), adam_w_mode=adam_w_mode,
                                use_nvlamb=use_nvlamb)
 
-    def _hyper(self, group, device) -> dict:
+    def _values(self, group) -> dict:
         beta1, beta2 = group["betas"]
-        norm = self._grad_norm.on(device)  # one for all groups (None where none clips)
-        return dict(lr=self._lr(group, device), beta1=float(beta1),
-                    beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+        return dict(lr=group["lr"], beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                    weight_decay=group["weight_decay"],
                     grad_averaging=bool(group["grad_averaging"]),
                     bias_correction=bool(group["bias_correction"]),
-                    max_grad_norm=float(group["max_grad_norm"]) if norm is not None else 0.0,
-                    global_grad_norm=norm)
+                    max_grad_norm=float(group["max_grad_norm"]))
+
+    def _hyper(self, group, device) -> dict:
+        hyper = super()._hyper(group, device)
+        norm = self._grad_norm.on(device)  # one for all groups (None where none clips)
+        if norm is None:
+            hyper["max_grad_norm"] = 0.0
+        hyper["global_grad_norm"] = norm
+        return hyper
+
+    def _checking_spec(self, group):
+        return _lamb.LAMBSpec()
+
+    def _checked_values(self, group) -> dict:
+        return dict(super()._checked_values(group), global_grad_norm=0.0)
 
 
 class _GlobalNorm:
@@ -1274,16 +1483,19 @@ class _GlobalNorm:
         from .engine import Plan
         from .ops.norms import L2NormSpec
 
-        local = _locals(grads)
+        local = as_reals(_locals(grads))  # a complex grad: the norm of its complex values
         entry = self._plans.get(device)
+        moved = entry is None or any(map(operator.is_not, grads, map(_DEREF, entry[1])))
         # the same owners (by identity: an id may be reused by a new param of another shape)
-        if entry is None or len(entry[0]) != len(owners) or any(
-                map(operator.is_not, owners, map(_DEREF, entry[0]))):
+        if (entry is None or len(entry[0]) != len(owners)
+                or any(map(operator.is_not, owners, map(_DEREF, entry[0])))
+                or (moved and list(map(_STRIDE, local)) != entry[3])):  # another layout
             plan = Plan(L2NormSpec(), {"tensors": local})
             plan.release("tensors")
             entry = self._plans[device] = [list(map(weakref.ref, owners)),
-                                           list(map(weakref.ref, grads)), plan]
-        elif any(map(operator.is_not, grads, map(_DEREF, entry[1]))):
+                                           list(map(weakref.ref, grads)), plan,
+                                           list(map(_STRIDE, local))]
+        elif moved:
             entry[2].rebind_addresses("tensors", local, _addresses(local), keep_alive=False)
             entry[1] = list(map(weakref.ref, grads))
         if device not in self._totals:
@@ -1296,8 +1508,7 @@ class _GlobalNorm:
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:
     """torch.optim.Adam's argument checks and messages."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+    _check_one_element(lr, "lr")
     if not 0.0 <= float(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -1308,6 +1519,24 @@ def _check_adam_args(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+
+
+def _check_torch_adam_flags(lr, betas, foreach, fused, capturable) -> None:
+    """torch.optim.Adam's refusals of its flag combinations, with its messages (mtapply's one
+    step would take them, but code written for torch.optim never meets them)."""
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+    if foreach and not capturable:
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+        if isinstance(betas[0], torch.Tensor):
+            raise ValueError("betas[0] as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
 
 
 from .torch_galore import GaLoreAdamW  # noqa: E402  (it builds on this module's peers)

@@ -8,7 +8,9 @@ import torch
 
 from . import galore
 from ._optimizer_step import lean_step
+from ._torch_layouts import PlanLists
 from .galore import PROJECTION_TYPES, Projection, projection_side
+from .ops._spec import check_number
 
 
 class GaLoreAdamW(torch.optim.Optimizer):
@@ -18,11 +20,19 @@ class GaLoreAdamW(torch.optim.Optimizer):
     plain AdamW of the same form (`mtapply.galore`). State per projected param: `step`,
     `exp_avg` and `exp_avg_sq` of the projected shape, `ortho` (the projector) and `left`
     (True: R = ortho^T G; False: R = G ortho^T; a bool, since torch's load_state_dict would
-    mangle a string)."""
+    mangle a string).
+
+    Every group's options are checked before a step moves anything (step counts, projectors,
+    params). `lr` may be a one-element tensor, read on the host at each step (its GEMMs take
+    host scalars): a CPU tensor costs no synchronisation, a CUDA one waits for its value.
+    Complex params step as torch.optim steps them, viewed as real, in groups without `rank`;
+    a group with `rank` refuses complex matrices (their projection would need a complex SVD).
+    Params that are not dense (a strided view) step through a dense copy (as `mtapply.torch`'s
+    other optimizers; projected ones directly)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
                  correct_bias=True):
-        galore.check_options(lr, weight_decay, eps, betas)
+        galore.check_options(_host_lr(lr), weight_decay, eps, betas)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       correct_bias=correct_bias))
         self._projections: dict = {}  # param -> its Projection (projector and work buffers)
@@ -33,13 +43,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
         self._version = getattr(self, "_version", 0) + 1  # (torch's __init__ comes here first)
-        group = self.param_groups[-1]
-        if "rank" in group:
-            galore.check_options(group["lr"], group["weight_decay"], group["eps"], group["betas"],
-                                 group["rank"], group.get("update_proj_gap", 200))
-            if group.get("proj_type", "std") not in PROJECTION_TYPES:
-                raise ValueError(f"proj_type {group.get('proj_type')!r}: use one of "
-                                 f"{', '.join(PROJECTION_TYPES)}")
+        _check_group(len(self.param_groups) - 1, self.param_groups[-1])
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
         super().__setstate__(state)
@@ -59,6 +63,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            for index, group in enumerate(self.param_groups):  # before anything moves
+                _check_group(index, group)
             self._grouped_steps()
         return loss
 
@@ -94,8 +100,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             bound.run([p.grad for p in params], step=step, scale=group.get("scale", 1.0),
                       **options)
         for step, params in plain.items():
-            galore.step_plain(params, [p.grad for p in params], *self._moments(params),
-                              step=step, **options)
+            self._step_plain(params, [p.grad for p in params], step, options)
         counts = set(projected) | set(plain)
         stepped = sum(map(len, projected.values())) + sum(map(len, plain.values()))
         if len(counts) != 1 or stepped != len(group["params"]):
@@ -103,8 +108,18 @@ class GaLoreAdamW(torch.optim.Optimizer):
         (count,) = counts
         return _BoundGroup(group["params"], [self.state[p] for p in group["params"]], count,
                            projected.get(count, []), bound if projected else None,
-                           plain.get(count, []), *self._moments(plain.get(count, [])),
-                           self._version)
+                           plain.get(count, []), self._step_plain, self._version)
+
+    def _step_plain(self, params: list, grads: list, step: int, options: dict) -> None:
+        """galore's plain AdamW over params of any layout torch.optim steps (complex as real,
+        a param that is not dense through a dense stand-in: `mtapply._torch_layouts`)."""
+        lists = PlanLists(self.state, params, grads)
+        if lists.staging:
+            lists.staging.before(grads)
+        galore.step_plain(lists.bound, lists.grads, lists.state("exp_avg"),
+                          lists.state("exp_avg_sq"), step=step, **options)
+        if lists.staging:
+            lists.staging.after()
 
     def _project(self, group, p, state, step: int) -> None:
         """The projector and the buffers of R and N; a fresh projector every update_proj_gap steps
@@ -129,8 +144,41 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
 
 def _options(group) -> dict:
-    return {"lr": group["lr"], "betas": group["betas"], "eps": group["eps"],
+    return {"lr": _host_lr(group["lr"]), "betas": group["betas"], "eps": group["eps"],
             "weight_decay": group["weight_decay"], "correct_bias": group["correct_bias"]}
+
+
+def _host_lr(lr):
+    """The lr as a number: a one-element tensor's value, read on the host."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        return float(lr)
+    return lr
+
+
+def _check_group(index: int, group) -> None:
+    """A group's options, named as the user gave them, before a step moves anything."""
+    where = f"param group {index}: "
+    try:
+        lr = _host_lr(group["lr"])
+    except ValueError as error:
+        raise ValueError(f"{where}{error}") from None
+    projected = "rank" in group
+    galore.check_options(lr, group["weight_decay"], group["eps"], group["betas"],
+                         group["rank"] if projected else None,
+                         group.get("update_proj_gap", 200), where)
+    if not projected:
+        return
+    if group.get("proj_type", "std") not in PROJECTION_TYPES:
+        raise ValueError(f"{where}proj_type {group.get('proj_type')!r}: use one of "
+                         f"{', '.join(PROJECTION_TYPES)}")
+    check_number(f"{where}scale", group.get("scale", 1.0))
+    for i, p in enumerate(group["params"]):
+        if p.dim() == 2 and p.is_complex():
+            raise ValueError(f"{where}param {i} is a complex matrix, which GaLore cannot "
+                             f"project (its projector is a real SVD): put it in a group "
+                             f"without rank, where it steps as torch.optim steps complex params")
 
 
 class _BoundGroup:
@@ -139,10 +187,10 @@ class _BoundGroup:
     grads are read, the step counts written, and the bound steps run."""
 
     def __init__(self, params: list, states: list, count: int, projected: list, bound,
-                 plain: list, exp_avgs: list, exp_avg_sqs: list, version: int):
+                 plain: list, step_plain, version: int):
         self.params, self.states, self.count, self.version = list(params), states, count, version
         self.projected, self.bound = projected, bound
-        self.plain, self.plain_moments = plain, (exp_avgs, exp_avg_sqs)
+        self.plain, self.step_plain = plain, step_plain
         projected_ids = set(map(id, projected))  # (both lists follow the group's order)
         self.projected_at = [k for k, p in enumerate(params) if id(p) in projected_ids]
         self.plain_at = [k for k, p in enumerate(params) if id(p) not in projected_ids]
@@ -165,8 +213,7 @@ class _BoundGroup:
             self.bound.run([grads[k] for k in self.projected_at], step=self.count,
                            scale=group.get("scale", 1.0), **options)
         if self.plain:
-            galore.step_plain(self.plain, [grads[k] for k in self.plain_at],
-                              *self.plain_moments, step=self.count, **options)
+            self.step_plain(self.plain, [grads[k] for k in self.plain_at], self.count, options)
         return True
 
 

@@ -114,7 +114,7 @@ def test_grad_scale_out_of_range(op, value):
     before = snapshot(tensors)
     plan.step(grad_scale=device(value), **good)
     assert snapshot(tensors) == before and plan.invalid.tolist() == [1.0]
-    with pytest.raises(ValueError, match="grad_scale must be > 0.0 and finite"):
+    with pytest.raises(ValueError, match="grad_scale must be > 0, got"):
         plan.step(grad_scale=value, **good)
 
 
@@ -184,13 +184,13 @@ def test_a_counter_that_holds_no_step_count_skips(count):
 def test_host_numbers_refused_everywhere():
     rng = np.random.default_rng(8)
     p, g, m, v = ([np.float32(rng.standard_normal(4))] for _ in range(4))
-    for bad, match in [(dict(lr=INF), r"lr must be >= 0\.0 and finite, got inf"),
-                       (dict(step=1.5), r"step must be >= 1\.0 and finite and a whole number"),
+    for bad, match in [(dict(lr=INF), r"lr must be >= 0, got inf"),
+                       (dict(step=1.5), r"step must be a whole number >= 1"),
                        (dict(step=INF), r"step must be"), (dict(lr=1e-3, step=0), "step")]:
         kwargs = dict(dict(lr=1e-3, step=1), **bad)
         with pytest.raises(ValueError, match=match):
             mtapply.adam_step(p, g, m, v, **kwargs)
-    with pytest.raises(ValueError, match="grad_scale must be > 0.0 and finite"):
+    with pytest.raises(ValueError, match="grad_scale must be > 0, got"):
         mtapply.adam_step(p, g, m, v, lr=1e-3, step=1, grad_scale=INF)
 
 

@@ -201,6 +201,12 @@ def test_bad_rules_are_refused_naming_the_line(update, error, match):
     ("param:rw grad:r step:rw", {}, "'step' is a reserved name"),
     ("param:rw grad:r m:rw", {"m": 1.0}, "'m' is already a slot"),
     ("param:rw grad:r m:rw", {"lr": "fast"}, "default of 'lr' must be a number"),
+    ("param:rw grad:r m:rw", {"lr": (0.1, "positive")}, "'positive' is not a range of 'lr'"),
+    ("param:rw grad:r m:rw", {"lr": (0.1, 0)}, "the range of 'lr' must be a string"),
+    ("param:rw grad:r m:rw", {"lr": (0.1, ">= 0", 1)}, "a \\(default, range\\) pair"),
+    ("param:rw grad:r m:rw", {"b": (0.5, "(1, 0)")}, "range '\\(1, 0\\)' of 'b' is empty"),
+    ("param:rw grad:r m:rw", {"b": (1.0, "[0, 1)")}, "default 1.0 of 'b' is outside its range"),
+    ("param:rw grad:r m:rw", {"b": (float("inf"), None)}, "range of 'b' must be a string"),
 ])
 def test_bad_slots_and_hyperparameters(slots, hyper, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -224,6 +230,56 @@ def test_step_arguments_are_checked_before_anything_is_written():
         lion.step(lists[0], lists[1], lists[2][:-1], lr=0.1)
     for got, want in zip(lists[0], kept):
         np.testing.assert_array_equal(got, want)
+
+
+RANGED = dict(LION, hyper=dict(lr=(None, ">= 0"), beta1=(0.9, "[0, 1)"), beta2=(0.99, "(0, 1]"),
+                               weight_decay=(0.0, "< 1")))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(lr=-1e-3), r"lr must be >= 0, got -0\.001"),
+    (dict(lr=float("inf")), "lr must be >= 0, got inf"),
+    (dict(beta1=1.0), r"beta1 must be \[0, 1\), got 1\.0"),
+    (dict(beta1=-0.5), r"beta1 must be \[0, 1\)"),
+    (dict(beta2=0.0), r"beta2 must be \(0, 1\]"),
+    (dict(weight_decay=1.0), r"weight_decay must be < 1"),
+    (dict(weight_decay=float("nan")), "weight_decay must be < 1, got nan"),
+])
+def test_declared_ranges_are_checked_before_anything_is_written(bad, match):
+    lion = mtapply.rule("lion", **RANGED)
+    assert lion.ranges == {"lr": ">= 0", "beta1": "[0, 1)", "beta2": "(0, 1]",
+                           "weight_decay": "< 1"}
+    lists = _lists(np.random.default_rng(8), 3)
+    kept = [[x.copy() for x in column] for column in lists]
+    with pytest.raises(ValueError, match=match):
+        lion.step(*lists, **dict(dict(lr=0.1), **bad))
+    with pytest.raises(ValueError, match=match):  # a plan checks them at every step
+        lion.plan(*lists).step(**dict(dict(lr=0.1), **bad))
+    for column, was in zip(lists, kept):
+        for got, want in zip(column, was):
+            np.testing.assert_array_equal(got, want)
+    lion.step(*lists, lr=0.0, beta1=0.0, beta2=1.0, weight_decay=-5.0)  # the edges, and below
+
+
+def test_hyperparameters_without_a_range_take_any_finite_number():
+    lion = mtapply.rule("lion", **LION)
+    assert lion.ranges == dict.fromkeys(LION["hyper"], "a finite number")
+    lists = _lists(np.random.default_rng(9), 3)
+    lion.step(*lists, lr=-0.1, beta1=1.5)  # no range declared: any finite number goes
+    for value in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match="beta2 must be a (finite )?number"):
+            lion.step(*lists, lr=0.1, beta2=value)
+
+
+def test_shipped_rules_declare_ranges_for_every_hyperparameter():
+    from mtapply.rules import library
+
+    for make in (library.lion, library.adagrad, library.rmsprop, library.adan,
+                 library.adagrad_optax, library.rmsprop_optax, library.schedule_free_adamw,
+                 library.adam):
+        rule = make()
+        assert "a finite number" not in rule.ranges.values(), rule.name
+        assert rule.ranges["lr"] == ">= 0", rule.name
 
 
 def test_step_is_required_only_by_rules_that_read_it():

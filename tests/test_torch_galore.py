@@ -121,7 +121,7 @@ def test_bad_groups_are_refused():
         mt.GaLoreAdamW(_groups(model, rank=0))
     with pytest.raises(ValueError, match="proj_type 'full'"):
         mt.GaLoreAdamW(_groups(model, rank=4, proj_type="full"))
-    with pytest.raises(ValueError, match="lr \\* weight_decay < 1"):
+    with pytest.raises(ValueError, match="lr \\* weight_decay must be < 1"):
         mt.GaLoreAdamW(model.parameters(), lr=1.0, weight_decay=1.0)
 
 

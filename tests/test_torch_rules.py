@@ -66,7 +66,10 @@ def test_required_and_unknown_hyperparameters():
         mt.optimizer(rule, params)
     with pytest.raises(TypeError, match="no hyperparameter 'momentum'"):
         mt.optimizer(rule, params, lr=0.1, momentum=0.9)
-    opt = mt.optimizer(rule, params, lr=0.1, beta1=float("nan"))
+    with pytest.raises(ValueError, match="param group 0: beta1 must be a finite number, got nan"):
+        mt.optimizer(rule, params, lr=0.1, beta1=float("nan"))
+    opt = mt.optimizer(rule, params, lr=0.1)
+    opt.param_groups[0]["beta1"] = float("nan")  # a group edit is checked at the next step
     for p in params:
         p.grad = torch.ones_like(p)
     kept = [p.detach().clone() for p in params]

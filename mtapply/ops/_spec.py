@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import _source
+from .._ranges import ANY, RANGES, Range, _to_float
 from .._rows import rows_for
 
 
@@ -18,70 +18,6 @@ class DeviceScalar:
     ptr: int
     obj: object  # keeps the memory alive
     checked: bool = False  # a value mtapply wrote after checking it on the host (its slots)
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a step argument may take. A number outside is refused on the host (a
-    ValueError naming the argument); a device value outside makes every kernel of the step
-    write nothing (as found_inf does) and raise the plan's `invalid` flag. NaN is never in."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    finite: bool = False
-    whole: bool = False  # an integer
-
-    def holds(self, v: float) -> bool:
-        return ((self.low < v if self.low_open else self.low <= v)
-                and (v < self.high if self.high_open else v <= self.high)
-                and (not self.finite or v - v == 0.0) and (not self.whole or v.is_integer()))
-
-    def check(self, name: str, value) -> float:
-        """`value` as a float, or ValueError/TypeError naming `name` and the range."""
-        if type(value) is not float:  # the common case costs one type test: this runs every step
-            value = _to_float(name, value)
-        if not self.holds(value):
-            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
-        return value
-
-    def describe(self) -> str:
-        parts = []
-        low, high = self.low > -math.inf, self.high < math.inf
-        if low and high:
-            parts.append(f"{'(' if self.low_open else '['}{self.low}, "
-                         f"{self.high}{')' if self.high_open else ']'}")
-        elif low:
-            parts.append(f">{'' if self.low_open else '='} {self.low}")
-        elif high:
-            parts.append(f"<{'' if self.high_open else '='} {self.high}")
-        if self.finite:
-            parts.append("finite")
-        if self.whole:
-            parts.append("a whole number")
-        return " and ".join(parts) or "a number (not NaN)"
-
-    def kernel_check(self, word: int, count: int) -> tuple:
-        """(word, count, low, high, flags): the kernel's check of `count` float32 values at the
-        address in argument word `word` (kernels/walker.cuh, MTA_SCALAR_CHECKS)."""
-        low, high = self.low > -math.inf, self.high < math.inf
-        flags = (low * CHECK_LOW | (low and self.low_open) * CHECK_LOW_OPEN | high * CHECK_HIGH
-                 | (high and self.high_open) * CHECK_HIGH_OPEN | self.finite * CHECK_FINITE
-                 | self.whole * CHECK_WHOLE)
-        return (word, count, float(self.low) if low else 0.0, float(self.high) if high else 0.0,
-                int(flags))
-
-
-CHECK_LOW, CHECK_LOW_OPEN, CHECK_HIGH, CHECK_HIGH_OPEN, CHECK_FINITE, CHECK_WHOLE = (
-    1, 2, 4, 8, 16, 32)  # as kernels/walker.cuh numbers them
-ANY = Range()  # a number: anything but NaN
-LR = Range(low=0.0, finite=True)
-STEP = Range(low=1.0, finite=True, whole=True)  # the 1-based step count
-GRAD_SCALE = Range(low=0.0, low_open=True, finite=True)  # AMP's loss scale
-NORM = Range(low=0.0, finite=True)  # a norm given to a step (LAMB's global_grad_norm)
-FACTOR = Range(finite=True)  # a factor or addend of the list utilities
-RANGES = {"lr": LR, "step": STEP}  # of the names every op that takes them reads alike
 
 
 @dataclass(frozen=True)
@@ -281,15 +217,10 @@ def check_number(name: str, value, *, low=None, high=None, high_open=False, low_
             or (high is not None and (value >= high if high_open else value > high))):
         lo = "" if low is None else f"{'(' if low_open else '['}{low}, "
         hi = "" if high is None else f"{high}{')' if high_open else ']'}"
-        rng = f"{lo}{hi}" if lo and hi else (f">{'' if low_open else '='} {low}" if lo else f"<= {high}")
+        rng = f"{lo}{hi}" if lo and hi else (f">{'' if low_open else '='} {low}" if lo else (
+            f"<{'' if high_open else '='} {high}" if hi else "a number"))
         raise ValueError(f"{name} must be {rng}, got {value!r}")
     return value
-
-
-def _to_float(name: str, value) -> float:
-    if isinstance(value, bool) or hasattr(value, "__dlpack__") or not hasattr(value, "__float__"):
-        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
-    return float(value)
 
 
 def number_or_device_scalar(name: str, value, allowed: Range):

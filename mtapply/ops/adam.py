@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ._spec import LR, STEP, OpSpec, check_number, number_or_device_scalar, seed_words
+from .._ranges import LR, STEP
+from ._spec import OpSpec, check_number, number_or_device_scalar, seed_words
 
 
 class AdamSpec(OpSpec):

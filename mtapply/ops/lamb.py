@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .. import reference
-from ._spec import LR, NORM, STEP, OpSpec, check_number, number_or_device_scalar
+from .._ranges import LR, NORM, STEP
+from ._spec import OpSpec, check_number, number_or_device_scalar
 
 
 class LAMBSpec(OpSpec):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ._spec import LR, OpSpec, check_number, number_or_device_scalar
+from .._ranges import LR
+from ._spec import OpSpec, check_number, number_or_device_scalar
 
 
 class LARSSpec(OpSpec):

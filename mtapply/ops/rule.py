@@ -36,6 +36,7 @@ class RuleSpec(OpSpec):
         self._fields = {name: _cuda.field_name(name) for name in self.device_scalars}
         # a rule that never reads the step does not need one
         self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
+        self.ranges = dict(program.ranges)  # as declared (steps count from 1, as every op's)
         self._use_master_weights(master_weights)
 
     def field_of(self, name: str) -> str:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._spec import FACTOR, OpSpec, number_or_device_scalar
+from .._ranges import FACTOR
+from ._spec import OpSpec, number_or_device_scalar
 
 
 class _ElementwiseSpec(OpSpec):

@@ -2,7 +2,8 @@
 
     lion = mtapply.rule(
         "lion", slots="param:rw grad:r exp_avg:rw",
-        hyper=dict(lr=None, beta1=0.9, beta2=0.99, weight_decay=0.0),
+        hyper=dict(lr=(None, ">= 0"), beta1=(0.9, "[0, 1)"), beta2=(0.99, "[0, 1)"),
+                   weight_decay=(0.0, ">= 0")),
         update='''
             c = beta1 * exp_avg + (1 - beta1) * grad
             param = param * (1 - lr * weight_decay) - lr * sign(c)
@@ -36,8 +37,9 @@ class Rule:
             raise TypeError("name must be a non-empty string")
         self.name = name
         parsed = parse_slots(slots)
-        self.program = parse(parsed, check_hyper(hyper, parsed), textwrap.dedent(update), sums,
-                             textwrap.dedent(finish or ""))
+        defaults, ranges = check_hyper(hyper, parsed)
+        self.program = parse(parsed, defaults, textwrap.dedent(update), sums,
+                             textwrap.dedent(finish or ""), ranges)
         self._specs: dict = {}
 
     @property
@@ -49,6 +51,12 @@ class Rule:
     def hyper(self) -> dict:
         """Hyperparameter name -> default (None: required at every step)."""
         return dict(self.program.hyper)
+
+    @property
+    def ranges(self) -> dict:
+        """Hyperparameter name -> the range a step accepts, in words (">= 0.0 and finite"),
+        "finite" where none was declared."""
+        return {name: accepted.describe() for name, accepted in self.program.ranges.items()}
 
     def spec(self, master_weights: bool = False):
         """The rule's op (`mtapply.ops.rule.RuleSpec`), for the engine and the adapters."""
@@ -102,9 +110,11 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
         name: the rule's name, for messages.
         slots: the per-param tensors as "NAME:r" or "NAME:rw", in the order `step` takes their
             lists: "param:rw" first, and "grad:r" among them.
-        hyper: name -> default of each scalar hyperparameter (None: required). Each may be a
-            number or a one-element float32 device array at step time; `step` (the 1-based
-            step count) is always available too.
+        hyper: name -> default of each scalar hyperparameter (None: required), or name ->
+            (default, range), the range a step accepts: ">= 0", "> 0", "<= 1", "< 1", or an
+            interval "[0, 1)" (any brackets). Each may be a number (finite, in its range, or
+            a ValueError before anything is written) or a one-element float32 device array at
+            step time; `step` (the 1-based step count) is always available too.
         update: one assignment per line (see `mtapply.rules._language`).
         sums: name -> expression of per-tensor sums (e.g. {"p2": "param * param"}), computed
             by a first pass over the values the update's lines leave before the first line

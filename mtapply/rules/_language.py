@@ -15,6 +15,10 @@ a launch: numbers, hyperparameters, step, and what is computed from them alone) 
 and boolean (a comparison) or numeric. Per-tensor sums (and finish lines computed from them)
 are uniform too: the kernel's functor computes uniform values once per block of one tensor.
 Both code generators walk the same checked `Program`.
+
+Each hyperparameter is declared with its default (None: required) and optionally the range a
+step accepts, as `(default, "RANGE")`: ">= 0", "> 0", "<= 1", "< 1", or an interval "[0, 1)",
+"(0, 1]", "[0, 1]", "(0, 1)". Every value given to a step is a finite number within its range.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ import ast
 import keyword
 import math
 from dataclasses import dataclass, field
+
+from .._ranges import FINITE, Range
+from .._ranges import parse as parse_range
 
 FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
              "max": 2, "where": 3}
@@ -78,6 +85,7 @@ class Program:
     kinds: dict = field(default_factory=dict)
     sums: tuple = ()
     prefix: int = 0
+    ranges: dict = field(default_factory=dict)  # hyperparameter name -> its declared Range
 
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
@@ -112,32 +120,49 @@ def parse_slots(text: str) -> tuple:
     return tuple(slots)
 
 
-def check_hyper(hyper: dict, slots: tuple) -> dict:
-    """name -> default (a number, or None for a required hyperparameter)."""
+def check_hyper(hyper: dict, slots: tuple) -> tuple:
+    """(name -> default (a number, or None for a required hyperparameter), name -> Range).
+    Each value of `hyper` is a default, or a (default, range text) pair."""
     if not isinstance(hyper, dict):
         raise TypeError(f"hyper must be a dict of name -> default, got {type(hyper).__name__}")
     taken = {s.name for s in slots}
-    out = {}
-    for name, default in hyper.items():
+    defaults, ranges = {}, {}
+    for name, declared in hyper.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"hyper: {name!r} is not a valid name")
         if name in taken or name in FUNCTIONS or name == STEP:
             raise ValueError(f"hyper: {name!r} is already a slot or a reserved name")
+        default, ranges[name] = declared, FINITE
+        if isinstance(declared, tuple):
+            if len(declared) != 2:
+                raise TypeError(f"hyper: {name!r} is declared as {declared!r}: give a default, "
+                                f"or a (default, range) pair such as (0.9, \"[0, 1)\")")
+            default, ranges[name] = declared[0], parse_range(name, declared[1])
         if default is not None and (isinstance(default, bool)
                                     or not isinstance(default, (int, float))):
             raise TypeError(f"hyper: the default of {name!r} must be a number or None "
                             f"(required), got {default!r}")
-        out[name] = None if default is None else float(default)
-    return out
+        defaults[name] = None if default is None else float(default)
+        if default is not None:
+            _check_default(name, defaults[name], ranges[name])
+    return defaults, ranges
 
 
-def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "") -> Program:
+def _check_default(name: str, value: float, accepted: Range) -> None:
+    if not accepted.holds(value):
+        raise ValueError(f"hyper: the default {value!r} of {name!r} is outside its range "
+                         f"({accepted.describe()})")
+
+
+def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
+          ranges: dict | None = None) -> Program:
     """The checked program of an update text (with its sums and finish lines, see Program);
-    ValueError or TypeError naming the line."""
+    ValueError or TypeError naming the line. `ranges`: name -> Range (FINITE where absent)."""
     if not isinstance(update, str) or not isinstance(finish or "", str):
         raise TypeError("update and finish must be strings of assignments")
     sums = _check_sums(sums, slots, hyper)
-    program = Program(slots, hyper, ())
+    program = Program(slots, hyper, (), ranges={name: (ranges or {}).get(name, FINITE)
+                                                 for name in hyper})
     checker = _Checker(program, set(sums))
     texts = _texts(update, "update")
     if not texts:

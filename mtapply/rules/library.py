@@ -13,6 +13,11 @@ import functools
 
 from . import Rule, rule
 
+# the ranges the shipped rules declare for their hyperparameters (see mtapply.rule)
+LR = ">= 0"
+NON_NEGATIVE = ">= 0"
+BETA = "[0, 1)"  # a moment's decay rate
+
 
 @functools.lru_cache(maxsize=None)
 def lion() -> Rule:
@@ -20,7 +25,8 @@ def lion() -> Rule:
     lion-pytorch and optax.lion: the sign of an interpolation of momentum and gradient, with
     decoupled weight decay."""
     return rule("lion", slots="param:rw grad:r exp_avg:rw",
-                hyper=dict(lr=None, beta1=0.9, beta2=0.99, weight_decay=0.0),
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.99, BETA),
+                           weight_decay=(0.0, NON_NEGATIVE)),
                 update="""
                     c = beta1 * exp_avg + (1 - beta1) * grad
                     param = param * (1 - lr * weight_decay) - lr * sign(c)
@@ -33,7 +39,8 @@ def adagrad(maximize: bool = False) -> Rule:
     """Adagrad as torch.optim.Adagrad (eps outside the root; lr decayed by lr_decay per step).
     The sum starts at torch's initial_accumulator_value, which the torch class sets."""
     return rule("adagrad", slots="param:rw grad:r sum:rw",
-                hyper=dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, eps=1e-10),
+                hyper=dict(lr=(1e-2, LR), lr_decay=(0.0, NON_NEGATIVE),
+                           weight_decay=(0.0, NON_NEGATIVE), eps=(1e-10, NON_NEGATIVE)),
                 update=f"""
                     g = {"-grad" if maximize else "grad"} + weight_decay * param
                     sum = sum + g * g
@@ -63,9 +70,10 @@ def rmsprop(centered: bool = False, momentum: bool = False, maximize: bool = Fal
                   "param = param - lr * momentum_buffer"]
     else:
         lines += ["param = param - lr * (g / avg)"]
-    hyper = dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0)
+    hyper = dict(lr=(1e-2, LR), alpha=(0.99, NON_NEGATIVE), eps=(1e-8, NON_NEGATIVE),
+                 weight_decay=(0.0, NON_NEGATIVE))
     if momentum:
-        hyper["momentum"] = None
+        hyper["momentum"] = (None, NON_NEGATIVE)
     return rule("rmsprop", slots=slots, hyper=hyper, update="\n".join(lines))
 
 
@@ -76,8 +84,9 @@ def adan() -> Rule:
     difference from the last step's (zero at the first step) and of the squared extrapolation,
     bias-corrected; weight decay decoupled."""
     return rule("adan", slots="param:rw grad:r m:rw v:rw n:rw prev_grad:rw",
-                hyper=dict(lr=None, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, eps_root=0.0,
-                           weight_decay=0.0),
+                hyper=dict(lr=(None, LR), beta1=(0.98, BETA), beta2=(0.92, BETA),
+                           beta3=(0.99, BETA), eps=(1e-8, NON_NEGATIVE),
+                           eps_root=(0.0, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
                 update="""
                     diff = where(step > 1, grad - prev_grad, 0)
                     m = beta1 * m + (1 - beta1) * grad
@@ -97,7 +106,7 @@ def adagrad_optax() -> Rule:
     sum is still 0. The sum starts at optax's initial_accumulator_value, which
     mtapply.optax.adagrad sets."""
     return rule("adagrad_optax", slots="param:rw grad:r sum_of_squares:rw",
-                hyper=dict(lr=None, eps=1e-7),
+                hyper=dict(lr=(None, LR), eps=(1e-7, NON_NEGATIVE)),
                 update="""
                     sum_of_squares = grad * grad + sum_of_squares
                     scale = where(sum_of_squares > 0, rsqrt(sum_of_squares + eps), 0)
@@ -120,10 +129,10 @@ def rmsprop_optax(centered: bool = False, momentum: bool = False, nesterov: bool
         variance = "nu - mu * mu"
     lines += [f"u = grad * rsqrt({variance} + eps)" if eps_in_sqrt
               else f"u = grad * (1 / (sqrt({variance}) + eps))"]
-    hyper = dict(lr=None, decay=0.9, eps=1e-8)
+    hyper = dict(lr=(None, LR), decay=(0.9, "[0, 1]"), eps=(1e-8, NON_NEGATIVE))
     if momentum:
         slots += " trace:rw"
-        hyper["momentum"] = None
+        hyper["momentum"] = (None, NON_NEGATIVE)
         lines += ["trace = momentum * trace - lr * u",
                   "param = param + (momentum * trace - lr * u)" if nesterov
                   else "param = param + trace"]
@@ -140,7 +149,9 @@ def schedule_free_adamw() -> Rule:
     this step (from the running sum of max_lr**weight_lr_power), which the adapter computes;
     lr is the base step's learning rate."""
     return rule("schedule_free_adamw", slots="param:rw grad:r z:rw nu:rw",
-                hyper=dict(lr=None, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, ck=None),
+                hyper=dict(lr=(None, LR), b1=(0.9, "(0, 1)"), b2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
+                           ck=(None, "[0, 1]")),
                 update="""
                     nu = (1 - b2) * (grad * grad) + b2 * nu
                     u = grad * (1 / (sqrt(nu / (1 - b2 ** step)) + eps)) + weight_decay * param
@@ -159,7 +170,8 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
              else "g = g + weight_decay * param")
     return rule("adam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
-                hyper=dict(lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
                 update=f"""
                     g = {"-grad" if maximize else "grad"}
                     {decay}

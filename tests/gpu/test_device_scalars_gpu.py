@@ -174,7 +174,7 @@ def test_host_numbers_are_refused_before_any_launch():
     for bad in (dict(lr=INF), dict(lr=NAN), dict(step=1.5), dict(step=0), dict(step=-1)):
         with pytest.raises(ValueError):
             plan.step(**dict(good, **bad))
-    with pytest.raises(ValueError, match="grad_scale must be > 0.0 and finite"):
+    with pytest.raises(ValueError, match="grad_scale must be > 0, got"):
         plan.step(grad_scale=INF, **good)
     assert snapshot(tensors) == before and float(plan.invalid[0]) == 0.0
 
