@@ -15,7 +15,7 @@ import torch
 import mtapply
 from mtapply.engine import Plan
 from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
-from mtapply.ops._spec import ANY, FACTOR, GRAD_SCALE, LR, NORM, STEP, Range
+from mtapply._ranges import ANY, FACTOR, GRAD_SCALE, LR, NORM, STEP, Range
 from mtapply.ops.adam8bit import Adam8bitSpec
 from mtapply.ops.scaling import AddSpec, ScaleSpec
 
