@@ -92,6 +92,8 @@ def test_grads_are_views_of_one_buffer_per_dtype_and_zero_grad_keeps_them(device
     model = _model(device).to(torch.float64)
     model[0].to(torch.float32)
     opt = mt.AdamW(model.parameters(), lr=1e-2, flat_grads=True)
+    assert opt._flat is None and all(p.grad is None for p in model.parameters())  # as torch's
+    opt.zero_grad()  # the views are made at the first zero_grad() or step()
     buffers = opt._flat.buffers
     assert sorted(map(str, (b.dtype for b in buffers))) == ["torch.float32", "torch.float64"]
     grads = {}
@@ -184,8 +186,9 @@ def test_new_groups_deep_copies_and_checkpoints_keep_flat_grads():
 
 def test_strided_and_dtensor_params_are_refused_with_their_index():
     strided = torch.nn.Parameter(torch.randn(4, 6).t())
+    opt = mt.AdamW([torch.nn.Parameter(torch.randn(3)), strided], flat_grads=True)
     with pytest.raises(ValueError, match="param 1 of param group 0 is strided"):
-        mt.AdamW([torch.nn.Parameter(torch.randn(3)), strided], flat_grads=True)
+        opt.zero_grad()  # where the flat buffers are made
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
