@@ -1374,7 +1374,7 @@ class _GlobalNorm:
     the first device's total, or its copy on another device."""
 
     def __init__(self):
-        self._plans: dict = {}  # device -> (owner ids, weak grad refs, Plan)
+        self._plans: dict = {}  # device -> [weak owner refs, weak grad refs, Plan]
         self._totals: dict = {}  # device -> the total written there by its norm plan
         self._copies: dict = {}  # device -> the norm copied there
         self._norm = None
@@ -1423,12 +1423,13 @@ class _GlobalNorm:
         from .ops.norms import L2NormSpec
 
         local = _locals(grads)
-        key = tuple(map(id, owners))
         entry = self._plans.get(device)
-        if entry is None or entry[0] != key:
+        if (entry is None or len(entry[0]) != len(owners)  # (by identity: an id outlives its
+                or any(map(operator.is_not, owners, map(_DEREF, entry[0])))):  # owner's shape)
             plan = Plan(L2NormSpec(), {"tensors": local})
             plan.release("tensors")
-            entry = self._plans[device] = [key, list(map(weakref.ref, grads)), plan]
+            entry = self._plans[device] = [list(map(weakref.ref, owners)),
+                                           list(map(weakref.ref, grads)), plan]
         elif any(map(operator.is_not, grads, map(_DEREF, entry[1]))):
             entry[2].rebind_addresses("tensors", local, _addresses(local), keep_alive=False)
             entry[1] = list(map(weakref.ref, grads))

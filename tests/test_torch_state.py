@@ -645,3 +645,18 @@ def test_a_distributed_checkpoint_resume_keeps_the_state(name, flat, tmp_path):
     train(resumed, resumed_opt, 3, 6)
     _assert_same(list(model.parameters()), list(resumed.parameters()), exact=True)
 
+
+def test_lamb_global_norm_plan_is_keyed_by_the_grads_owners_not_their_ids(monkeypatch):
+    """A freed owner's id may come back on a tensor of another size: the norm's plan is found
+    by the owners themselves (here every id is made equal, as a reused one would be)."""
+    from mtapply import torch as mtorch
+
+    monkeypatch.setattr(mtorch, "id", lambda obj: 0, raising=False)
+    norm = mtorch._GlobalNorm()
+    a = torch.ones(100)
+    norm.compute([a], [a], None)
+    assert norm.on(a.device).item() == 10.0
+    norm.clear()
+    b = torch.full((4,), 2.0)
+    norm.compute([b], [b], None)
+    assert norm.on(b.device).item() == 4.0
