@@ -944,7 +944,9 @@ class _RuleBased(_FusedOptimizer):
                 state[name] = self._initial(group, p, name)
 
     def _required_state(self, group, param) -> tuple:
-        return ("step",) + tuple(name for name in self._rule(group).slots[1:] if name != "grad")
+        rule = self._rule(group)  # `step` where the update reads it
+        return (("step",) if rule.program.uses_step else ()) + tuple(
+            name for name in rule.slots[1:] if name != "grad")
 
     def _make_plan(self, group, params, grads):
         lists, rule = {"param": _aliases(params), "grad": grads}, self._rule(group)
