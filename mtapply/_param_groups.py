@@ -6,7 +6,10 @@ the dicts it was given); setting a key notes its name (and `ANY` too unless the 
 number; a number equal to the one held changes nothing), and any other change of a group or of
 the list notes `ANY`. Each group's params list is a `TrackedParams`, which notes `PARAMS` when it
 is edited in place, so that a step learns in O(1) that no param was added, removed or replaced.
-They pickle and deep-copy as plain lists and dicts.
+A list-valued option (betas given as a list) becomes a `TrackedOption`, which notes its key when
+edited in place (`group["betas"][0] = 0.8`), as torch.optim reads the list anew at each step; a
+list put in several groups (a default shared by torch's `setdefault`) stays one list. Lists are
+copied in: edit them through the group. They pickle and deep-copy as plain lists and dicts.
 """
 from __future__ import annotations
 
@@ -21,6 +24,14 @@ class GroupChanges:
     def __init__(self):
         self.version = 1
         self.set_at = {ANY: 1}
+        self.options: dict = {}  # id(a list given as an option) -> (that list, its TrackedOption)
+
+    def option(self, key, value: list) -> TrackedOption:
+        """The tracked copy of a list given as option `key`: one per list given."""
+        held = self.options.get(id(value))
+        if held is None or held[0] is not value:  # (the list is held, so its id stays its own)
+            held = self.options[id(value)] = (value, TrackedOption(value, self, key))
+        return held[1]
 
     def note(self, name) -> None:
         self.version += 1
@@ -46,6 +57,22 @@ class TrackedParams(list):
         return list, (list(self),)
 
 
+class TrackedOption(list):
+    """A list-valued option of param groups, noting its key when edited in place."""
+
+    __slots__ = ("changes", "key")
+
+    def __init__(self, values, changes: GroupChanges, key):
+        super().__init__(values)
+        self.changes, self.key = changes, key
+
+    def note(self) -> None:
+        self.changes.note(self.key)
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
 class TrackedGroup(dict):
     """A param group noting each key set in it; its "params" is a `TrackedParams`."""
 
@@ -54,13 +81,20 @@ class TrackedGroup(dict):
     def __init__(self, group: dict, changes: GroupChanges):
         super().__init__(group)
         self.changes = changes
-        if PARAMS in self:
-            dict.__setitem__(self, PARAMS, self._params(self[PARAMS]))
+        for key, value in self.items():
+            if key == PARAMS or type(value) is list:
+                dict.__setitem__(self, key, self._tracked(key, value))
 
-    def _params(self, params):
-        if isinstance(params, TrackedParams) and params.changes is self.changes:
-            return params
-        return TrackedParams(params, self.changes)
+    def _tracked(self, key, value):
+        """`value` as the group holds it: params and list options tracked by this group's
+        changes, anything else as given."""
+        if isinstance(value, (TrackedParams, TrackedOption)) and value.changes is self.changes:
+            return value
+        if key == PARAMS:
+            return TrackedParams(value, self.changes)
+        if isinstance(value, list):
+            return self.changes.option(key, value)
+        return value
 
     def __setitem__(self, key, value) -> None:
         kind = type(value)
@@ -71,7 +105,7 @@ class TrackedGroup(dict):
             dict.__setitem__(self, key, value)
             self.changes.note(key)
             return
-        dict.__setitem__(self, key, self._params(value) if key == PARAMS else value)
+        dict.__setitem__(self, key, self._tracked(key, value))
         self.changes.note(key)
         self.changes.note(ANY)
 
@@ -104,9 +138,24 @@ def _noting(name: str, method):
 
 for _name in ("__delitem__", "clear", "pop", "popitem"):
     setattr(TrackedGroup, _name, _noting(ANY, getattr(dict, _name)))
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
-              "pop", "remove", "clear", "sort", "reverse"):
+_LIST_EDITS = ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
+               "pop", "remove", "clear", "sort", "reverse")
+for _name in _LIST_EDITS:
     setattr(TrackedParams, _name, _noting(PARAMS, getattr(list, _name)))
+
+
+def _noting_key(method):
+    """`method` of a TrackedOption, noting the option's key before it runs."""
+    def changed(self, *args, **kwargs):
+        self.note()
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = method.__name__
+    return changed
+
+
+for _name in _LIST_EDITS:
+    setattr(TrackedOption, _name, _noting_key(getattr(list, _name)))
 
 
 class TrackedGroups(list):

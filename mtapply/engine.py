@@ -387,18 +387,21 @@ class Plan:
             if self.spec.written & set(moved):
                 self._written_extents = None
 
-    def release(self, slot: str) -> None:
+    def release(self, slot: str, *, watch: bool = True) -> None:
         """Drops the plan's references to the tensors bound to `slot` (their addresses stay):
         the caller then keeps them alive while the plan may launch on them. Where one of them
         is freed all the same, later steps are refused (RuntimeError) until `slot` is bound
-        again (`rebind`): a step would write freed memory."""
+        again (`rebind`): a step would write freed memory. `watch=False` is for a caller that
+        itself follows the memory behind the tensors it gave (views of its own tensors, say)
+        and rebinds before a step where it moved: nothing is then watched."""
         with self._lock:
             if slot not in self.spec.slots:
                 raise ValueError(f"{slot!r} is not a slot of {self.spec.name}; slots are "
                                  f"{', '.join(self.spec.slots)}")
             self._alive.pop(slot, None)
             if slot not in self._released and self._refusal != _CLOSED:
-                self._watch(slot)
+                if watch:
+                    self._watch(slot)
                 self._refs[slot] = [dataclasses.replace(ref, obj=None) for ref in self._refs[slot]]
                 self._released.add(slot)
 

@@ -583,7 +583,9 @@ class _UserRule(_Rule):
         missing = [name for name, value in self.hyper.items() if value is None]
         if missing:
             raise TypeError(f"rule {rule.name!r} needs {missing[0]}=... (a number or an array)")
-        rule.spec().arguments(lr=0.0, step=1.0, **self.hyper, **dict.fromkeys(self.dynamic, 0.0))
+        # the numbers checked now; arrays (read on the device) stand in as device values
+        rule.spec().arguments(lr=0.0, step=1.0, **self.hyper,
+                              **dict.fromkeys(self.dynamic, DeviceScalar(ptr=0, obj=None)))
         read_only = [s.name for s in rule.program.slots[1:] if not s.written and s.name != "grad"]
         if read_only:
             raise NotImplementedError(f"rule {rule.name!r}: slot {read_only[0]!r} is read-only; "

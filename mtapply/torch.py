@@ -14,15 +14,24 @@ for LARS/LAMB); a step then rebinds only what moved:
   pointer table rewritten, with vectorised checks (no per-param Python validation);
 - a different set of params with grads, or a changed compile-time option: a new plan.
 
-With `flat_grads=True` the optimizer owns the grads: each param that requires grad gets a view
-into one flat buffer per (device, dtype) as its `.grad`, backward accumulates into it, and
-`zero_grad()` zeroes the buffers in place whatever `set_to_none` says (so every such param
-steps every step, as after torch's `zero_grad(set_to_none=False)`). A step then costs O(1) host
-work whatever the number of params (see `mtapply._flat_grads` for what it checks). Not for
-FSDP2's DTensor params.
+With `flat_grads=True` the optimizer owns the grads: from the first `zero_grad()` or `step()` on,
+each param that requires grad has a view into one flat buffer per (device, dtype) as its
+`.grad` (grads made before are copied in), backward accumulates into it, and `zero_grad()`
+zeroes the buffers in place whatever `set_to_none` says (so every such param steps every step,
+as after torch's `zero_grad(set_to_none=False)`). A step then costs O(1) host work whatever the
+number of params (see `mtapply._flat_grads` for what it checks). Until then the params have no
+grads, as with torch.optim, so that a checkpoint loader that steps a fresh optimizer to make its
+state (torch.distributed.checkpoint) finds it as torch.optim's. Not for FSDP2's DTensor params.
 
 Params whose storage was replaced (`p.data = ...`) are bound again; a grad tensor whose own
 storage is swapped in place (`p.grad.set_(...)`) is not noticed: assign a new grad instead.
+`optimizer.state` is followed as torch.optim follows it (replaced, cleared, a param's entry or
+one of its tensors replaced: the next step binds again), and saved and loaded as torch.optim
+does (`mtapply._torch_state`): a state that lacks a tensor the optimizer keeps is refused with
+KeyError rather than restarted from zero. A step moves the version counters of the params it
+writes, as torch's in-place ops do, so that autograd refuses a backward through a graph that
+saved a param before the step. A param held by two groups (a list edit of `param_groups`) is
+refused at the step, as torch.optim's add_param_group refuses it.
 
 Every layout torch.optim steps is stepped (`mtapply._torch_layouts`): channels_last and other
 dense params in place, their states made in their layout; complex params as their real views,
@@ -36,9 +45,10 @@ rule declares. GradScaler's `unscale_` -> clip -> `step` sequence (Lightning's 1
 gradient_clip_val) runs without a host synchronisation (`mtapply._optimizer_step.AmpScaling`).
 
 The step count lives on the device, one counter per plan, shared by the plan's params (their
-`state["step"]` is that counter), read and advanced by the step's own launches unless
-`GradScaler`'s `found_inf` skips the step, so a skipped step leaves it unchanged without a host
-synchronisation. SGD's first momentum step creates the buffers on the host's side: if that very
+`state["step"]` is that counter: float32 whatever the default dtype, as torch's fused steps
+keep it), read and advanced by the step's own launches unless `GradScaler`'s `found_inf` skips
+the step, so a skipped step leaves it unchanged without a host synchronisation. `state_dict()`
+saves each param's step as its own tensor, where and in the dtype torch.optim keeps it. SGD's first momentum step creates the buffers on the host's side: if that very
 step is skipped for inf grads, the next one blends into zero buffers (torch's fused SGD leaves
 them uninitialised there). `lr` may be a float or a one-element tensor, in each group: a
 float32 one on the params' GPU is read by the kernels (capturable: a CUDA graph of the whole
@@ -49,6 +59,7 @@ params run on mtapply's NumPy backend.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from itertools import chain, repeat
@@ -65,10 +76,12 @@ from ._flat_grads import FlatGrads
 from ._group_lrs import GroupLrs, TensorCopies
 from ._launch import stream_pointer
 from ._optimizer_step import AmpScaling, lean_step
+from ._optimizer_step import bump_versions as _bump_versions
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
-from ._torch_layouts import PlanLists, Staging, as_real, as_reals, dense_strides
 from ._ranges import ANY as ANY_NUMBER
 from ._ranges import LR, Range
+from ._torch_layouts import PlanLists, Staging, as_real, as_reals, dense_strides
+from ._torch_state import StateKeeping
 from .ops._spec import check_number
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
@@ -76,6 +89,8 @@ __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_NOT_NONE = functools.partial(operator.is_not, None)
 _LR = operator.itemgetter("lr")
 _PARAMS = operator.itemgetter("params")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -109,7 +124,7 @@ class _Part:
         if plan is not None and _is_dtensor(params[0]):
             self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
         if plan is not None:
-            plan.release("grads")  # the plan must not keep this step's grads alive
+            plan.release("grads", watch=False)  # not this step's grads alive: followed here
 
     def on_device(self, flag):
         """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
@@ -169,6 +184,7 @@ class _LatestStep:
     def __init__(self, parts: list, version: int):
         self.parts, self.version = parts, version  # parts: (group index, _Part)
         self.repeats = [part.plan._repeat for _, part in parts]
+        self.params = [p for _, part in parts for p in part.params]  # their versions move
 
     @classmethod
     def of(cls, parts: list, version: int) -> _LatestStep | None:
@@ -197,11 +213,12 @@ class _LatestStep:
         else:
             for step in self.repeats:
                 step.launch()
+            _bump_versions(self.params)
         optimizer._flat.mark()
         return True
 
 
-class _FusedOptimizer(torch.optim.Optimizer):
+class _FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     """What the mtapply optimizers share: binding groups to plans, AMP, device step counters."""
 
     # takes GradScaler's grad_scale / found_inf itself, and grads unscaled by its unscale_
@@ -211,6 +228,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # group's hyperparameters (per-tensor rows): ops whose hyperparameters are plain numbers
     _merges_groups = False
     _SHARED = ("seed",)  # hyperparameters that must be equal across groups to merge them
+    _sparse_grads = False  # whether params with sparse grads step (by torch.optim's update)
 
     def __init__(self, params, defaults, flat_grads=False):
         self._flat_grads = bool(flat_grads)
@@ -218,23 +236,31 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._group_changes = GroupChanges()
         self._merged = (0, None)  # (changes version, the merged group or None)
         self._groups_seen = 0  # the changes version at which the params were last looked at
+        self._apart_seen = 0  # the changes version at which no param was in two groups
         self._latest = None  # the latest step, where a step may repeat it (`_LatestStep`)
         super().__init__(params, defaults)
+        self._keep_state()
         self._bound: dict = {}
         self._check_groups()  # as each step checks them again where they changed
         if self._flat_grads:
-            self._make_flat()
+            self._refuse_dtensors()  # the flat buffers are made at the first zero_grad or step
 
     def __getstate__(self):
         return dict(super().__getstate__(), _flat_grads=self._flat_grads)
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
         super().__setstate__(state)  # load_state_dict comes here too, with new groups
+        for group in self.param_groups:  # an older pickle's groups
+            self._fill_group(group)
+        self._numbers_to_tensor_steps()
+        self._keep_state()  # plans bound to the old state are dropped below
         self._flat_grads = state.get("_flat_grads", getattr(self, "_flat_grads", False))
-        self._bound, self._flat = {}, None  # the flat buffers are made again at the next step
+        self._bound = {}
+        self._flat = self.__dict__.get("_flat")  # a loaded state keeps them; a copy makes its own
         self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
         self._merged = (0, None)
         self._groups_seen = 0
+        self._apart_seen = 0
         self._latest = None
         self.param_groups = tracked(self.param_groups, self._group_changes)
 
@@ -255,8 +281,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _fused_step(self) -> None:
         self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
+        self._check_groups_apart()
         if self._checked_at != self._group_changes.version:
             self._check_groups()  # every group's options, before any group steps
+        if self._state_moved():  # O(1): the plans hold the replaced state tensors
+            self._bound.clear()
+            self._latest = None
         if self._copies:
             self._copies.refresh()  # tensor hyperparameters copied to the params' devices
         attributes = self.__dict__  # GradScaler.step sets grad_scale and found_inf there
@@ -267,6 +297,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._latest = None
         with torch.no_grad():
             self._grouped_steps(grad_scale, found_inf)
+        self._state_kept()
+
+    def _check_groups_apart(self) -> None:
+        """O(1) unless the groups' params were edited since: then refuses a param held by two
+        groups (torch.optim's add_param_group refuses it; a list edit can still make it)."""
+        changes = self._group_changes
+        if max(changes.set_at[ANY], changes.set_at.get(PARAMS, 0)) <= self._apart_seen:
+            return
+        seen: dict = {}
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if seen.setdefault(id(p), (g, i)) != (g, i):
+                    h, j = seen[id(p)]
+                    raise ValueError(
+                        f"param {i} of param group {g} is also param {j} of param group {h}: "
+                        "a param belongs to one group (torch.optim's add_param_group refuses "
+                        "this too, and a step would update it twice); remove it from one")
+        self._apart_seen = changes.version
 
     def _grouped_steps(self, grad_scale, found_inf) -> None:
         """Binds every group (raising any refusal before anything is written), then steps
@@ -279,20 +327,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
         stepped = flat  # whether every group steps by its bound parts
         for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
             bound = self._bound.get(index) if flat else None
+            sparse = ()
             if bound is None or not bound.complete or bound.options != self._compile_options(group):
-                bound = self._prepare_group(index, group)
+                dense, sparse = self._split_sparse(group, grad_scale, found_inf)
+                bound = self._prepare_group(index, dense)
                 stepped = False
                 if self._flat is not None and index in self._bound:
                     self._bound[index].complete = self._bound[index].key == tuple(
                         id(p) for p in group["params"] if p.requires_grad)
-            prepared.append((index, group, bound))
+                group = dense
+            prepared.append((index, group, bound, sparse))
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
-        for index, group, bound in prepared:
+        for index, group, bound, sparse in prepared:
+            for own, members in _by_group(group, sparse) if sparse else ():
+                self._sparse_step(own, members)  # each with its own group's options
             self._launch_group(index, group, bound, grad_scale, found_inf)
         if self._flat is not None:
             self._flat.mark()
         if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
-            parts = [(index, part) for index, _, bound in prepared for part in bound.parts]
+            parts = [(index, part) for index, _, bound, _ in prepared for part in bound.parts]
             self._latest = _LatestStep.of(parts, self._group_changes.version)
 
     @classmethod
@@ -330,14 +383,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._groups_seen = changes.version
         return moved
 
-    def _make_flat(self) -> None:
-        """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
+    def _refuse_dtensors(self) -> None:
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if _is_dtensor(p):
                     raise ValueError(f"flat_grads=True does not take DTensor params (param {i} of "
                                      f"param group {g}): FSDP2 manages its grads itself, so use "
                                      "flat_grads=False")
+
+    def _make_flat(self) -> None:
+        """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
+        self._refuse_dtensors()
         self._flat = FlatGrads([g["params"] for g in self.param_groups])
         self._bound.clear()
         self._latest = None
@@ -369,26 +425,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for same in by_device.values():
                 zero_(same)  # one launch per dtype, addresses kept
 
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self._bound.clear()  # states and step counts were replaced: bind again
-
-    def state_dict(self):
-        """torch.optim's layout; each param's step becomes its own CPU tensor (as torch.optim
-        keeps it), since params of one plan share one device counter here."""
-        saved = super().state_dict()
-        saved["state"] = {k: dict(v) for k, v in saved["state"].items()}  # not our live dicts
-        values: dict = {}
-        for entry in saved["state"].values():
-            step = entry.get("step")
-            if isinstance(step, torch.Tensor):
-                if id(step) not in values:
-                    values[id(step)] = float(step)
-                entry["step"] = torch.tensor(values[id(step)], dtype=torch.float32)
-        return saved
-
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
+        try:
+            self._refuse_flags(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # a refused group is not added
+            raise
         self.param_groups = tracked(self.param_groups, self._group_changes)
         if hasattr(self, "_bound"):
             self._bound.clear()
@@ -430,6 +473,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if bound is not None:
             for part in bound.parts:
                 self._step_part(part, group, grad_scale, found_inf)
+
+    def _split_sparse(self, group, grad_scale, found_inf) -> tuple:
+        """(the group without its params whose grads are sparse, those params), for optimizers
+        that step them by `_sparse_step` (a C-level scan); else (the group, ())."""
+        params = group["params"]
+        if not self._sparse_grads or not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params)))):
+            return group, ()
+        sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError(f"{type(self).__name__}: params with sparse grads do not take "
+                               "GradScaler's grad_scale and found_inf here; step them with "
+                               "torch.optim (without GradScaler) or give them dense grads")
+        stepped = set(map(id, sparse))
+        return dict(group, params=[p for p in params if id(p) not in stepped]), sparse
+
+    def _sparse_step(self, group, params) -> None:
+        """One step of params with sparse grads (torch.optim's per-tensor update)."""
+        raise NotImplementedError
 
     def _merged_group(self) -> dict | None:
         """All param groups as one, where they can step as one plan: an op of plain-number
@@ -491,6 +552,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return part.hyper
 
     def _merged_hyper(self, part, groups: list) -> dict:
+        owner = _owners({"groups": groups})  # groups may have moved in the list since the bind
+        part.group_of = np.fromiter((owner[id(p)] for p in part.params), np.int64, len(part.params))
         per_group = [self._hyper(g, part.device) for g in groups]
         part.lrs = self._group_lrs(part, per_group)
         first = per_group[0]
@@ -526,9 +589,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         try:
             part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
         finally:
-            part.plan.release("grads")
+            part.plan.release("grads", watch=False)
         if staging is not None:
             staging.after()
+        _bump_versions(part.params)
 
     def _bind(self, key, options, group, params, grads) -> _Bound:
         for p in params:
@@ -536,8 +600,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         owner = _owners(group) if "groups" in group else None  # params keep their group's
         for p in params:
-            own = group["groups"][owner[id(p)]] if owner else group
-            self._init_state(own, p, self.state[p])
+            self._init_param_state(group["groups"][owner[id(p)]] if owner else group, p)
         classes: dict = {}  # params of one device and one step count share a plan
         counts: dict = {}  # one host read per step tensor (params of a plan share one)
         counting = self._counts(group)
@@ -557,6 +620,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if owner:
                 parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
         return _Bound(key, options, list(params), grads, parts)
+
+    def _init_param_state(self, group, p) -> None:
+        """Checks a param's state, or makes it where it has none (an optimizer that keeps no
+        state for it leaves no empty entry, as torch.optim)."""
+        state = self.state.get(p)
+        if state:
+            self._check_entry(group, p, state, lambda: f"optimizer.state of param "
+                              f"{_index_in(self.param_groups, p)}")
+            self._init_state(group, p, state)
+            return
+        state = {}
+        self._init_state(group, p, state)
+        if state:
+            self.state[p] = state
 
     def _counts(self, group) -> bool:
         """Whether the group's params keep a device step counter."""
@@ -696,8 +773,9 @@ def _outside_graphs(method):
 
 class Adam(_FusedOptimizer):
     """`torch.optim.Adam` (and, with decoupled_weight_decay=True, AdamW) on mtapply's fused
-    kernel. Same arguments; `foreach`, `fused`, `capturable` and `differentiable` are accepted
-    for compatibility (the step is always fused, capturable and not differentiable).
+    kernel. Same arguments; `foreach`, `fused` and `capturable` are accepted for compatibility
+    (the step is always fused and capturable), `differentiable=True` is refused. Turning amsgrad
+    on starts `max_exp_avg_sq` at zero where torch.optim raises KeyError.
     `stochastic_rounding=True` stores bfloat16 params rounded stochastically (no master
     weights needed), the random bits keyed by `seed`, the step and the param's place."""
 
@@ -707,8 +785,6 @@ class Adam(_FusedOptimizer):
                  flat_grads=False, stochastic_rounding=False, seed=0):
         _check_adam_args(lr, betas, eps, weight_decay)
         _check_torch_adam_flags(lr, betas, foreach, fused, capturable)
-        if differentiable:
-            raise ValueError("differentiable=True is not supported by mtapply's fused step")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -730,6 +806,16 @@ class Adam(_FusedOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _required_state(self, group, param) -> tuple:
+        return ("step", "exp_avg", "exp_avg_sq")  # max_exp_avg_sq starts when amsgrad does
+
+    def _check_entry(self, group, param, entry, where) -> None:
+        if "exp_avg_absmax" in entry or "exp_avg_sq_absmax" in entry:
+            raise ValueError(f"{where()} holds 8-bit moments (exp_avg_absmax: a state saved by "
+                             f"Adam8bit or AdamW8bit); {type(self).__name__} keeps float moments: "
+                             "load it into mtapply.torch.Adam8bit or AdamW8bit")
+        super()._check_entry(group, param, entry, where)
 
     def _make_plan(self, group, lists):
         amsgrad, decoupled, maximize, stochastic = self._compile_options(group)
@@ -797,19 +883,29 @@ class Adam8bit(Adam):
             for name, column in zip(_8BIT_STATE, made.lists()):
                 state[name] = _laid_out_as(column[0], form)
 
-    def load_state_dict(self, state_dict) -> None:
-        """torch.optim's loading casts every state tensor of a float param to the param's
-        dtype; the 8-bit codes get their own dtype back."""
-        saved = {index: {key: value.dtype for key, value in entry.items()
-                         if key != "step" and isinstance(value, torch.Tensor)}
-                 for index, entry in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, p in zip(indices, params):
-            for key, dtype in saved.get(index, {}).items():
-                if self.state[p][key].dtype != dtype:
-                    self.state[p][key] = self.state[p][key].to(dtype)
+    def _required_state(self, group, param) -> tuple:
+        return ("step",) + _8BIT_STATE
+
+    def _keeps_dtype(self, key, value) -> bool:
+        return True  # uint8 codes and float32 scales (and float32 moments of small params)
+
+    def _check_entry(self, group, param, entry, where) -> None:
+        if "exp_avg" in entry and "exp_avg_absmax" not in entry:
+            raise ValueError(f"{where()} holds float moments without exp_avg_absmax (a state "
+                             f"saved by Adam or AdamW); {type(self).__name__} keeps 8-bit moments: "
+                             "load it into mtapply.torch.Adam or AdamW, or give the param an "
+                             "empty state (optimizer.state[p] = {}) to start it afresh")
+        StateKeeping._check_entry(self, group, param, entry, where)
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes, scales = entry[name], entry[name + "_absmax"]
+            if not (isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor)):
+                raise ValueError(f"{where()} holds {name!r} or {name + '_absmax'!r} as a "
+                                 f"{type(codes).__name__}, not a tensor")
+            expected = torch.uint8 if scales.numel() else torch.float32
+            if codes.dtype != expected:
+                raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
+                                 f"{scales.numel()} scales: 8-bit moments are uint8 codes with "
+                                 "one float32 scale per 256 elements, or float32 without scales")
 
     def _make_plan(self, group, lists):
         _, decoupled, maximize, stochastic = self._compile_options(group)
@@ -838,12 +934,16 @@ class AdamW8bit(Adam8bit):
 
 
 class SGD(_FusedOptimizer):
-    """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum.
+    """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum. Params
+    with sparse grads take torch.optim's own per-tensor update (on the same stream; GradScaler
+    is not taken there), the others the fused step; `differentiable=True` is refused.
     `stochastic_rounding=True` rounds bfloat16 params stochastically (see `Adam`); each param's
     state then also counts its steps (`step`), which key the random bits with `seed`."""
 
     _counts_steps = False
     _merges_groups = True
+    _sparse_grads = True
+    _torch_flag_defaults = dict(StateKeeping._torch_flag_defaults, fused=False)  # torch.optim.SGD's
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
@@ -908,10 +1008,25 @@ class SGD(_FusedOptimizer):
                           grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
             if lists.staging:
                 lists.staging.after()
+        _bump_versions(params)
         for p in params:
             self.state[p]["momentum_buffer"] = fresh[p]["momentum_buffer"]
             if self._counts(group):
                 self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
+
+    def _sparse_step(self, group, params) -> None:
+        from torch.optim.sgd import sgd
+
+        if self._counts(group):
+            raise RuntimeError("SGD(stochastic_rounding=True) does not take sparse grads: give "
+                               "the params dense grads")
+        momentum = group["momentum"]
+        buffers = [self.state[p].get("momentum_buffer") for p in params] if momentum else []
+        sgd(params, [p.grad for p in params], buffers, has_sparse_grad=True, foreach=False,
+            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+        for p, buffer in zip(params, buffers):
+            self.state[p]["momentum_buffer"] = buffer
 
     def _make_plan(self, group, lists):
         buffers = lists.state("momentum_buffer") if group["momentum"] else None
@@ -919,8 +1034,11 @@ class SGD(_FusedOptimizer):
                              maximize=group["maximize"], stochastic_rounding=self._counts(group))
 
     def _init_state(self, group, p, state) -> None:
-        if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+        buffer = state.get("momentum_buffer")
+        if group["momentum"] != 0 and buffer is None:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif buffer is not None and buffer.is_sparse:  # made by sparse steps: the same values
+            state["momentum_buffer"] = buffer.to_dense()
         if self._counts(group) and "step" not in state:
             state["step"] = torch.tensor(0.0)
 
@@ -934,6 +1052,15 @@ class SGD(_FusedOptimizer):
 
     def _checking_spec(self, group):
         return _sgd.SGDSpec(nesterov=bool(group["nesterov"]))
+
+
+def _index_in(groups: list, p) -> str:
+    """Where param p is in the groups, for messages: "3 (param group 1)"."""
+    for g, group in enumerate(groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                return f"{i} (param group {g})"
+    return "(not in any param group)"
 
 
 def _owners(merged) -> dict:
@@ -982,6 +1109,11 @@ class _RuleBased(_FusedOptimizer):
             if name != "grad" and name not in state:
                 state[name] = self._initial(group, p, name)
 
+    def _required_state(self, group, param) -> tuple:
+        rule = self._rule(group)  # `step` where the update reads it
+        return (("step",) if rule.program.uses_step else ()) + tuple(
+            name for name in rule.slots[1:] if name != "grad")
+
     def _make_plan(self, group, lists):
         given, rule = {"param": lists.bound, "grad": lists.grads}, self._rule(group)
         return rule.plan(*(given[name] if name in given else lists.state(name)
@@ -1019,6 +1151,9 @@ class RuleOptimizer(_RuleBased):
         defaults = {name: hyper.get(name, required if default is None else default)
                     for name, default in rule.hyper.items()}
         super().__init__(params, defaults, flat_grads)
+
+    def __getstate__(self):
+        return dict(super().__getstate__(), rule=self.rule)  # a copy steps by the same rule
 
     def _rule(self, group):
         return self.rule
@@ -1169,7 +1304,7 @@ class ScheduleFreeAdamW(_RuleBased):
                 continue
             beta1 = group["betas"][0]
             for p in group["params"]:
-                z = self.state[p].get("z")
+                z = self.state.get(p, {}).get("z")
                 if z is not None:  # y = b1 x + (1 - b1) z, both ways as a lerp towards z
                     p.lerp_(z, 1 - beta1 if to_train else 1 - 1 / beta1)
             group["train_mode"] = to_train
@@ -1178,24 +1313,37 @@ class ScheduleFreeAdamW(_RuleBased):
 class Adagrad(_RuleBased):
     """`torch.optim.Adagrad` (same arguments and state: `sum`, `step`) from
     `mtapply.rules.library.adagrad`; `foreach`, `fused` and `differentiable=False` are accepted
-    for compatibility."""
+    for compatibility. Params with sparse grads take torch.optim's own per-tensor update, as
+    SGD's do."""
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                  initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
                  differentiable=False, fused=None, flat_grads=False):
         _check_options(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                        initial_accumulator_value=initial_accumulator_value, eps=eps)
-        if differentiable:
-            raise ValueError("differentiable=True is not supported by mtapply's fused step")
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, flat_grads)
 
+    _sparse_grads = True
+
     def _rule(self, group):
         from .rules import library
 
         return library.adagrad(bool(group["maximize"]))
+
+    def _sparse_step(self, group, params) -> None:
+        from torch.optim.adagrad import adagrad
+
+        for p in params:  # its own step count, on the CPU as torch.optim keeps it
+            self._init_param_state(group, p)
+            self.state[p]["step"] = torch.tensor(float(self.state[p]["step"]),
+                                                 dtype=torch.float32)
+        adagrad(params, [p.grad for p in params], [self.state[p]["sum"] for p in params],
+                [self.state[p]["step"] for p in params], has_sparse_grad=True, foreach=False,
+                lr=group["lr"], weight_decay=group["weight_decay"], lr_decay=group["lr_decay"],
+                eps=group["eps"], maximize=bool(group["maximize"]))
 
     def _initial(self, group, p, name: str):
         value = float(group["initial_accumulator_value"])
@@ -1207,15 +1355,14 @@ class Adagrad(_RuleBased):
 class RMSprop(_RuleBased):
     """`torch.optim.RMSprop` (same arguments and state: `square_avg`, `grad_avg`,
     `momentum_buffer`, `step`) from `mtapply.rules.library.rmsprop`; `foreach`, `capturable`
-    and `differentiable=False` are accepted for compatibility."""
+    and `differentiable=False` are accepted for compatibility. Turning `centered` or momentum
+    on starts `grad_avg` or `momentum_buffer` at zero where torch.optim raises KeyError."""
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                  centered=False, capturable=False, foreach=None, maximize=False,
                  differentiable=False, *, flat_grads=False):
         _check_options(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                        momentum=momentum)
-        if differentiable:
-            raise ValueError("differentiable=True is not supported by mtapply's fused step")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, centered=centered, capturable=capturable,
                         foreach=foreach, maximize=maximize, differentiable=differentiable)
@@ -1230,6 +1377,9 @@ class RMSprop(_RuleBased):
     def _check_group(self, index: int, group) -> None:
         super()._check_group(index, group)  # momentum too, where it is above 0
         check_number(f"param group {index}: momentum", group["momentum"], low=0.0)
+
+    def _required_state(self, group, param) -> tuple:
+        return ("step", "square_avg")  # grad_avg, momentum_buffer start when their options do
 
 
 def _check_one_element(value, name: str) -> None:
@@ -1336,6 +1486,9 @@ class LARS(_FusedOptimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    def _required_state(self, group, param) -> tuple:
+        return ("momentum_buffer",)
+
     def _make_plan(self, group, lists):
         owner = _owners(group) if "groups" in group else None
         exclude = [bool((group["groups"][owner[id(p)]] if owner else group)["exclude"])
@@ -1398,6 +1551,9 @@ class LAMB(_FusedOptimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    def _required_state(self, group, param) -> tuple:
+        return ("step", "exp_avg", "exp_avg_sq")
+
     def _make_plan(self, group, lists):
         adam_w_mode, use_nvlamb = self._compile_options(group)
         return _lamb.lamb_plan(lists.bound, lists.grads, lists.state("exp_avg"),
@@ -1435,7 +1591,7 @@ class _GlobalNorm:
     the first device's total, or its copy on another device."""
 
     def __init__(self):
-        self._plans: dict = {}  # device -> (weak owner refs, weak grad refs, Plan)
+        self._plans: dict = {}  # device -> [weak owner refs, weak grad refs, Plan, strides]
         self._totals: dict = {}  # device -> the total written there by its norm plan
         self._copies: dict = {}  # device -> the norm copied there
         self._norm = None
@@ -1491,7 +1647,7 @@ class _GlobalNorm:
                 or any(map(operator.is_not, owners, map(_DEREF, entry[0])))
                 or (moved and list(map(_STRIDE, local)) != entry[3])):  # another layout
             plan = Plan(L2NormSpec(), {"tensors": local})
-            plan.release("tensors")
+            plan.release("tensors", watch=False)
             entry = self._plans[device] = [list(map(weakref.ref, owners)),
                                            list(map(weakref.ref, grads)), plan,
                                            list(map(_STRIDE, local))]
@@ -1502,7 +1658,7 @@ class _GlobalNorm:
             self._totals[device] = torch.zeros(1, device=device)
         total = self._totals[device]
         entry[2].step(total_out=total)
-        entry[2].release("tensors")
+        entry[2].release("tensors", watch=False)
         return total
 
 

@@ -7,20 +7,21 @@ import operator
 import torch
 
 from . import galore
-from ._optimizer_step import lean_step
+from ._optimizer_step import bump_versions, lean_step
 from ._torch_layouts import PlanLists
+from ._torch_state import StateKeeping
 from .galore import PROJECTION_TYPES, Projection, projection_side
 from .ops._spec import check_number
 
 
-class GaLoreAdamW(torch.optim.Optimizer):
+class GaLoreAdamW(StateKeeping, torch.optim.Optimizer):
     """galore-torch's `GaLoreAdamW` on mtapply's kernels. Param groups with `rank` (and
     optionally `update_proj_gap` (200), `scale` (1.0), `proj_type` ("std", "reverse_std",
     "left", "right")) project their 2-D params; their 1-D params and groups without `rank` get
     plain AdamW of the same form (`mtapply.galore`). State per projected param: `step`,
     `exp_avg` and `exp_avg_sq` of the projected shape, `ortho` (the projector) and `left`
     (True: R = ortho^T G; False: R = G ortho^T; a bool, since torch's load_state_dict would
-    mangle a string).
+    mangle a string). `step` is a number, as galore-torch keeps it.
 
     Every group's options are checked before a step moves anything (step counts, projectors,
     params). `lr` may be a one-element tensor, read on the host at each step (its GEMMs take
@@ -35,6 +36,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         galore.check_options(_host_lr(lr), weight_decay, eps, betas)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       correct_bias=correct_bias))
+        self._keep_state()
         self._projections: dict = {}  # param -> its Projection (projector and work buffers)
         self._steps = galore.ProjectedSteps()
         self._bound: dict = {}  # group index -> its _BoundGroup
@@ -46,14 +48,17 @@ class GaLoreAdamW(torch.optim.Optimizer):
         _check_group(len(self.param_groups) - 1, self.param_groups[-1])
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
-        super().__setstate__(state)
+        super().__setstate__(state)  # load_state_dict comes here too, with new groups
+        for group in self.param_groups:  # an older pickle's groups
+            self._fill_group(group)
+        self._keep_state()
         self._projections, self._steps, self._bound = {}, galore.ProjectedSteps(), {}
-        self._version = 0
+        self._version = getattr(self, "_version", 0) + 1
 
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self._steps = galore.ProjectedSteps()  # the bound steps' moments are the replaced ones
-        self._version += 1
+    def _required_state(self, group, param) -> tuple:
+        if "rank" in group and param.dim() == 2:
+            return ("step", "exp_avg", "exp_avg_sq", "ortho", "left")
+        return ("step", "exp_avg", "exp_avg_sq")
 
     step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
 
@@ -69,10 +74,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return loss
 
     def _grouped_steps(self) -> None:
+        if self._state_moved():  # the bound steps hold the replaced moments and step counts
+            self._steps = galore.ProjectedSteps()
+            self._version += 1
         for index, group in enumerate(self.param_groups):
             bound = self._bound.get(index)
             if bound is None or not bound.step(group, self._version):
                 self._bound[index] = self._unbound_step(group)
+        self._state_kept()
 
     def _unbound_step(self, group) -> _BoundGroup | None:
         """A step that looks at every param (and refreshes the projectors that are due);
@@ -83,6 +92,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self.state[p]
+            if state:
+                self._check_entry(group, p, state, lambda p=p: f"optimizer.state of param "
+                                  f"{_index_in(group['params'], p)} of its group")
             step = state.get("step", 0)
             if "rank" in group and p.dim() == 2:
                 self._project(group, p, state, step)
@@ -101,6 +113,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                       **options)
         for step, params in plain.items():
             self._step_plain(params, [p.grad for p in params], step, options)
+        for params in (*projected.values(), *plain.values()):
+            bump_versions(params)
         counts = set(projected) | set(plain)
         stepped = sum(map(len, projected.values())) + sum(map(len, plain.values()))
         if len(counts) != 1 or stepped != len(group["params"]):
@@ -141,6 +155,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def _moments(self, params) -> tuple:
         return ([self.state[p]["exp_avg"] for p in params],
                 [self.state[p]["exp_avg_sq"] for p in params])
+
+
+def _index_in(params: list, p) -> int:
+    return next(i for i, q in enumerate(params) if q is p)
 
 
 def _options(group) -> dict:
@@ -214,6 +232,7 @@ class _BoundGroup:
                            scale=group.get("scale", 1.0), **options)
         if self.plain:
             self.step_plain(self.plain, [grads[k] for k in self.plain_at], self.count, options)
+        bump_versions(self.params)
         return True
 
 

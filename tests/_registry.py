@@ -76,14 +76,14 @@ _ADAM_BAD_HYPER = [
     (dict(beta2=1.0), ValueError, r"beta2"),
     (dict(beta2=1.5), ValueError, r"beta2"),
     (dict(beta2=float("nan")), ValueError, r"beta2"),
-    (dict(lr=-1e-3), ValueError, r"lr must be >= 0\.0"),
+    (dict(lr=-1e-3), ValueError, r"lr must be >= 0, got"),
     (dict(lr=float("nan")), ValueError, r"lr .*nan"),
     (dict(lr=np.float32(-1e-3)), ValueError, r"lr"),
     (dict(lr=None), TypeError, r"lr must be a Python number"),
     (dict(lr="1e-3"), TypeError, r"lr"),
     (dict(eps=-1e-8), ValueError, r"eps"),
     (dict(weight_decay=-0.1), ValueError, r"weight_decay"),
-    (dict(step=0), ValueError, r"step must be >= 1\.0"),
+    (dict(step=0), ValueError, r"step must be a whole number >= 1"),
     (dict(step=np.int64(0)), ValueError, r"step"),
     (dict(step=-3), ValueError, r"step"),
     (dict(step=float("nan")), ValueError, r"step"),
@@ -130,12 +130,12 @@ _SGD_HYPER = [
     dict(_SGD_BASE, momentum=0.5, weight_decay=0.01, lr=0.03),
 ]
 _SGD_BAD_HYPER = [
-    (dict(lr=-0.1), ValueError, r"lr must be >= 0\.0"),
+    (dict(lr=-0.1), ValueError, r"lr must be >= 0, got"),
     (dict(lr=float("nan")), ValueError, r"lr"),
     (dict(momentum=-0.9), ValueError, r"momentum"),
     (dict(dampening=1.5), ValueError, r"dampening"),
     (dict(weight_decay=-1.0), ValueError, r"weight_decay"),
-    (dict(step=0), ValueError, r"step must be >= 1\.0"),
+    (dict(step=0), ValueError, r"step must be a whole number >= 1"),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ _LARS_HYPER = [
     dict(_LARS_BASE, momentum=0.0, weight_decay=5e-4, trust_coefficient=0.001, lr=1.0),
 ]
 _LARS_BAD_HYPER = [
-    (dict(lr=-0.1), ValueError, r"lr must be >= 0\.0"),
+    (dict(lr=-0.1), ValueError, r"lr must be >= 0, got"),
     (dict(momentum=-0.9), ValueError, r"momentum"),
     (dict(trust_coefficient=float("nan")), ValueError, r"trust_coefficient"),
     (dict(eps=-1.0), ValueError, r"eps"),

@@ -6,7 +6,8 @@ import pickle
 
 import pytest
 
-from mtapply._param_groups import ANY, PARAMS, GroupChanges, TrackedGroups, TrackedParams
+from mtapply._param_groups import (ANY, PARAMS, GroupChanges, TrackedGroups, TrackedOption,
+                                   TrackedParams)
 
 
 def _groups():
@@ -58,6 +59,43 @@ def test_plain_numbers_note_their_key_and_other_values_also_any():
 
 def test_groups_pickle_and_deep_copy_as_plain_containers():
     groups, _ = _groups()
+    groups[0]["betas"] = [0.9, 0.99]
     for copied in (pickle.loads(pickle.dumps(groups)), copy.deepcopy(groups)):
         assert type(copied) is list and type(copied[0]) is dict
         assert type(copied[0]["params"]) is list and copied[0]["params"] == [1, 2, 3]
+        assert type(copied[0]["betas"]) is list and copied[0]["betas"] == [0.9, 0.99]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda b: b.__setitem__(0, 0.5), lambda b: b.__setitem__(slice(0, 1), [0.5]),
+    lambda b: b.append(0.1), lambda b: b.extend([0.1]), lambda b: b.insert(0, 0.1),
+    lambda b: b.pop(), lambda b: b.remove(0.99), lambda b: b.clear(), lambda b: b.sort(),
+    lambda b: b.reverse(), lambda b: b.__delitem__(0), lambda b: b.__iadd__([0.1]),
+    lambda b: b.__imul__(2)])
+def test_every_in_place_edit_of_a_list_option_notes_its_key(edit):
+    changes = GroupChanges()
+    groups = TrackedGroups([{"params": [1], "betas": [0.9, 0.99]}], changes)
+    betas = groups[0]["betas"]
+    assert isinstance(betas, TrackedOption) and betas == [0.9, 0.99]
+    assert _noted(changes, lambda: edit(betas)) == {"betas"}
+
+
+def test_list_options_set_later_are_tracked_and_a_shared_list_stays_shared():
+    changes = GroupChanges()
+    shared = [0.9, 0.99]  # a default that torch's setdefault put in every group
+    groups = TrackedGroups([{"params": [1], "betas": shared}, {"params": [2], "betas": shared}],
+                           changes)
+    assert groups[0]["betas"] is groups[1]["betas"]
+    groups[0]["betas"][0] = 0.5
+    assert groups[1]["betas"] == [0.5, 0.99]
+    for edit in (lambda g: g.__setitem__("betas", [0.8, 0.9]), lambda g: g.update(betas=[0.8, 0.9]),
+                 lambda g: g.setdefault("extra", [1.0])):
+        groups.append({"params": [3]})
+        group = groups[-1]
+        edit(group)
+        key = "extra" if "extra" in group else "betas"
+        assert isinstance(group[key], TrackedOption)
+        assert _noted(changes, lambda: group[key].append(0.0)) == {key}
+    # a tuple is immutable: kept as it is
+    groups[0]["betas"] = (0.9, 0.99)
+    assert type(groups[0]["betas"]) is tuple

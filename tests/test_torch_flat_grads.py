@@ -93,6 +93,8 @@ def test_grads_are_views_of_one_buffer_per_dtype_and_zero_grad_keeps_them(device
     model = _model(device).to(torch.float64)
     model[0].to(torch.float32)
     opt = mt.AdamW(model.parameters(), lr=1e-2, flat_grads=True)
+    assert opt._flat is None and all(p.grad is None for p in model.parameters())  # as torch's
+    opt.zero_grad()  # the views are made at the first zero_grad() or step()
     buffers = opt._flat.buffers
     assert sorted(map(str, (b.dtype for b in buffers))) == ["torch.float32", "torch.float64"]
     grads = {}

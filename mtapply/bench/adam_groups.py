@@ -92,7 +92,8 @@ def mtapply_torch(data: AdamData, flat_grads: bool) -> Stepper:
         attach_grads(data.params, data.grads)
         _preset(opt, data, on_device=False)
         return Stepper(opt.step, opt, data)
-    with torch.no_grad():  # the optimizer's grads are views of its flat buffer: fill them
+    opt.zero_grad()  # the optimizer's grads are views of its flat buffer, made here: fill them
+    with torch.no_grad():
         for p, g in zip(data.params, data.grads):
             p.grad.copy_(g)
     _preset(opt, data, on_device=False)

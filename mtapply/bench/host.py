@@ -50,6 +50,7 @@ def _time_flat_steps(torch, opt, params, steps: int, step=None, before=None) -> 
     does (writing all n views, e.g. with a foreach op, would leave the host's caches cold for
     the step: a cost of that op, not of the step)."""
     step = step or opt.step
+    opt.zero_grad()  # the grads' views are made here
     grad = params[0].grad
     times = []
     for _ in range(steps):

@@ -36,6 +36,8 @@ class Rule:
         if not isinstance(name, str) or not name:
             raise TypeError("name must be a non-empty string")
         self.name = name
+        self._source = (name, slots, dict(hyper), update,  # how pickle makes it again
+                        dict(sums) if isinstance(sums, dict) else sums, finish)
         parsed = parse_slots(slots)
         defaults, ranges = check_hyper(hyper, parsed)
         self.program = parse(parsed, defaults, textwrap.dedent(update), sums,
@@ -101,6 +103,12 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"mtapply.rule({self.name!r}, slots={' '.join(self.slots)!r})"
+
+    def __reduce__(self):  # its checked program refers to its own parse: made again from source
+        return Rule, self._source
+
+    def __deepcopy__(self, memo) -> Rule:
+        return self  # a rule never changes once made
 
 
 def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: str = "") -> Rule:

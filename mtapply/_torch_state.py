@@ -1,0 +1,328 @@
+"""The state of mtapply's torch optimizers, kept, saved and loaded as torch.optim does.
+
+A step's plans are bound to the state tensors they were given, so an optimizer must learn when
+`optimizer.state` itself, a param's entry, or a tensor of an entry is replaced or deleted
+(`optimizer.state[p] = {}` restarts p, as in torch.optim). `optimizer.state` is therefore a
+`TrackedState` whose entries are `TrackedEntry` dicts: each such edit moves one counter (O(1)),
+and a step that finds it moved binds its plans again. A dict put in as an entry is copied in
+(edit it through `optimizer.state`); a state assigned whole (`optimizer.state = ...`) is taken
+at the next step. Both pickle and deep-copy as torch's plain `defaultdict(dict)` of dicts.
+
+`StateKeeping`, a base of mtapply's `torch.optim.Optimizer` subclasses, gives them:
+- `state_dict()`: torch.optim's layout, with its pre- and post-hooks (the post-hooks see the
+  saved form). Entries are copies of the live dicts, each param's `step` its own tensor as
+  torch.optim keeps it: float32 on the param's device in fused groups, torch's scalar dtype
+  (float64 under a float64 default dtype, else float32) on the param's device in capturable
+  groups and on the CPU otherwise. List options are saved as lists; group keys beginning with
+  "_" (a step's scratch values) are not saved.
+- `load_state_dict()`: torch.optim's checks, hooks and casting (tensors to the param's device,
+  floating ones to its dtype unless the optimizer keeps theirs, `step` as torch keeps it;
+  strings are kept as they are). Group keys missing from an older state_dict take torch's
+  defaults for torch's flags (maximize, foreach, ...) and the optimizer's defaults otherwise.
+  Every param's entry is checked before anything changes: one that lacks a tensor the
+  optimizer keeps raises KeyError naming it, as torch.optim would at the next step.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections import OrderedDict, defaultdict
+
+import torch
+from torch.optim.optimizer import required
+
+# flags torch.optim added to its param groups over time, with the values its __setstate__ gives
+# a group that lacks them
+TORCH_FLAG_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
+                       "differentiable": False, "fused": None, "amsgrad": False,
+                       "nesterov": False, "centered": False}
+
+
+class StateChanges:
+    """A counter of edits of one optimizer's state."""
+
+    __slots__ = ("version",)
+
+    def __init__(self):
+        self.version = 0
+
+    def note(self) -> None:
+        self.version += 1
+
+
+class TrackedEntry(dict):
+    """A param's state entry, noting every edit in its optimizer's `StateChanges`."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, entry, changes: StateChanges):
+        super().__init__(entry)
+        self.changes = changes
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class TrackedState(defaultdict):
+    """`optimizer.state`: a `defaultdict(dict)` whose param entries are `TrackedEntry` dicts,
+    noting every edit of itself or of an entry in `changes`."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, state=()):
+        super().__init__(dict)
+        self.changes = StateChanges()
+        for key, value in dict(state).items():
+            dict.__setitem__(self, key, self._entry(value))
+
+    def _entry(self, value):
+        if isinstance(value, dict) and not (isinstance(value, TrackedEntry)
+                                            and value.changes is self.changes):
+            return TrackedEntry(value, self.changes)
+        return value  # non-dict values (a hook's "test": 1) are kept as they are
+
+    def __missing__(self, key):
+        entry = TrackedEntry((), self.changes)  # an empty entry binds nothing: no change
+        dict.__setitem__(self, key, entry)
+        return entry
+
+    def __setitem__(self, key, value) -> None:
+        self.changes.note()
+        dict.__setitem__(self, key, self._entry(value))
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def copy(self) -> defaultdict:
+        return defaultdict(dict, {k: dict(v) if isinstance(v, dict) else v
+                                  for k, v in self.items()})
+
+    __copy__ = copy
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter(self.copy().items())
+
+    def __repr__(self) -> str:
+        return f"defaultdict({dict!r}, {dict.__repr__(self)})"
+
+
+def _noting(method):
+    def changed(self, *args, **kwargs):
+        self.changes.note()
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = method.__name__
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "clear", "pop", "popitem", "setdefault", "update",
+              "__ior__"):
+    setattr(TrackedEntry, _name, _noting(getattr(dict, _name)))
+for _name in ("__delitem__", "clear", "pop", "popitem"):
+    setattr(TrackedState, _name, _noting(getattr(dict, _name)))
+
+
+def scalar_dtype(fused=False) -> torch.dtype:
+    """The dtype of torch.optim's `step` tensors (its `_get_scalar_dtype`)."""
+    if not fused and torch.get_default_dtype() == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+class StateKeeping:
+    """State tracking, `state_dict` and `load_state_dict` of an mtapply torch optimizer (see
+    the module docstring). Subclasses say which entries a param's state must hold
+    (`_required_state`) and which loaded tensors keep their dtype (`_keeps_dtype`)."""
+
+    _torch_flag_defaults = TORCH_FLAG_DEFAULTS  # those of the torch.optim counterpart
+
+    # -- the live state --------------------------------------------------------------------------
+
+    def _keep_state(self) -> None:
+        """Tracks `self.state` from now on (after torch's __init__, __setstate__, or a state
+        assigned whole); the next step binds again."""
+        self.state = self._tracked_state = TrackedState(self.state)
+        self._state_seen = -1
+
+    def _state_moved(self) -> bool:
+        """O(1): whether the state was replaced or edited since the latest step (`_state_kept`)."""
+        tracked = self.__dict__.get("_tracked_state")
+        if self.state is tracked and tracked.changes.version == self._state_seen:
+            return False
+        if self.state is not tracked:
+            self._keep_state()
+        return True
+
+    def _state_kept(self) -> None:
+        """After a step: its own edits of the state (new entries, counters) are seen."""
+        self._state_seen = self._tracked_state.changes.version
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def _required_state(self, group, param) -> tuple:
+        """The names a param's non-empty state must hold (an empty one is made afresh)."""
+        return ()
+
+    def _keeps_dtype(self, key, value) -> bool:
+        """Whether a loaded state tensor keeps its dtype rather than take the param's."""
+        return False
+
+    def _check_entry(self, group, param, entry, where) -> None:
+        """Raises where a param's non-empty state lacks what the optimizer keeps, or holds a
+        tensor of the wrong kind. `where()`: how to name the entry in a message."""
+        names = self._required_state(group, param)
+        for name in names:
+            if name not in entry:
+                raise KeyError(
+                    f"{where()} has no {name!r}: {type(self).__name__} keeps "
+                    f"{', '.join(map(repr, names))} per param. Load a state_dict saved by "
+                    f"{type(self).__name__} with the same options, or give the param an empty "
+                    "state (optimizer.state[p] = {}) to start it afresh")
+            value = entry[name]
+            if (name != "step" and isinstance(value, torch.Tensor)
+                    and not value.is_floating_point() and not self._keeps_dtype(name, value)):
+                raise ValueError(f"{where()} holds {name!r} as {value.dtype}: "
+                                 f"{type(self).__name__} keeps it in a floating dtype")
+
+    def _refuse_flags(self, group) -> None:
+        """Raises for a param group's option mtapply refuses (added or loaded)."""
+        if group.get("differentiable"):
+            raise ValueError(_NOT_DIFFERENTIABLE.format(type(self).__name__))
+
+    def _fill_group(self, group) -> None:
+        """Keys of an older state_dict's or pickle's group, as torch.optim's __setstate__ and
+        the optimizer's defaults give them."""
+        for key, default in self.defaults.items():
+            if key not in group and (key != "differentiable" or _takes(type(self), key)):
+                value = self._torch_flag_defaults.get(key, default)
+                if value is required:
+                    raise ValueError(f"the loaded param group lacks {key!r}, which "
+                                     f"{type(self).__name__} requires (it has no default)")
+                group[key] = value
+
+    def _numbers_to_tensor_steps(self) -> None:
+        """A number `step` (an older or edited state_dict) becomes a tensor, as torch.optim's."""
+        for group in self.param_groups:
+            fused, capturable = group.get("fused"), group.get("capturable")
+            for p in group["params"]:
+                entry = self.state.get(p)
+                if isinstance(entry, dict) and "step" in entry and not torch.is_tensor(entry["step"]):
+                    entry["step"] = torch.tensor(float(entry["step"]), dtype=scalar_dtype(fused),
+                                                 device=p.device if fused or capturable else None)
+
+    # -- state_dict --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # they see the saved form
+        try:
+            saved = torch.optim.Optimizer.state_dict(self)  # packing and pre-hooks: torch's
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        param_at, group_at = {}, {}
+        for packed, group in zip(saved["param_groups"], self.param_groups):
+            for index, p in zip(packed["params"], group["params"]):
+                param_at.setdefault(index, p)
+                group_at.setdefault(index, group)
+        reads: dict = {}  # one host read per shared step counter
+        saved["state"] = {k: self._saved_entry(v, param_at.get(k), group_at.get(k), reads)
+                          if isinstance(v, dict) else v for k, v in saved["state"].items()}
+        saved["param_groups"] = [{k: list(v) if isinstance(v, list) else v
+                                  for k, v in packed.items() if not str(k).startswith("_")}
+                                 for packed in saved["param_groups"]]
+        for hook in post_hooks.values():
+            result = hook(self, saved)
+            if result is not None:
+                saved = result
+        return saved
+
+    @staticmethod
+    def _saved_entry(entry, param, group, reads: dict) -> dict:
+        saved = dict(entry)
+        step = saved.get("step")
+        if param is None or not isinstance(step, torch.Tensor):
+            return saved
+        fused, capturable = group.get("fused"), group.get("capturable")
+        if fused or capturable:  # on the device, as torch.optim keeps it there
+            saved["step"] = step.to(device=param.device, dtype=scalar_dtype(fused), copy=True)
+        else:
+            if id(step) not in reads:
+                reads[id(step)] = step.item()
+            saved["step"] = torch.tensor(reads[id(step)], dtype=scalar_dtype())
+        return saved
+
+    # -- load_state_dict ---------------------------------------------------------------------------
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        owner = {}  # saved param id -> (param, its group as loaded)
+        for ids, group, loaded in zip([s["params"] for s in saved_groups], groups, saved_groups):
+            loaded["params"] = group["params"]
+            if "param_names" in group and "param_names" not in loaded:
+                loaded["param_names"] = group["param_names"]
+            self._fill_group(loaded)
+            self._refuse_flags(loaded)
+            owner.update((k, (p, loaded)) for k, p in zip(ids, group["params"]))
+        state = defaultdict(dict)
+        for k, value in state_dict["state"].items():
+            if k not in owner:
+                state[k] = value  # kept as it is, as torch.optim keeps it
+                continue
+            p, group = owner[k]
+            if isinstance(value, dict) and value:
+                self._check_entry(group, p, value, lambda k=k: f"the loaded state of param {k}")
+            state[p] = self._loaded(p, value, group)
+        self.__setstate__({"state": state, "param_groups": saved_groups})
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _loaded(self, param, value, group, key=None):
+        """A loaded state value as torch.optim casts it, strings and kept dtypes aside."""
+        if isinstance(value, torch.Tensor):
+            if key == "step":
+                if group.get("fused") or group.get("capturable"):
+                    return value.to(dtype=torch.float32, device=param.device)
+                return value
+            if param.is_floating_point() and not self._keeps_dtype(key, value):
+                return value.to(dtype=param.dtype, device=param.device)
+            return value.to(device=param.device)
+        if isinstance(value, dict):
+            return {k: self._loaded(param, v, group, k) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._loaded(param, v, group) for v in value)
+        return value
+
+
+@functools.cache
+def _takes(cls, argument: str) -> bool:
+    """Whether the constructor of `cls` takes `argument` (torch.optim's __setstate__ puts
+    "differentiable" in every optimizer's defaults, whether it takes it or not)."""
+    return argument in inspect.signature(cls.__init__).parameters
+
+
+_NOT_DIFFERENTIABLE = ("differentiable=True: {}'s fused step is not differentiable (autograd "
+                       "cannot see through its kernels); use the torch.optim optimizer with "
+                       "differentiable=True for that")
