@@ -9,8 +9,8 @@ OUT = Path(__file__).resolve().parent / "out"  # git-ignored
 
 def add_out_argument(parser) -> None:
     """`--out DIR`: where the example writes its plot (default examples/out/)."""
-    parser.add_argument("--out", default=str(OUT),
-                        help="folder for the example's outputs (default: examples/out/, git-ignored)")
+    parser.add_argument("--out", default=str(OUT), help="folder for the example's outputs "
+                        "(default: examples/out/, git-ignored)")
 
 
 def output_path(folder: str, name: str) -> str:
