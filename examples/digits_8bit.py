@@ -7,7 +7,7 @@ installed, bitsandbytes.optim.AdamW8bit. All start from the same weights and see
 batches. Prints the curves, their gaps and the test accuracies; saves a PNG when matplotlib is
 installed. Exits with status 1 when the 8-bit curve leaves the tolerance below.
 
-    python examples/digits_8bit.py [--device cpu|cuda] [--epochs 20] [--plot digits_8bit.png]
+    python examples/digits_8bit.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 """
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import copy
 import sys
 
 import torch
-from _curves import relative_gaps, save_plot
+from _curves import output_path, relative_gaps, save_plot
 from digits_torch import accuracy, example_parser, load_data, lockstep
 
 import mtapply.torch
 
 # 8-bit moments are rounded each step to a map value at their block's scale, so the loss curve
 # follows fp32 AdamW's closely but not to rounding level: the largest relative gap over 20
-# epochs with the defaults was 1.4e-2 on the CPU.
+# epochs on the CPU is 1.6e-2 with the defaults, 3.1e-2 to 4.9e-2 with seeds 1 to 5.
 RTOL = 0.1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_parser(__doc__.splitlines()[0], "digits_8bit.png", 3e-3)
+    parser = example_parser(__doc__.splitlines()[0], 3e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     return parser.parse_args(argv)
 
@@ -80,9 +80,8 @@ def main(argv=None) -> int:
     x_test, y_test = data[2], data[3]
     print("test accuracy: " + ", ".join(f"{name} {accuracy(runs[name][0], x_test, y_test):.4f}"
                                         for name in names))
-    if args.plot:
-        save_plot(args.plot, [curves[n] for n in names], names,
-                  f"digits, 64-256-10 MLP, {args.device}", RTOL)
+    save_plot(output_path(args.out, "digits_8bit.png"), [curves[n] for n in names], names,
+              f"digits, 64-256-10 MLP, {args.device}", RTOL)
     agree = gaps["mtapply.torch.AdamW8bit"] <= RTOL
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1

@@ -11,7 +11,7 @@ On the GPU everything runs on one non-blocking CuPy stream. `--device cpu` runs 
 with NumPy in place of CuPy (mtapply's NumPy backend), with no GPU or CuPy needed. The digits
 data ship inside scikit-learn (no download). Usage:
 
-    python examples/digits_cupy.py [--device cpu|cuda] [--epochs 20] [--plot digits_cupy.png]
+    python examples/digits_cupy.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 import mtapply
-from _curves import relative_gaps, save_plot
+from _curves import add_out_argument, output_path, relative_gaps, save_plot
 
 # Relative tolerance on each epoch's mean training loss: fp32 rounding differences between the
 # fused kernel and the one-operation-per-line reference are about 1e-7 relative per step, and
@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="digits_cupy.png", help="PNG path for the loss curves")
+    add_out_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -212,10 +212,10 @@ def main(argv=None) -> int:
         data = load_data(xp, args.seed)
         curves, fused, plain = train(args, xp, data)
         agree = report(args, xp, curves, fused, plain, data)
-    if args.plot:
-        new, ref = curves
-        save_plot(args.plot, [ref, new], ["reference AdamW (array ops)", "mtapply.adam_plan"],
-                  f"digits, 64-128-10 MLP, {args.device}", RTOL)
+    new, ref = curves
+    save_plot(output_path(args.out, "digits_cupy.png"), [ref, new],
+              ["reference AdamW (array ops)", "mtapply.adam_plan"],
+              f"digits, 64-128-10 MLP, {args.device}", RTOL)
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1
 

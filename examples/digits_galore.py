@@ -5,43 +5,47 @@ moments kept at rank 16 through projections refreshed every 50 steps; the biases
 and, where galore-torch is installed, galore_torch.GaLoreAdamW with the same groups. All start
 from the same weights and see the same batches. Prints the curves, the optimizer-state memory
 and the test accuracies; saves a PNG when matplotlib is installed. Exits with status 1 when
-mtapply's GaLore curve parts from galore-torch's (when it runs) beyond the tolerances below,
-or trains far worse than full-rank AdamW.
+mtapply's GaLore curve parts from galore-torch's (when it runs) before the first projector
+refresh, or trains far worse than full-rank AdamW (see the comment at EARLY_RTOL).
 
-    python examples/digits_galore.py [--device cpu|cuda] [--epochs 20] [--plot digits_galore.png]
+    python examples/digits_galore.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 
 import torch
-from _curves import relative_gaps, save_plot
+from _curves import output_path, relative_gaps, save_plot
 from digits_torch import accuracy, example_parser, load_data, lockstep
 
 import mtapply.torch
 
-# mtapply's and galore-torch's GaLore compute the same update: on the CPU their curves agree
-# to 1e-6 over the first two epochs. Later, each projector refresh (an SVD whose top singular
-# values lie close together) turns rounding differences into different subspaces, and the
-# curves wander apart like any two runs: 6.7e-2 at epoch 20 with the defaults, with the same
-# accuracy. GaLore itself trains a rank-16 slice of each gradient, so its loss follows
-# full-rank AdamW's only loosely (4x it at epoch 20; the test accuracies agree).
-EARLY_EPOCHS, EARLY_RTOL = 2, 1e-4
-LATE_RTOL = 0.15
+# mtapply's and galore-torch's GaLore compute the same update from the same first projector (an
+# SVD of the same first grad): on the CPU their curves agree to 1e-7 to 8e-6 (seeds 0 to 4)
+# over the epochs before the first refresh, which the check holds to EARLY_RTOL. Each refresh
+# (an SVD whose top singular values lie close together) then turns rounding differences into
+# different subspaces, and the curves wander apart like any two runs (by 3e-2 to 1.4e-1 over 20
+# epochs, seeds 0 to 4, with the same accuracy), so the later gaps are printed, not checked.
+# GaLore itself trains a rank-16 slice of each gradient, so its loss follows full-rank AdamW's
+# only loosely (0.9x to 4.6x it at epoch 20, seeds 0 to 5); FULL_RANK_FACTOR catches a run that
+# does not train.
+PROJ_GAP = 50  # steps between projector refreshes
+EARLY_RTOL = 1e-4
 FULL_RANK_FACTOR = 8.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_parser(__doc__.splitlines()[0], "digits_galore.png", 3e-3)
+    parser = example_parser(__doc__.splitlines()[0], 3e-3)
     parser.add_argument("--rank", type=int, default=16)
     return parser.parse_args(argv)
 
 
 def groups(model, rank: int):
     return [{"params": [p for p in model.parameters() if p.dim() == 2], "rank": rank,
-             "update_proj_gap": 50, "scale": 1.0, "proj_type": "std"},
+             "update_proj_gap": PROJ_GAP, "scale": 1.0, "proj_type": "std"},
             {"params": [p for p in model.parameters() if p.dim() != 2]}]
 
 
@@ -93,14 +97,16 @@ def main(argv=None) -> int:
     agree = ours[-1] <= FULL_RANK_FACTOR * curves["torch.optim.AdamW"][-1]
     if "galore_torch.GaLoreAdamW" in curves:
         gaps = relative_gaps(curves["galore_torch.GaLoreAdamW"], ours)
-        early = max(gaps[:EARLY_EPOCHS])
+        # the epochs whose steps all take the first projector
+        first = max(1, PROJ_GAP // math.ceil(len(x_train) / args.batch_size))
+        early = max(gaps[:first])
         print(f"largest relative loss gap, mtapply against galore-torch: {early:.3e} over the "
-              f"first {EARLY_EPOCHS} epochs (tolerance {EARLY_RTOL:g}), {max(gaps):.3e} over all "
-              f"(tolerance {LATE_RTOL:g})")
-        agree = agree and early <= EARLY_RTOL and max(gaps) <= LATE_RTOL
-    if args.plot:
-        save_plot(args.plot, [curves[n] for n in names], names,
-                  f"digits, 64-256-256-10 MLP, GaLore rank {args.rank}, {args.device}", LATE_RTOL)
+              f"first {first} epochs, before the first projector refresh (tolerance "
+              f"{EARLY_RTOL:g}); {max(gaps):.3e} over all (not checked: see the comment at "
+              f"EARLY_RTOL)")
+        agree = agree and early <= EARLY_RTOL
+    save_plot(output_path(args.out, "digits_galore.png"), [curves[n] for n in names], names,
+              f"digits, 64-256-256-10 MLP, GaLore rank {args.rank}, {args.device}")
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1
 

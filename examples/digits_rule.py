@@ -8,7 +8,7 @@ state_dict). Both copies of the model start from the same weights and see the sa
 Prints both loss curves, their largest gap and both test accuracies; saves a PNG of the curves
 when matplotlib is installed. Exits with status 1 when the curves disagree. Usage:
 
-    python examples/digits_rule.py [--device cpu|cuda] [--epochs 20] [--plot digits_rule.png]
+    python examples/digits_rule.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 import mtapply
 import mtapply.torch
-from _curves import relative_gaps, save_plot
+from _curves import output_path, relative_gaps, save_plot
 from digits_torch import accuracy, batches, example_parser, load_data, make_models, train_step
 
 ADAGRAD = mtapply.rule(
@@ -39,7 +39,7 @@ RTOL = 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_parser(__doc__.splitlines()[0], "digits_rule.png", 3e-2)
+    parser = example_parser(__doc__.splitlines()[0], 3e-2)
     parser.add_argument("--lr-decay", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     return parser.parse_args(argv)
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     print(f"max relative loss gap {max(gaps):.3e} (tolerance {RTOL:g})")
     print(f"test accuracy: torch.optim.Adagrad {accuracy(reference, x_test, y_test):.4f}, "
           f"mtapply.rule Adagrad {accuracy(candidate, x_test, y_test):.4f}")
-    if args.plot:
-        save_plot(args.plot, list(curves), ["torch.optim.Adagrad", "mtapply.rule Adagrad"],
-                  f"digits, 64-128-10 MLP, {args.device}", RTOL)
+    save_plot(output_path(args.out, "digits_rule.png"), list(curves),
+              ["torch.optim.Adagrad", "mtapply.rule Adagrad"], f"digits, 64-128-10 MLP, {args.device}",
+              RTOL)
     agree = max(gaps) <= RTOL
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1

@@ -7,7 +7,7 @@ is installed. Exits with status 1 when the curves disagree beyond the tolerance 
 
 The digits data ship inside scikit-learn (no download). Usage:
 
-    python examples/digits_torch.py [--device cpu|cuda] [--epochs 20] [--plot digits_torch.png]
+    python examples/digits_torch.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 
 Runs on the GPU when one is present (one fused launch per step), else on the CPU (the NumPy
 backend; under a minute).
@@ -19,7 +19,7 @@ import copy
 import sys
 
 import torch
-from _curves import relative_gaps, save_plot
+from _curves import add_out_argument, output_path, relative_gaps, save_plot
 
 import mtapply.torch
 
@@ -34,8 +34,8 @@ import mtapply.torch
 RTOL = 1e-4
 
 
-def example_parser(description: str, plot: str, lr: float) -> argparse.ArgumentParser:
-    """The options every digits example takes: device, epochs, batch size, lr, seed, plot."""
+def example_parser(description: str, lr: float) -> argparse.ArgumentParser:
+    """The options every torch digits example takes: device, epochs, batch size, lr, seed, out."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
@@ -43,12 +43,12 @@ def example_parser(description: str, plot: str, lr: float) -> argparse.ArgumentP
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=plot, help="PNG path for the loss curves")
+    add_out_argument(parser)
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_parser(__doc__.splitlines()[0], "digits_torch.png", 3e-3)
+    parser = example_parser(__doc__.splitlines()[0], 3e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     return parser.parse_args(argv)
 
@@ -161,9 +161,9 @@ def main(argv=None) -> int:
     data = load_data(args.seed, args.device)
     curves, reference, candidate = train(args, data)
     agree = report(args, curves, reference, candidate, data)
-    if args.plot:
-        save_plot(args.plot, list(curves), ["torch.optim.AdamW", "mtapply.torch.AdamW"],
-                  f"digits, 64-128-10 MLP, {args.device}", RTOL)
+    save_plot(output_path(args.out, "digits_torch.png"), list(curves),
+              ["torch.optim.AdamW", "mtapply.torch.AdamW"], f"digits, 64-128-10 MLP, {args.device}",
+              RTOL)
     print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
     return 0 if agree else 1
 

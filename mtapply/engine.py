@@ -148,6 +148,24 @@ class Plan:
     def __len__(self) -> int:
         return self._n
 
+    def __repr__(self) -> str:
+        """The op and its compile-time options, the tensors, their devices, their dtypes (one
+        group per combination over the slots, in slot order) and the table mode, e.g.
+        `<mtapply Plan adam (decoupled): 148 tensors on cuda:0, float32 x148,
+        table_mode=memcpy>`."""
+        options = [name.lower() for name, value in self.spec.flags if value is True]
+        slots = [self._refs[name] for name in self.spec.slots]
+        devices = dict.fromkeys(_device_label(ref.device) for ref in slots[0])
+        groups: dict = {}
+        for refs in zip(*slots):
+            kinds = tuple(dict.fromkeys(ref.dtype for ref in refs))
+            groups[kinds] = groups.get(kinds, 0) + 1
+        op = self.spec.name + (f" ({', '.join(options)})" if options else "")
+        where = f" on {', '.join(devices)}" if devices else ""
+        dtypes = "".join(f", {'/'.join(kinds)} x{count}" for kinds, count in groups.items())
+        return (f"<mtapply Plan {op}: {self._n} tensor{'' if self._n == 1 else 's'}{where}"
+                f"{dtypes}, table_mode={self.table_mode}>")
+
     @property
     def empty(self) -> bool:
         """True when no tensor has an element: a step launches nothing."""

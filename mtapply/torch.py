@@ -264,6 +264,15 @@ class _FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         self._latest = None
         self.param_groups = tracked(self.param_groups, self._group_changes)
 
+    def __repr__(self) -> str:
+        """torch's listing of each group's options, under the class's full name (so that
+        mtapply's AdamW does not read as torch.optim's) and the optimizer's own options:
+        `mtapply.torch.AdamW (flat_grads=False) (` then the groups."""
+        _, groups = super().__repr__().split("\n", 1)  # torch's: "AdamW (" and the groups
+        rule = getattr(self, "rule", None)
+        own = (f"rule={rule!r}, " if rule is not None else "") + f"flat_grads={self._flat_grads}"
+        return f"{type(self).__module__}.{type(self).__qualname__} ({own}) (\n{groups}"
+
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 
     step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it

@@ -102,7 +102,11 @@ class Rule:
         return tensors
 
     def __repr__(self) -> str:
-        return f"mtapply.rule({self.name!r}, slots={' '.join(self.slots)!r})"
+        """The rule's name, slots (with their access) and hyperparameters (with their defaults;
+        None: required), and the names of its per-tensor sums, if any."""
+        slots = " ".join(f"{s.name}:{'rw' if s.written else 'r'}" for s in self.program.slots)
+        named = f", sums={[s.name for s in self.program.sums]!r}" if self.program.sums else ""
+        return f"mtapply.rule({self.name!r}, slots={slots!r}, hyper={self.hyper!r}{named})"
 
     def __reduce__(self):  # its checked program refers to its own parse: made again from source
         return Rule, self._source

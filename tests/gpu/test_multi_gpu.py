@@ -96,10 +96,12 @@ def test_distributed_training_equals_one_gpu(mode, optimizer, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = str(ROOT / "examples" / "distributed_torch.py")
     subprocess.run(command + ["--nproc_per_node=2", script, "--mode", mode, "--optimizer", optimizer,
-                              "--out", str(tmp_path / "dist.pt")], check=True, env=env, timeout=300)
+                              "--device", "cuda", "--out", str(tmp_path)], check=True, env=env,
+                   timeout=300)
     subprocess.run([sys.executable, script, "--mode", "single", "--optimizer", optimizer,
-                    "--out", str(tmp_path / "one.pt")], check=True, env=env, timeout=300)
-    dist_result, one = torch.load(tmp_path / "dist.pt"), torch.load(tmp_path / "one.pt")
+                    "--device", "cuda", "--out", str(tmp_path)], check=True, env=env, timeout=300)
+    dist_result = torch.load(tmp_path / f"distributed_{mode}_{optimizer}.pt")
+    one = torch.load(tmp_path / f"distributed_single_{optimizer}.pt")
     assert len(dist_result["params"]) == len(one["params"]) > 0
     for p, q in zip(dist_result["params"], one["params"]):
         # sharded norms and reductions add in another order: a few fp32 roundings per step
