@@ -1448,9 +1448,13 @@ def _all_reduce_sums(plan, param):
     """For LARS and LAMB over FSDP2 shards: (the plan's per-tensor sums as a torch view, a hook
     that sums them over the shard groups between the norms pass and the update), so every rank
     takes the norms of the whole tensors; (None, None) for single-pass ops."""
-    sums = plan.sums()
-    if sums is None:
+    if not plan.spec.n_sums:
         return None, None
+    sums = plan.sums()
+    if sums is None:  # the CPU backend sums each tensor whole: it has no pass to hook
+        raise ValueError(f"{plan.spec.name} over FSDP2 (DTensor) shards on {param.device}: "
+                         "the per-tensor norms are all-reduced between the kernels' passes, "
+                         "which run on a GPU; put the model on CUDA devices")
     import torch.distributed as dist
 
     view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy

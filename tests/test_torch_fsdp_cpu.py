@@ -1,0 +1,51 @@
+"""FSDP2 (DTensor) params on the CPU: a single-process gloo group, enough to shard a model."""
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import mtapply.torch as mt  # noqa: E402
+
+
+@pytest.fixture
+def sharded_model(tmp_path):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        fully_shard(model)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cls", [mt.LARS, mt.LAMB])
+def test_norms_over_shards_on_the_cpu_are_refused_before_anything_is_written(cls, sharded_model):
+    """The per-tensor norms of LARS and LAMB are all-reduced between the kernels' passes, on a
+    GPU; on the CPU each rank would take its own shard's norm: refused, nothing written."""
+    opt = cls(sharded_model.parameters(), lr=0.1)
+    sharded_model(torch.randn(5, 4)).sum().backward()
+    before = [p.detach().to_local().clone() for p in sharded_model.parameters()]
+    with pytest.raises(ValueError, match="FSDP2 .*shards on cpu.*put the model on CUDA devices"):
+        opt.step()
+    for was, p in zip(before, sharded_model.parameters()):
+        assert torch.equal(was, p.detach().to_local())
+
+
+def test_adamw_over_shards_on_the_cpu_steps_as_torch_optim(sharded_model):
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reference.load_state_dict({k: v.full_tensor() for k, v in sharded_model.state_dict().items()})
+    mine = mt.AdamW(sharded_model.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        for model, opt in ((sharded_model, mine), (reference, theirs)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for p, q in zip(sharded_model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach())
