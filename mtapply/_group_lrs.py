@@ -32,13 +32,14 @@ class GroupLrs:
         self.slots = [self.values.scalar(g) for g in range(n_groups)]
 
     def write(self, lrs: np.ndarray, stream: int) -> None:
-        """Checks the groups' lrs (one per group), raising before anything is written, and
-        copies them on `stream`, the launch stream of the step that reads them, where they
-        changed."""
-        if not (lrs.min() >= 0.0 and lrs.max() < np.inf):  # NaN fails too
-            k = int(np.flatnonzero(~((lrs >= 0.0) & (lrs < np.inf)))[0])
-            LR.check(f"lr of param group {k}", float(lrs[k]))
-        self.values.write(lrs, stream)
+        """Checks the groups' lrs (one per group) as the kernels read them, in float32, raising
+        before anything is written, and copies them on `stream`, the launch stream of the step
+        that reads them, where they changed."""
+        rounded = np.asarray(lrs, np.float32)
+        k = LR.first_outside(rounded)
+        if k is not None:
+            LR.check(f"lr of param group {k}", float(rounded[k]))
+        self.values.write(rounded, stream)
         self.values.table.launched_on(stream)  # the step's launches read it next, there
 
 
@@ -100,7 +101,7 @@ class _Copy:
         """The host value of a CPU tensor, checked (None for a GPU tensor)."""
         if not self.on_host:
             return None
-        return self.allowed.check(self.name, float(self.source))
+        return self.allowed.check(self.name, float(np.float32(float(self.source))))  # as read
 
     def write(self, value) -> None:
         if self.device.type == "cpu":

@@ -191,3 +191,24 @@ def _launch_kernel(*args) -> None:
     global _launch_kernel
     _launch_kernel = driver.launchKernel
     driver.launchKernel(*args)
+
+
+class _StreamRef:
+    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int, device_id: int):
+    """A raw stream handle as a CuPy stream, to make it CuPy's current stream in a `with`
+    (CuPy 14's from_external; ExternalStream before it)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamRef(handle))
+    return cupy.cuda.ExternalStream(handle, device_id)

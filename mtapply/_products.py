@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _tables
 from ._dlpack import framework_of
-from ._launch import stream_pointer
+from ._launch import cupy_stream, stream_pointer
 
 _OPS = {"N": 0, "T": 1}  # cublasOperation_t
 _DEFAULT_MATH, _TF32_MATH = 0, 3  # cublasMath_t: CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH
@@ -85,9 +85,13 @@ class BoundProducts:
             return self.left
         scalars = np.array([alpha, beta], np.float32)  # read by cuBLAS during the calls
         tf32 = framework_tf32(self.framework)
+        import cupy
+
         for device, batches in self.devices.items():
             stream = stream_pointer(None, self.framework, device)
-            with _Handle(device, stream, tf32, self.framework) as handle:
+            # CuPy's cuBLAS calls set the handle to CuPy's current stream: make it `stream`
+            with cupy.cuda.Device(device), cupy_stream(stream, device), \
+                    _Handle(device, stream, tf32, self.framework) as handle:
                 for indices, batch in batches:
                     batch.run(addresses[indices], scalars, handle, stream)
         return self.left

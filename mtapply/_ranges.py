@@ -88,6 +88,7 @@ RANGES = {"lr": LR, "step": STEP}  # of the names every op that takes them reads
 FINITE = Range(finite=True, text="a finite number")  # a declared hyperparameter without bounds: any finite number
 _NUMBER = r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*"
 _BOUND = re.compile(rf"\s*(>=|>|<=|<){_NUMBER}")
+_NUMBERS = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _INTERVAL = re.compile(rf"\s*([\[(]){_NUMBER},{_NUMBER}([\])])\s*")
 
 
@@ -97,6 +98,10 @@ def parse(name: str, text) -> Range:
     if not isinstance(text, str):
         raise TypeError(f"hyper: the range of {name!r} must be a string such as \">= 0\" or "
                         f"\"[0, 1)\", got {text!r}")
+    bounds = [float(v) for v in _NUMBERS.findall(text)]
+    if any(not math.isfinite(v) for v in bounds):
+        raise ValueError(f"hyper: the range {text!r} of {name!r} has a bound beyond the range "
+                         "of a double, in which the kernels check it")
     bound = _BOUND.fullmatch(text)
     if bound:
         op, value = bound.group(1), float(bound.group(2))

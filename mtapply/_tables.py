@@ -94,30 +94,20 @@ class _Event:
             pass
 
 
+_pending: list = []  # (memory, stream, device): retired, their stream's point not yet marked
 _retired: collections.deque = collections.deque()  # (event, memory): kept until the event
+_kept_for_graphs: list = []  # retired from a stream being captured: kept while the process lives
 _retired_lock = threading.RLock()  # reentrant: a collection may run a Keeper's __del__
 
 
 def retire(memory: list, stream, device_id: int) -> None:
     """Lets `memory` (CuPy device or pinned allocations) go back to its pool once the work
-    queued so far on `stream` (its latest, None for none) has run."""
-    collect()
-    if not memory or stream is None:
-        return
-    try:
-        import cupy
-
-        with cupy.cuda.Device(device_id):
-            event = _Event()
-            event.record(stream)
-    except Exception:  # a destroyed stream (its work still runs), shutdown, a broken context
-        try:
-            _runtime().deviceSynchronize()
-        except Exception:
-            pass
-        return
-    with _retired_lock:
-        _retired.append((event, memory))
+    queued on `stream` (its latest, None for none) has run. It may run at any time (a garbage
+    collection), a CUDA graph capture included, so it makes no CUDA call: the next `collect`
+    marks the stream's point with an event (a later point, so as safe)."""
+    if memory and stream is not None:
+        with _retired_lock:
+            _pending.append((memory, stream, device_id))
 
 
 def wait_for(latest, stream: int, event=None) -> None:
@@ -139,16 +129,45 @@ def wait_for(latest, stream: int, event=None) -> None:
 
 
 def collect() -> None:
-    """Gives back the retired memory whose work has run (oldest first)."""
+    """Gives back the retired memory whose work has run (oldest first). Called where tables
+    are made (never while a graph is captured: an event query would break the capture)."""
     with _retired_lock:
-        while _retired and _retired[0][0].done():
+        pending, _pending[:] = list(_pending), []
+        for memory, stream, device_id in pending:
+            _mark(memory, stream, device_id)
+        while _retired:
+            try:
+                if not _retired[0][0].done():
+                    break
+            except Exception:  # a query the runtime refuses now: at a later call
+                break
             _retired.popleft()
+
+
+def _mark(memory: list, stream: int, device_id: int) -> None:
+    """`memory` kept until the work queued so far on `stream` has run."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            if _capturing(stream):  # a graph captured there may replay its work later
+                _kept_for_graphs.append(memory)
+                return
+            event = _Event()
+            event.record(stream)
+    except Exception:  # a destroyed stream (its work still runs), shutdown, a broken context
+        try:
+            _runtime().deviceSynchronize()
+        except Exception:
+            pass
+        return
+    _retired.append((event, memory))
 
 
 def retired() -> int:
     """How many releases still wait for their work to run."""
     with _retired_lock:
-        return len(_retired)
+        return len(_retired) + len(_pending)
 
 
 class Keeper:

@@ -152,6 +152,9 @@ def _device_launcher(spec, dtypes, numels, pointers, device_id) -> _Launcher:
     with cupy.cuda.Device(device_id):
         launcher = _Launcher(spec, spec.tensor_arrays(len(numels)), dtypes, numels, pointers,
                              "memcpy", device_id, 0)
+        for passes in launcher.launches:  # an out-of-range value goes through, as in optax: a
+            for launch in passes:  # skipped step would return the outputs unwritten
+                launch.set_invalid(0)
         cupy.cuda.runtime.deviceSynchronize()  # XLA's stream does not wait for these uploads
     return launcher
 

@@ -735,6 +735,7 @@ class _Launcher:
                                     spec.chunk_for)
         _tables.collect()
         self._keep = _tables.Keeper(device_id)
+        self._keep.stream = stream  # the copies below are queued there: kept past them
         self.launches, self.tables, self._memory = [], [], self._keep.memory
         self._rows = _RowTables(spec, device_id)
         self.all_sums = None
@@ -760,7 +761,6 @@ class _Launcher:
             for launch in passes:
                 launch.set_invalid(self.invalid.ptr)
         self.upload(stream)
-        self._keep.stream = stream
 
     def __reduce_ex__(self, protocol):
         raise _tables._not_copied(self)
@@ -1040,6 +1040,10 @@ class _Slots:
                 self.names = tuple(name for name in scheduled if rows.holds_numbers(name))
                 self._origin = rows.origin
             values = np.array([rows.per_row(name) for name in self.names], np.float32)
+            if not np.isfinite(values).all():  # checked in double: too large for float32
+                name = self.names[int(np.argwhere(~np.isfinite(values))[0][0])]
+                raise ValueError(f"{name} overflows float32, in which the kernels read it: give "
+                                 f"a value below 3.4e38")
             if not self.names:
                 self._values = self.table = None
             elif self.table is None or self.table.nbytes != values.nbytes:

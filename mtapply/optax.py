@@ -112,6 +112,7 @@ import optax
 
 from . import _optax_rules, _xla
 from ._dlpack import TensorRef, export, row_major_strides
+from ._launch import cupy_stream
 from .engine import Plan
 from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .ops._spec import DeviceScalar, check_number
@@ -969,7 +970,7 @@ class _Runner:
 
         stream = ctx.stream
         # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
-        with cupy.cuda.Device(device_id), _cupy_stream(stream, device_id):
+        with cupy.cuda.Device(device_id), cupy_stream(stream, device_id):
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
             self._step(key, columns, self.rule.step_args(key[0], *values), stream)
 
@@ -1308,26 +1309,6 @@ def _device_address(buffer) -> int:
         return int(buffer.__cuda_array_interface__["data"][0])
     except Exception:  # a dtype the interface cannot describe (bfloat16): ask DLPack
         return export(_XlaBuffer(buffer), "buffer", None).ptr
-
-
-class _StreamRef:
-    """XLA's stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-def _cupy_stream(handle: int, device_id: int):
-    """XLA's stream as a CuPy stream (CuPy 14's from_external; ExternalStream before it)."""
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamRef(handle))
-    return cupy.cuda.ExternalStream(handle, device_id)
 
 
 # ---------------------------------------------------------------------------------------------

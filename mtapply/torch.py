@@ -1658,12 +1658,11 @@ class _GlobalNorm:
         # the same owners (by identity: an id may be reused by a new param of another shape)
         if (entry is None or len(entry[0]) != len(owners)
                 or any(map(operator.is_not, owners, map(_DEREF, entry[0])))
-                or (moved and list(map(_STRIDE, local)) != entry[3])):  # another layout
+                or (moved and _forms(local) != entry[3])):  # another size or layout
             plan = Plan(L2NormSpec(), {"tensors": local})
             plan.release("tensors", watch=False)
             entry = self._plans[device] = [list(map(weakref.ref, owners)),
-                                           list(map(weakref.ref, grads)), plan,
-                                           list(map(_STRIDE, local))]
+                                           list(map(weakref.ref, grads)), plan, _forms(local)]
         elif moved:
             entry[2].rebind_addresses("tensors", local, _addresses(local), keep_alive=False)
             entry[1] = list(map(weakref.ref, grads))
@@ -1673,6 +1672,11 @@ class _GlobalNorm:
         entry[2].step(total_out=total)
         entry[2].release("tensors", watch=False)
         return total
+
+
+def _forms(tensors: list) -> list:
+    """Each tensor's shape and strides: what a plan bound to them fixes."""
+    return [(t.shape, t.stride()) for t in tensors]
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

@@ -528,3 +528,14 @@ def test_adam_as_a_rule_follows_the_built_in_op(decoupled, maximize):
                           decoupled_weight_decay=decoupled, **hyper)
     for got, want in zip(ours[0] + ours[2] + ours[3], theirs[0] + theirs[2] + theirs[3]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_declared_bound_beyond_a_double_is_refused():
+    """The kernels check declared ranges in double: a bound that overflows one is refused when
+    the rule is made (the CPU alone would take it)."""
+    with pytest.raises(ValueError, match="beyond the range of a double"):
+        mtapply.rule("big", slots="param:rw grad:r", hyper={"lr": (None, ">= 1e400")},
+                     update="param = param - lr * grad")
+    rule = mtapply.rule("fine", slots="param:rw grad:r", hyper={"lr": (None, "[0, 1e300)")},
+                        update="param = param - lr * grad")
+    assert rule.ranges == {"lr": "[0, 1e300)"}

@@ -42,7 +42,7 @@ def test_a_compiled_training_step_matches_eager(flat_grads, set_to_none, device)
         train_step(eager, opts[0], x, y)
         compiled(compiled_model, opts[1], x, y)
     for p, q in zip(eager.parameters(), compiled_model.parameters()):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # the compiled forward may round
     assert float(opts[1].state[compiled_model[0].weight]["step"]) == 4.0
 
 

@@ -198,3 +198,53 @@ def test_rules_with_keyword_names_take_device_values_on_the_gpu():
     plan.step(**dict(hyper, y_out=device(NAN)))
     assert [t.cpu().numpy().tobytes() for t in on_gpu[0]] == before
     assert float(plan.invalid[0]) == 1.0
+
+
+def test_group_lrs_are_checked_as_the_kernels_read_them_in_float32():
+    """Merged param groups keep number lrs in float32 device slots that the kernels do not
+    check again: an lr finite in double but not in float32 is refused before any write."""
+    import mtapply.torch as mtt
+
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (10, 7)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = mtt.AdamW([{"params": params[:1], "lr": 1e-3}, {"params": params[1:], "lr": 2e-3}])
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[1]["lr"] = 1e39  # finite as a Python float, inf as a float32
+    with pytest.raises(ValueError, match="lr of param group 1 must be >= 0, got inf"):
+        opt.step()
+    torch.cuda.synchronize()
+    for a, b in zip(params, before):
+        assert torch.equal(a.detach(), b)
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()  # the same optimizer keeps working
+    torch.cuda.synchronize()
+    assert not torch.equal(params[1].detach(), before[1])
+
+
+def test_a_plan_dropped_while_a_graph_is_captured_leaves_the_capture_whole():
+    """A plan's device memory goes back to the pool once its stream's work has run; a plan
+    dropped (a garbage collection) while a CUDA graph is captured queries no event (which would
+    break the capture), and the graph replays as the eager steps ran."""
+    import gc
+
+    plan, tensors, good, _ = plan_of("adam", 7)
+    other, _, _, _ = plan_of("adam", 8)
+    other.step(**dict(good, step=1.0))
+    plan.step(**dict(good, step=1.0))  # tables uploaded before the capture
+    lr = device(good["lr"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        plan.step(**dict(good, lr=lr, step=2.0))
+        del other
+        gc.collect()
+    torch.cuda.synchronize()
+    expected, expected_tensors, _, _ = plan_of("adam", 7)
+    expected.step(**dict(good, step=1.0))
+    graph.replay()
+    expected.step(**dict(good, step=2.0))
+    torch.cuda.synchronize()
+    assert snapshot(tensors) == snapshot(expected_tensors)

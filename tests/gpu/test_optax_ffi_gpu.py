@@ -363,3 +363,30 @@ def test_float64_params_under_x64(gpu):
     out = subprocess.run([sys.executable, "-c", X64], capture_output=True, text=True,
                          timeout=600, env=dict(os.environ))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("form", ["fused", "transformation"])
+def test_an_out_of_range_injected_lr_goes_through_as_in_optax(gpu, form):
+    """The kernels of XLA's calls check no device value: their outputs are fresh buffers, which
+    a skipped step would leave unwritten. A NaN lr gives NaN params, as optax's step does, and
+    never memory the step did not write."""
+    rng = np.random.default_rng(11)
+    params = _tree(rng, gpu)
+    grads = _tree(rng, gpu)
+    tx = optax.inject_hyperparams(mtx.adam)(learning_rate=1e-3)
+    state = tx.init(params)
+    state = state._replace(hyperparams=dict(state.hyperparams, learning_rate=jnp.asarray(jnp.nan)))
+
+    @jax.jit
+    def step(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    if form == "fused":
+        opt = mtx.fused_adam(learning_rate=jnp.asarray(jnp.nan))
+        new, _ = jax.jit(lambda p, s, g: opt.step(p, g, s))(params, opt.init(params), grads)
+    else:
+        new, _ = step(params, state, grads)
+    for name, leaf in new.items():
+        values = np.asarray(leaf)
+        assert values.size == 0 or np.isnan(values).all(), name

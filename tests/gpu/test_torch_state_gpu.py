@@ -22,6 +22,8 @@ TORCH = {"Adam": (torch.optim.Adam, mt.Adam), "AdamW": (torch.optim.AdamW, mt.Ad
     ("AdamW", dict(fused=True)), ("AdamW", dict(capturable=True)), ("Adagrad", dict(fused=True)),
     ("RMSprop", dict(capturable=True)), ("RMSprop", {})])
 def test_the_saved_step_is_where_torch_keeps_it(name, options):
+    if name == "Adagrad" and tuple(map(int, torch.__version__.split(".")[:2])) < (2, 12):
+        pytest.skip("torch.optim.Adagrad(fused=True) takes CUDA params from torch 2.12 on")
     saved = []
     for cls in TORCH[name]:
         params = _params(device="cuda")
@@ -69,8 +71,10 @@ def test_a_cpu_saved_state_continues_on_cuda_params(name):
                 assert value.device == p.device, key
     _run(params, opt, 3, 6)
     _run(cuda_params, cuda_opt, 3, 6)
+    # 8-bit moments: CPU and GPU may round a moment to the neighbouring code (0.2 lr apart)
+    atol = 2e-3 if "8bit" in name else 1e-5
     for p, q in zip(params, cuda_params):
-        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize("name,flat", COUNTING_CASES, ids=CASE_IDS)

@@ -38,6 +38,8 @@ def _run(make, options, lr, layout, check_sync):
     opt = make(groups, lr=first, **options, **flat)
     if layout == "a plan per group":
         opt._merges_groups = False
+    if flat:
+        opt.zero_grad()  # the grads' views are made here
     g = torch.Generator().manual_seed(1)
     grads = [[torch.randn(p.shape, generator=g).to("cuda") for p in params] for _ in SCHEDULE]
     torch.cuda.synchronize()
@@ -81,7 +83,8 @@ def test_a_cpu_tensor_lr_with_cuda_params(make, options, layout):
 @pytest.mark.parametrize("make,options", OPTIMIZERS[:-1], ids=IDS[:-1])
 def test_a_float64_tensor_lr_on_the_params_gpu(make, options):
     lr = torch.tensor(SCHEDULE[0], dtype=torch.float64, device="cuda")
-    params = _run(make, options, lr, "merged", check_sync=True)
+    # ScheduleFreeAdamW reads a tensor lr on the host (its weights are host numbers): a sync
+    params = _run(make, options, lr, "merged", check_sync=make is not mt.ScheduleFreeAdamW)
     _assert_same(params, _run(make, options, None, "merged", check_sync=False))
 
 
@@ -89,7 +92,8 @@ def test_a_float64_tensor_lr_on_the_params_gpu(make, options):
 @pytest.mark.parametrize("make,options", OPTIMIZERS[:-1], ids=IDS[:-1])
 def test_a_tensor_lr_on_another_gpu(make, options):
     lr = torch.tensor(SCHEDULE[0], device="cuda:1")
-    params = _run(make, options, lr, "a plan per group", check_sync=True)
+    params = _run(make, options, lr, "a plan per group",
+                  check_sync=make is not mt.ScheduleFreeAdamW)  # (its host read: see above)
     _assert_same(params, _run(make, options, None, "a plan per group", check_sync=False))
 
 
