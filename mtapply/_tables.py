@@ -13,14 +13,14 @@ Either way a step with an unchanged table does no host-to-device traffic at all.
 Lifetimes: kernels and copies read this memory on the launch stream (the framework's, not
 CuPy's), long after the host has moved on. So the work on one table is kept in one chain: a
 launch or upload on another stream than the latest waits for it (an event, only when the
-stream changes). And memory that mtapply lets go (`Keeper`) goes back to CuPy's pools only once
-an event recorded on its latest stream has passed: CuPy orders a freed block after the work of
-the stream it was allocated under, which is not the launch stream, and reuses pinned blocks at
-once.
+stream changes). And memory that mtapply lets go (`Keeper`) goes back to CuPy's pools only
+after a device synchronisation, at the next `collect` (where tables are made): CuPy orders a
+freed block after the work of the stream it was allocated under, which is not the launch stream,
+and reuses pinned blocks at once; the launch stream itself may be gone by then (a CuPy stream is
+destroyed with its object), so no call is made on it.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 import threading
@@ -94,20 +94,18 @@ class _Event:
             pass
 
 
-_pending: list = []  # (memory, stream, device): retired, their stream's point not yet marked
-_retired: collections.deque = collections.deque()  # (event, memory): kept until the event
-_kept_for_graphs: list = []  # retired from a stream being captured: kept while the process lives
-_retired_lock = threading.RLock()  # reentrant: a collection may run a Keeper's __del__
+_pending: dict = {}  # device -> memory let go, kept until the device is next synchronised
+_pending_lock = threading.RLock()  # reentrant: a collection may run a Keeper's __del__
 
 
 def retire(memory: list, stream, device_id: int) -> None:
     """Lets `memory` (CuPy device or pinned allocations) go back to its pool once the work
-    queued on `stream` (its latest, None for none) has run. It may run at any time (a garbage
-    collection), a CUDA graph capture included, so it makes no CUDA call: the next `collect`
-    marks the stream's point with an event (a later point, so as safe)."""
+    queued so far (on `stream`, its latest, None for none) has run: at the next `collect`. It
+    may run at any time (a garbage collection), a CUDA graph capture included, so it makes no
+    CUDA call. Memory a captured graph launches with must outlive the graph (keep the plan)."""
     if memory and stream is not None:
-        with _retired_lock:
-            _pending.append((memory, stream, device_id))
+        with _pending_lock:
+            _pending.setdefault(device_id, []).append(memory)
 
 
 def wait_for(latest, stream: int, event=None) -> None:
@@ -128,46 +126,29 @@ def wait_for(latest, stream: int, event=None) -> None:
     event.wait_on(stream)
 
 
-def collect() -> None:
-    """Gives back the retired memory whose work has run (oldest first). Called where tables
-    are made (never while a graph is captured: an event query would break the capture)."""
-    with _retired_lock:
-        pending, _pending[:] = list(_pending), []
-        for memory, stream, device_id in pending:
-            _mark(memory, stream, device_id)
-        while _retired:
-            try:
-                if not _retired[0][0].done():
-                    break
-            except Exception:  # a query the runtime refuses now: at a later call
-                break
-            _retired.popleft()
-
-
-def _mark(memory: list, stream: int, device_id: int) -> None:
-    """`memory` kept until the work queued so far on `stream` has run."""
-    try:
-        import cupy
-
-        with cupy.cuda.Device(device_id):
-            if _capturing(stream):  # a graph captured there may replay its work later
-                _kept_for_graphs.append(memory)
-                return
-            event = _Event()
-            event.record(stream)
-    except Exception:  # a destroyed stream (its work still runs), shutdown, a broken context
-        try:
-            _runtime().deviceSynchronize()
-        except Exception:
-            pass
+def collect(stream: int = 0) -> None:
+    """Gives back the memory let go since the last collection, after synchronising each of
+    its devices once. Called where tables are made (on `stream`): never in a step, and a
+    synchronisation only where something was let go (an optimizer or plan dropped since).
+    Not while `stream` is captured into a CUDA graph: a synchronisation would end the capture."""
+    if not _pending or _capturing(stream):
         return
-    _retired.append((event, memory))
+    with _pending_lock:
+        for device_id in list(_pending):
+            try:
+                import cupy
+
+                with cupy.cuda.Device(device_id):
+                    _runtime().deviceSynchronize()
+            except Exception:  # refused now (a graph being captured): at a later collection
+                continue
+            del _pending[device_id]
 
 
 def retired() -> int:
-    """How many releases still wait for their work to run."""
-    with _retired_lock:
-        return len(_retired) + len(_pending)
+    """How many releases still wait for a collection."""
+    with _pending_lock:
+        return sum(map(len, _pending.values()))
 
 
 class Keeper:

@@ -733,7 +733,7 @@ class _Launcher:
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
-        _tables.collect()
+        _tables.collect(stream)
         self._keep = _tables.Keeper(device_id)
         self._keep.stream = stream  # the copies below are queued there: kept past them
         self.launches, self.tables, self._memory = [], [], self._keep.memory

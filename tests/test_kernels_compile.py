@@ -123,7 +123,7 @@ def test_adam8bit_with_stochastic_rounding_compiles():
 
     spec = Adam8bitSpec(decoupled_weight_decay=True, stochastic_rounding=True)
     for dtypes in (ADAM8BIT_GROUPS["8bit-bf16"], ("bfloat16", "bfloat16") + ("float32",) * 4):
-        functors = spec.functors_for(dtypes)
+        assert len(spec.functors_for(dtypes)) >= 1
         source = spec.source(dtypes)
         assert "#define MTA_STOCHASTIC 1" in source
         assert _source.compile_offline(source, "sm_90")[:4] == b"\x7fELF"

@@ -56,7 +56,7 @@ def test_close_refuses_and_gives_the_memory_back_after_its_launches():
     assert _tables.retired() > 0  # kept until the held stream runs the step
     with pytest.raises(RuntimeError, match=r"closed \(Plan.close\)"):
         plan.step(lr=1e-2, step=2)
-    _tables.collect()  # marks the held stream's point
+    _tables.collect()  # after a device synchronisation
     held.synchronize()
     _tables.collect()
     assert _tables.retired() == 0

@@ -68,7 +68,7 @@ def test_a_plan_dropped_while_its_stream_waits_keeps_its_memory_until_the_stream
             step(second)
         assert_same(first, want_first)
         assert_same(second, want_second)
-    _tables.collect()  # marks the streams' points, which have passed once synchronised
+    _tables.collect()  # gives back what the steps let go (after a device synchronisation)
     torch.cuda.synchronize()
     _tables.collect()
     assert _tables.retired() == 0
