@@ -767,9 +767,12 @@ class _Engine:
         scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params))
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
-        firsts = [None] * len(leaves)
-        per_leaf = {name: [None] * len(leaves) for name in state_names}
-        for part in self._parts(statics, len(leaves), mode):
+        # A leaf without elements has no step: it stays out of the calls (XLA's GPU compiler
+        # crashes on an empty operand of a call under pmap or shard_map) and goes through as is.
+        firsts = [x if x.size == 0 else None for x in leaves]
+        per_leaf = {name: [values[i] if x.size == 0 else None for i, x in enumerate(leaves)]
+                    for name, values in slots.items()} if not layouts else {}
+        for part in self._parts(statics, [i for i, x in enumerate(leaves) if x.size], mode):
             outs = step(part, [(name, values if layouts else [values[i] for i in part])
                                for name, values in slots.items()])
             for i, x in zip(part, outs.pop("updates" if mode == "delta" else "params")):
@@ -786,14 +789,15 @@ class _Engine:
                 self.rule.state_type(optax.safe_increment(state.count), *new_slots,
                                      *scalar_state))
 
-    def _parts(self, statics, n: int, mode: str) -> list:
-        """The leaf indices of each call: the leaves of each class of the rule (all leaves,
-        mostly) in calls of at most `_leaves_per_call`."""
-        classes = self.rule.leaf_classes(statics) if n else None
+    def _parts(self, statics, stepped: list, mode: str) -> list:
+        """The leaf indices of each call: the `stepped` leaves of each class of the rule (all
+        leaves, mostly) in calls of at most `_leaves_per_call`."""
+        classes = self.rule.leaf_classes(statics) if stepped else None
         if classes is None:
-            groups = [list(range(n))]
+            groups = [stepped]
         else:
-            groups = [[i for i in range(n) if classes[i] == c] for c in dict.fromkeys(classes)]
+            groups = [[i for i in stepped if classes[i] == c]
+                      for c in dict.fromkeys(classes[i] for i in stepped)]
         per_call = self._leaves_per_call(mode)
         return [group[start: start + per_call] for group in groups
                 for start in range(0, len(group), per_call)]

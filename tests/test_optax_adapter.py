@@ -391,6 +391,48 @@ def test_empty_tree_and_empty_leaves():
     np.testing.assert_allclose(np.asarray(new["x"]), 0.9, rtol=1e-6)
 
 
+def _call_operand_shapes(jaxpr, primitive: str) -> list:
+    """The operand shapes of every `primitive` equation, in nested jaxprs too."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            shapes += [tuple(v.aval.shape) for v in eqn.invars]
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else [value]:
+                if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
+                    shapes += _call_operand_shapes(inner, primitive)
+    return shapes
+
+
+@pytest.mark.parametrize("make", [lambda: mtx.adamw(1e-2, weight_decay=0.1),
+                                  lambda: mtx.adamw(1e-2, weight_decay=0.1, flat_state=False),
+                                  lambda: mtx.lamb(1e-2), lambda: mtx.fused_adamw(1e-2)],
+                         ids=["adamw", "adamw-tree-state", "lamb", "fused-adamw"])
+def test_leaves_without_elements_stay_out_of_the_call(make, monkeypatch):
+    """An empty leaf has no step: it goes through unchanged and is no operand of the call
+    (XLA's GPU compiler fails on empty operands of a call under pmap and shard_map)."""
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
+    opt = make()
+    params = {"a": jnp.full((3, 2), 0.5), "e": jnp.zeros((0,)), "f": jnp.zeros((2, 0), jnp.bfloat16)}
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, -0.25, x.dtype), params)
+    if hasattr(opt, "step"):
+        step = lambda p, s, g: opt.step(p, g, s)  # noqa: E731
+    else:
+        step = lambda p, s, g: (optax.apply_updates(p, opt.update(g, s, p)[0]),  # noqa: E731
+                                opt.update(g, s, p)[1])
+    state = opt.init(params)
+    shapes = _call_operand_shapes(jax.make_jaxpr(step)(params, state, grads), "buffer_callback")
+    assert shapes and all(0 not in shape for shape in shapes), shapes
+    new, new_state = jax.jit(step)(params, state, grads)
+    assert new["e"].shape == (0,) and new["f"].shape == (2, 0) and new["f"].dtype == jnp.bfloat16
+    assert np.all(np.asarray(new["a"]) > 0.5)  # stepped against the negative grad
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    only_empty = {"e": params["e"], "f": params["f"]}
+    assert _call_operand_shapes(jax.make_jaxpr(step)(only_empty, opt.init(only_empty),
+                                                     only_empty), "buffer_callback") == []
+
+
 @pytest.mark.parametrize("callback,primitive", [("buffer", "buffer_callback["),
                                                 ("host", "pure_callback[")])
 def test_one_callback_per_update(callback, primitive, monkeypatch):
