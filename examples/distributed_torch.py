@@ -48,16 +48,19 @@ def batches(device):
                torch.randint(0, CLASSES, (BATCH,), generator=g).to(device))
 
 
-def wrap(model, mode: str):
+def wrap(model, mode: str, device_type: str):
     if mode == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # named, or FSDP2 shards onto CUDA wherever a GPU is visible
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         for layer in model:
             if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        return fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     return model
 
 
@@ -78,7 +81,7 @@ OPTIMIZERS = {
 def train(mode: str, optimizer: str, device_type: str) -> tuple:
     rank, world = (dist.get_rank(), dist.get_world_size()) if mode != "single" else (0, 1)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    model = wrap(make_model(device), mode)
+    model = wrap(make_model(device), mode, device_type)
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for x, y in batches(device):

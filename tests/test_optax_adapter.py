@@ -414,7 +414,8 @@ def test_leaves_without_elements_stay_out_of_the_call(make, monkeypatch):
     (XLA's GPU compiler fails on empty operands of a call under pmap and shard_map)."""
     monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
     opt = make()
-    params = {"a": jnp.full((3, 2), 0.5), "e": jnp.zeros((0,)), "f": jnp.zeros((2, 0), jnp.bfloat16)}
+    params = {"a": jnp.full((3, 2), 0.5), "e": jnp.zeros((0,)),
+              "f": jnp.zeros((2, 0), jnp.bfloat16)}
     grads = jax.tree.map(lambda x: jnp.full(x.shape, -0.25, x.dtype), params)
     if hasattr(opt, "step"):
         step = lambda p, s, g: opt.step(p, g, s)  # noqa: E731

@@ -11,13 +11,14 @@ import mtapply.torch as mt  # noqa: E402
 
 @pytest.fixture
 def sharded_model(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-        fully_shard(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))  # not CUDA, where visible
         yield model
     finally:
         dist.destroy_process_group()

@@ -270,7 +270,7 @@ def test_merged_groups_keep_number_lrs_in_device_slots():
         opt.param_groups[3]["lr"] = -1.0
         opt.zero_grad()
         model(torch.randn(2, 8, device="cuda")).square().mean().backward()
-        with pytest.raises(ValueError, match=r"lr of param group 3 must be >= 0"):
+        with pytest.raises(ValueError, match=r"param group 3: lr must be >= 0, got -1.0"):
             opt.step()
         torch.cuda.synchronize()
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -197,6 +197,8 @@ def test_a_torch_param_without_elements_counts_its_steps(flat_grads):
     full = torch.nn.Parameter(torch.randn(300, device="cuda"))
     opt = mt.AdamW([{"params": [empty]}, {"params": [full], "amsgrad": True}], lr=1e-2,
                    flat_grads=flat_grads)
+    if flat_grads:
+        opt.zero_grad()  # the flat buffers' views become the grads here
     for p in (empty, full):
         p.grad = torch.ones_like(p) if not flat_grads else p.grad.fill_(1.0)
     for _ in range(4):
