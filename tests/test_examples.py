@@ -180,7 +180,7 @@ def test_distributed_example_on_cpu_equals_one_process(tmp_path, mode, optimizer
 
     script = str(EXAMPLES / "distributed_torch.py")
     common = ["--optimizer", optimizer, "--device", "cpu", "--out", str(tmp_path)]
-    for command in (_torchrun() + ["--nproc_per_node=2", script, "--mode", mode],
+    for command in (_torchrun() + ["--standalone", "--nproc_per_node=2", script, "--mode", mode],
                     [sys.executable, script, "--mode", "single"]):
         done = subprocess.run(command + common, env=_env(), capture_output=True, text=True,
                               timeout=300, cwd=tmp_path)

@@ -95,7 +95,7 @@ def test_distributed_training_equals_one_gpu(mode, optimizer, tmp_path):
     command = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = str(ROOT / "examples" / "distributed_torch.py")
-    subprocess.run(command + ["--nproc_per_node=2", script, "--mode", mode, "--optimizer", optimizer,
+    subprocess.run(command + ["--standalone", "--nproc_per_node=2", script, "--mode", mode, "--optimizer", optimizer,
                               "--device", "cuda", "--out", str(tmp_path)], check=True, env=env,
                    timeout=300)
     subprocess.run([sys.executable, script, "--mode", "single", "--optimizer", optimizer,
