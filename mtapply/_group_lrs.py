@@ -35,7 +35,8 @@ class GroupLrs:
         """Checks the groups' lrs (one per group) as the kernels read them, in float32, raising
         before anything is written, and copies them on `stream`, the launch stream of the step
         that reads them, where they changed."""
-        rounded = np.asarray(lrs, np.float32)
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes inf: refused below
+            rounded = np.asarray(lrs, np.float32)
         k = LR.first_outside(rounded)
         if k is not None:
             LR.check(f"lr of param group {k}", float(rounded[k]))
