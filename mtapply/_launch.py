@@ -36,6 +36,19 @@ def stream_pointer(stream, framework: str, device_id: int) -> int:
                     f"raw cudaStream_t int; got {type(stream).__name__}")
 
 
+def stream_and_owner(stream, framework: str, device_id: int) -> tuple:
+    """(the CUDA stream handle to launch on, the object whose life its handle shares or None):
+    a CuPy stream destroys its handle with the object (torch's pooled streams are never
+    destroyed; a raw int is the caller's to keep)."""
+    if stream is None and not (framework == "torch" and "torch" in sys.modules):
+        import cupy
+
+        current = cupy.cuda.get_current_stream(device_id)
+        return current.ptr, current
+    handle = stream_pointer(stream, framework, device_id)
+    return handle, (None if stream is None or isinstance(stream, int) else stream)
+
+
 _torch_stream = None  # torch's current raw stream of a device, once torch is imported
 
 

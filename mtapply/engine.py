@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _cpu, _source, _tables
 from ._dlpack import export, framework_of
-from ._launch import KernelLaunch, stream_pointer
+from ._launch import KernelLaunch, stream_and_owner
 from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
@@ -87,6 +87,7 @@ class Plan:
         if self.table_mode not in _tables.MODES:
             raise ValueError(f"table_mode={self.table_mode!r}; use one of {', '.join(_tables.MODES)}")
         self._stream = stream
+        self._stream_owners: dict = {}  # device -> the objects owning its latest two streams
         slots = {name: tensors[name] for name in spec.slots}
         first = spec.slots[0]
         self._framework = framework_of(slots[first][0]) if check_lists(slots) else "none"
@@ -500,7 +501,15 @@ class Plan:
                 for name in self._refs}
 
     def _stream_for(self, device_id: int, stream) -> int:
-        return stream_pointer(stream, self._framework, device_id)
+        """The stream handle to launch on. The objects owning the latest two streams stay
+        referenced: a CuPy stream dies with its object, and a launch on another stream than
+        the latest first orders itself after the latest one's work (`_tables.wait_for`)."""
+        handle, owner = stream_and_owner(stream, self._framework, device_id)
+        if owner is not None:
+            older, newer = self._stream_owners.get(device_id, (None, None))
+            if owner is not newer:
+                self._stream_owners[device_id] = (newer, owner)
+        return handle
 
     def _scalar(self, name: str, value):
         """A number stays a number; a one-element float32 array on the plan's device (the CPU

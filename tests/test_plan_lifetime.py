@@ -200,3 +200,27 @@ def test_plan_spec_and_unknown_slot_messages():
     with pytest.raises(ValueError, match="'momentum' is not a slot of adam"):
         plan.rebind_columns({"momentum": np.zeros(4, np.uint64)})
     assert isinstance(plan.spec, AdamSpec)
+
+
+class _Stream:
+    """A stand-in for a CuPy stream, whose handle dies with the object."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def test_a_plan_keeps_the_objects_of_its_latest_two_streams():
+    """The next launch on another stream orders itself after the latest one's work, so the
+    objects owning the latest two streams stay alive; older ones go."""
+    import weakref
+
+    plan = Plan(AdamSpec(), adam_lists(np.random.default_rng(8)))
+    streams = [_Stream(ptr) for ptr in (11, 12, 13)]
+    alive = [weakref.ref(s) for s in streams]
+    for s in streams:
+        assert plan._stream_for(0, s) == s.ptr
+    assert plan._stream_for(0, streams[2]) == 13  # the same again changes nothing
+    assert plan._stream_for(0, 14) == 14  # a raw handle is the caller's to keep
+    del s, streams
+    gc.collect()
+    assert [r() is not None for r in alive] == [False, True, True]

@@ -131,6 +131,43 @@ def test_a_plan_stepped_on_two_streams_orders_its_steps():
     assert_same(lists, want)
 
 
+@pytest.mark.parametrize("how", ["argument", "current"])
+def test_a_plan_moves_on_after_its_cupy_stream_was_destroyed(how):
+    """A CuPy stream dies with its object, between steps as well: the plan keeps the objects of
+    its latest streams, so the next step on another stream still orders itself after the
+    last one's work (which the held-back stream makes late)."""
+    arrays = [[cupy.asarray(t.cpu().numpy()) for t in column] for column in adam_lists(9)]
+    want = [[a.copy() for a in column] for column in arrays]
+    calm = mtapply.adam_plan(*want)
+    for t in (1, 2):
+        calm.step(lr=1e-2, step=t)
+    plan = mtapply.adam_plan(*arrays)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    late = _late_event()
+    stream.wait_event(late)
+    with stream:
+        if how == "argument":
+            plan.step(lr=1e-2, step=1, stream=stream)
+        else:
+            plan.step(lr=1e-2, step=1)
+    del stream
+    gc.collect()
+    plan.step(lr=1e-2, step=2, stream=cupy.cuda.Stream(non_blocking=True))
+    cupy.cuda.Device().synchronize()
+    for x, y in zip((a for c in arrays for a in c), (a for c in want for a in c)):
+        assert (cupy.asnumpy(x) == cupy.asnumpy(y)).all()
+
+
+def _late_event():
+    """An event that completes about 10 ms from now (recorded after a held-back torch stream)."""
+    held = torch.cuda.Stream()
+    with torch.cuda.stream(held):
+        torch.cuda._sleep(HOLD)
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(cupy.cuda.ExternalStream(held.cuda_stream))
+    return event
+
+
 def test_a_rebind_on_another_stream_waits_for_the_launches_that_read_the_old_table():
     old, new = adam_lists(4), adam_lists(5)
     want_old, want_new = copies(old), copies(new)
