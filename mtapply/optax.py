@@ -767,8 +767,7 @@ class _Engine:
         scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params))
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
-        # A leaf without elements has no step: it stays out of the calls (XLA's GPU compiler
-        # crashes on an empty operand of a call under pmap or shard_map) and goes through as is.
+        # A leaf without elements has no step: it stays out of the calls and goes through as is.
         firsts = [x if x.size == 0 else None for x in leaves]
         per_leaf = {name: [values[i] if x.size == 0 else None for i, x in enumerate(leaves)]
                     for name, values in slots.items()} if not layouts else {}
