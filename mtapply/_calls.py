@@ -26,7 +26,7 @@ from ._describe import describe, device_of
 from ._dlpack import framework_of
 from ._launch import order_after_producer, stream_pointer
 from ._validate import check_lists
-from .engine import Plan
+from .plan import Plan
 
 _PLANS_PER_KEY = 4  # e.g. a model's lists and an EMA's, stepped in turn
 _KEYS = 32

@@ -2,7 +2,7 @@
 
 At trace time `prepare` binds an op to the structure of a pytree (each leaf's dtype and size,
 and which buffer of the call holds each slot of each leaf): on every local GPU it compiles the
-kernels, uploads the block map and allocates the records and workspaces (engine._Launcher),
+kernels, uploads the block map and allocates the records and workspaces (_launcher.Launcher),
 packs each launch's argument words, and registers all of it with the handler of
 `csrc/xla_ffi.cpp` under an id. The traced program then holds one `mtapply_step` custom call
 naming that id. At run time XLA calls the compiled handler with the buffers and its stream; no
@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _native, _source
 from ._launch import field_word
-from .engine import _Launcher
+from ._launcher import Launcher
 from .ops._spec import DeviceScalar
 
 TARGET = "mtapply_step"
@@ -145,12 +145,12 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
     return plan_id
 
 
-def _device_launcher(spec, dtypes, numels, pointers, device_id) -> _Launcher:
+def _device_launcher(spec, dtypes, numels, pointers, device_id) -> Launcher:
     """The kernels, tables and workspaces of the plan on one GPU, ready before XLA runs."""
     import cupy
 
     with cupy.cuda.Device(device_id):
-        launcher = _Launcher(spec, spec.tensor_arrays(len(numels)), dtypes, numels, pointers,
+        launcher = Launcher(spec, spec.tensor_arrays(len(numels)), dtypes, numels, pointers,
                              "memcpy", device_id, 0)
         for passes in launcher.launches:  # an out-of-range value goes through, as in optax: a
             for launch in passes:  # skipped step would return the outputs unwritten

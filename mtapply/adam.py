@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import _calls
-from .engine import Plan
+from .plan import Plan
 from .ops.adam import AdamSpec
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from . import _calls, quantization
 from ._dlpack import device_of, framework_of
-from .engine import Plan
+from .plan import Plan
 from .ops.adam8bit import Adam8bitSpec
 
 THRESHOLD = 4096  # params of fewer elements keep float32 moments (as bitsandbytes does)

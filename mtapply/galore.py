@@ -22,7 +22,7 @@ import numpy as np
 from . import _calls
 from ._dlpack import framework_of
 from ._products import BoundProducts, batchable, data_ptr, operand_addresses
-from .engine import Plan
+from .plan import Plan
 from .ops._spec import check_number
 from .ops.adam import AdamSpec
 

@@ -113,7 +113,7 @@ import optax
 from . import _optax_rules, _xla
 from ._dlpack import TensorRef, export, row_major_strides
 from ._launch import cupy_stream
-from .engine import Plan
+from .plan import Plan
 from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .ops._spec import DeviceScalar, check_number
 

@@ -1649,7 +1649,7 @@ class _GlobalNorm:
         return self._copies[device]
 
     def _device_total(self, device, owners: list, grads: list):
-        from .engine import Plan
+        from .plan import Plan
         from .ops.norms import L2NormSpec
 
         local = as_reals(_locals(grads))  # a complex grad: the norm of its complex values

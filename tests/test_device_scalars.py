@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mtapply
-from mtapply.engine import Plan
+from mtapply.plan import Plan
 from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from mtapply._ranges import ANY, FACTOR, GRAD_SCALE, LR, NORM, STEP, Range
 from mtapply.ops.adam8bit import Adam8bitSpec

@@ -1,4 +1,4 @@
-"""The planner (mtapply.plan) without a GPU: chunk maps, bounds, groups and table bytes."""
+"""The planner (mtapply._blocks) without a GPU: chunk maps, bounds, groups and table bytes."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtapply import _source
-from mtapply.plan import RECORD_ALIGN, Group, chunk_bounds, chunk_map, group_tensors
+from mtapply._blocks import RECORD_ALIGN, Group, chunk_bounds, chunk_map, group_tensors
 
 CHUNK = _source.CHUNK_ELEMENTS
 
@@ -181,7 +181,7 @@ def test_adam_decay_mask_scales_weight_decay_per_tensor_and_is_checked():
     flag is False, as the float64 reference with weight_decay 0; a mask of another length is
     refused, naming it, before anything is written."""
     from mtapply import reference
-    from mtapply.engine import Plan
+    from mtapply.plan import Plan
     from mtapply.ops import AdamSpec
 
     rng = np.random.default_rng(7)
@@ -207,7 +207,7 @@ def test_adam_decay_factors_and_lr_labels_are_checked_before_anything_is_written
     """decay_mask may give any factor >= 0 of weight_decay per tensor; lr_labels one label
     index per tensor. Bad values and wrong lengths are refused, naming them."""
     from mtapply import reference
-    from mtapply.engine import Plan
+    from mtapply.plan import Plan
     from mtapply.ops import AdamSpec
 
     rng = np.random.default_rng(8)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mtapply
-from mtapply.engine import Plan
+from mtapply.plan import Plan
 from mtapply.ops import AdamSpec
 
 SHAPES = [(5,), (3, 4), (0,), (300,)]

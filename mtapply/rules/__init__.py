@@ -76,7 +76,7 @@ class Rule:
 
     def plan(self, *lists, master_params=None, table_mode=None, stream=None):
         """Binds the lists (one per slot, in order) once; `plan.step(**hyper)` then steps them."""
-        from ..engine import Plan
+        from ..plan import Plan
 
         spec = self.spec(master_params is not None)
         return Plan(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,

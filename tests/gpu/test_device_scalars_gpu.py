@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mtapply
-from mtapply.engine import Plan
+from mtapply.plan import Plan
 from mtapply.ops import AdamSpec
 
 torch = pytest.importorskip("torch")

@@ -310,10 +310,10 @@ def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
     set_args = KernelLaunch.set_args
     monkeypatch.setattr(KernelLaunch, "set_args",
                         lambda self, *a, **k: packs.append(1) or set_args(self, *a, **k))
-    from mtapply import engine
+    from mtapply import plan as plan_module
 
-    rows = engine.Plan._rows
-    monkeypatch.setattr(engine.Plan, "_rows",
+    rows = plan_module.Plan._rows
+    monkeypatch.setattr(plan_module.Plan, "_rows",
                         lambda self, hyper: first_steps.append(1) or rows(self, hyper))
     params, grads, ms, vs, _ = adam_state([(1000,), (CHUNK + 3,), (0,), (5,)], seed=21)
     counter = torch.tensor([0.0], device="cuda")

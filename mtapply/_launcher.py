@@ -1,0 +1,308 @@
+"""The kernels, tables, workspaces and argument words of a plan on its GPUs."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _source, _tables
+from ._blocks import group_tensors
+from ._launch import KernelLaunch
+from ._row_tables import RowTables
+from ._rows import Rows
+
+
+class Launcher:
+    """The kernels, tables, workspaces and argument words of a plan's groups on one GPU.
+
+    Its device memory is kept (`_tables.Keeper`) until the launches queued on its latest
+    stream have run: launches on a new stream wait for the previous stream's (through the
+    tables, `MemcpyTable.before_launch`), so the latest stream's work is the last to use it."""
+
+    def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream):
+        self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
+        self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
+                                    spec.chunk_for)
+        _tables.collect(stream)
+        self._keep = _tables.Keeper(device_id)
+        self._keep.stream = stream  # the copies below are queued there: kept past them
+        self.launches, self.tables, self._memory = [], [], self._keep.memory
+        self._rows = RowTables(spec, device_id)
+        self.all_sums = None
+        self._counters: list = []  # (memory, bytes) of the counts a kernel leaves at zero
+        self._interrupted = False  # a step's launches stopped part way: counts may be left
+        for group in self.groups:
+            functors = spec.functors_for(group.dtypes)
+            source = spec.source(group.dtypes)
+            functions = _source.kernel_functions(source, device_id, len(functors),
+                                                 spec.compile_options(group.dtypes))
+            self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
+                                               spec.arg_fields) for f in functions])
+            self.tables.append(None)
+        # groups whose rows read scheduled values from float32 slots (see RowTables)
+        self._slotted = [_source.math_type(group.dtypes) == "float" for group in self.groups]
+        with _cupy_device(device_id):
+            if spec.n_sums:
+                self._attach_sums(spec.n_sums, numels, stream)
+            self._attach_arrays(arrays, stream)
+            self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
+        self._memory.append(self.invalid)
+        for passes in self.launches:
+            for launch in passes:
+                launch.set_invalid(self.invalid.ptr)
+        self.upload(stream)
+
+    def __reduce_ex__(self, protocol):
+        raise _tables._not_copied(self)
+
+    def invalid_flags(self):
+        import cupy
+
+        return cupy.ndarray((1,), cupy.float32, self.invalid)
+
+    def clear_invalid(self, stream_of) -> None:
+        import cupy
+
+        stream = stream_of(self.device_id)
+        with _cupy_device(self.device_id):
+            self._follow(stream)  # after the steps that may set it, before the next ones
+            cupy.cuda.runtime.memsetAsync(self.invalid.ptr, 0, 4, stream)
+
+    def _zero_counters(self, stream: int) -> None:
+        """The counts that a step's launches leave at zero (arrivals, finished tensors, step
+        arrivals), zeroed again: launches of a pass that stopped part way (an error, an
+        interrupt) may have left them counting."""
+        for memory, nbytes in self._counters:
+            _tables._runtime().memsetAsync(memory.ptr, 0, nbytes, stream)
+        self._interrupted = False
+
+    def _follow(self, stream: int) -> None:
+        """Work about to be queued on `stream` (not a launch) joins the plan's chain: after
+        its latest work, and before the next launches (which wait for the tables' stream)."""
+        for table in self.tables:
+            table.before_launch(stream)
+        self._keep.stream = stream
+
+    def _attach_sums(self, n_sums: int, numels: np.ndarray, stream: int) -> None:
+        """The sums workspace: per group, block partials, arrival counts and a slice of the
+        plan's sums (groups one after another), which `positions` maps to the caller's order."""
+        import cupy
+
+        offsets = np.cumsum([0] + [len(g.numels) for g in self.groups])
+        positions = np.empty(len(numels), np.int32)
+        for group, offset in zip(self.groups, offsets):
+            positions[group.indices] = offset + np.arange(len(group.numels))
+        positions *= n_sums
+        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums, 1), np.float32), stream)
+        mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
+        finished = _device_copy(np.zeros(1, np.uint32), stream)
+        self._memory += [all_sums, mapping, finished]
+        self._counters.append((finished, 4))
+        self.all_sums = all_sums
+        plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
+        for group, offset, passes in zip(self.groups, offsets, self.launches):
+            partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
+            arrivals = _device_copy(np.zeros(max(len(group.numels), 1), np.uint32), stream)
+            self._memory += [partials, arrivals]
+            self._counters.append((arrivals, 4 * max(len(group.numels), 1)))
+            for launch in passes:
+                launch.set_workspace(partials.ptr, arrivals.ptr, all_sums.ptr + 4 * n_sums * int(offset),
+                                     plan_sums)
+
+    def _attach_arrays(self, arrays: dict, stream: int) -> None:
+        """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""
+        for name, values in arrays.items():
+            for group, passes in zip(self.groups, self.launches):
+                memory = _device_copy(np.ascontiguousarray(np.asarray(values)[group.indices]), stream)
+                self._memory.append(memory)
+                for launch in passes:
+                    launch.set_array(name, memory.ptr)
+
+    def upload(self, stream: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            for k, group in enumerate(self.groups):
+                table = group.table()
+                if self.tables[k] is None or self.tables[k].nbytes != table.nbytes:
+                    self.tables[k] = _tables.make_table(self.table_mode, table.nbytes, self.device_id)
+                self.tables[k].write(table, stream)
+                base = self.tables[k].ptr
+                for launch in self.launches[k]:
+                    launch.set_table(base, base + group.records_offset)
+
+    def rebound(self, columns: dict, stream_of) -> "Launcher":
+        """Points slots at new addresses (slot index -> addresses); `stream_of(device_id)` is
+        the launch stream. Raises, changing nothing, where the tables cannot be uploaded."""
+        stream = stream_of(self.device_id)
+        self.check_upload(stream)
+        pointers = self.pointers.copy()
+        for slot_index, addresses in columns.items():
+            pointers[:, slot_index] = addresses
+        self.pointers = pointers
+        for group in self.groups:
+            group.pointers = pointers[group.indices]
+        self.upload(stream)
+        self._keep.stream = stream
+        return self
+
+    def check_upload(self, stream: int) -> None:
+        if _tables._capturing(stream):
+            raise RuntimeError("mtapply cannot upload a pointer table while the stream is being "
+                               "captured into a CUDA graph: rebind before capturing, and keep "
+                               "the same tensors while the graph is in use")
+
+    def _busy(self) -> list:
+        """The groups with blocks to launch."""
+        return [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
+
+    def _n_passes(self) -> int:
+        return len(self.launches[0]) if self.launches else 0
+
+    def slotted_names(self, rows: Rows) -> tuple:
+        """The names whose new values reach every launch of `rows` (the latest step's) by the
+        slots alone: the slots' names, where every busy group reads them there."""
+        if rows is None or rows.origin is not self._rows.slots._origin or not all(
+                self._slotted[k] for k in self._busy()):
+            return ()
+        return self._rows.slots.names
+
+    def write_slots(self, rows: Rows, stream: int) -> None:
+        """The slots hold `rows`, which differ from the latest step's in slotted names only."""
+        self._rows.slots.hold(rows, self._rows.scheduled, stream)
+
+    def count_steps(self, counter_ptr: int, stream: int) -> bool:
+        """Makes every launch take its step from the counter, and the blocks of the last pass
+        advance it; False where nothing would launch (then the caller advances it)."""
+        busy = self._busy()
+        blocks = sum(self.groups[k].n_blocks for k in busy)
+        if not blocks:
+            return False
+        with _cupy_device(self.device_id):
+            arrivals = _device_copy(np.zeros(1, np.uint32), stream)
+            self._follow(stream)
+        self._memory.append(arrivals)
+        self._counters.append((arrivals, 4))
+        last = self._n_passes() - 1
+        for k in busy:
+            for p, launch in enumerate(self.launches[k]):
+                launch.set_counting(counter_ptr, arrivals.ptr, blocks if p == last else 0)
+        return True
+
+    def launch_order(self) -> list:
+        """The launches of a step without hooks or rows, in `run`'s order."""
+        busy = self._busy()
+        return [self.launches[k][p] for p in range(self._n_passes()) for k in busy]
+
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
+            rows=None) -> None:
+        """Every pass over every group, pass by pass: a pass may need all groups' sums (a
+        global norm) from the one before. `stream_of(device_id)` is the launch stream;
+        `after_pass(k)` runs on the host between passes k and k + 1; `rows` (mtapply._rows.Rows)
+        gives per-tensor hyperparameters."""
+        import cupy
+
+        stream = stream_of(self.device_id)
+        switch = cupy.cuda.runtime.getDevice() != self.device_id
+        device = cupy.cuda.Device(self.device_id) if switch else None
+        if switch:
+            device.__enter__()
+        try:
+            busy = self._busy()
+            self._rows.prepare(rows, stream)
+            for k in busy:
+                self.tables[k].before_launch(stream)
+                self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream,
+                                 self._slotted[k])
+            if self._interrupted:  # (after the wait for the interrupted launches' stream)
+                self._zero_counters(stream)
+            # every pass and hook runs even with nothing to launch here: ranks that all-reduce
+            # between passes must all reach the hook
+            n_passes = self._n_passes()
+            for p in range(n_passes):
+                self._interrupted = True  # until the pass's launches are all queued
+                for k in busy:
+                    launch = self.launches[k][p]
+                    launch.set_args(args, grad_scale, found_inf)
+                    launch.launch(stream)
+                self._interrupted = False
+                if after_pass is not None and p + 1 < n_passes:
+                    after_pass(p)
+            for k in busy:
+                self.tables[k].launched_on(stream)
+                self._rows.launched_on(k, stream)
+            self._keep.stream = stream
+        finally:
+            if switch:
+                device.__exit__(None, None, None)
+
+
+def _cupy_device(device_id: int):
+    import cupy
+
+    return cupy.cuda.Device(device_id)
+
+
+def _device_copy(values: np.ndarray, stream: int):
+    """Device memory holding `values`, copied on `stream` (ordered before the launches).
+
+    From pageable memory the copy returns once `values` has been staged, so it may be freed.
+    """
+    import cupy
+
+    memory = cupy.cuda.alloc(values.nbytes)
+    cupy.cuda.runtime.memcpyAsync(memory.ptr, values.ctypes.data, values.nbytes, 1, stream)
+    return memory
+
+
+
+
+
+class Devices:
+    """The launchers of a plan whose tensors are on several GPUs, each with the positions of
+    its tensors in the plan's lists; one launch set per device, on that device's stream."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # (device_id, indices, Launcher)
+        self._origin_subsets = (None, [])  # (origin rows, each part's subset of them)
+        self._latest = (None, [])  # (the latest step's rows, each part's share)
+
+    def _rows_of_parts(self, rows: Rows | None) -> list:
+        """Each part's share of `rows`: patches over the origin's subsets, made once each."""
+        if rows is None:
+            return [None] * len(self.parts)
+        if self._latest[0] is not rows:
+            origin, subsets = self._origin_subsets
+            if origin is not rows.origin:
+                subsets = [rows.origin.subset(indices) for _, indices, _ in self.parts]
+                self._origin_subsets = (rows.origin, subsets)
+            self._latest = (rows, [rows.on(subset) for subset in subsets])
+        return self._latest[1]
+
+    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
+            rows=None) -> None:
+        for (_, _, launcher), part_rows in zip(self.parts, self._rows_of_parts(rows)):
+            launcher.run(args, stream_of, grad_scale, found_inf, rows=part_rows)
+
+    def invalid_flags(self) -> tuple:
+        return tuple(launcher.invalid_flags() for _, _, launcher in self.parts)
+
+    def clear_invalid(self, stream_of) -> None:
+        for _, _, launcher in self.parts:
+            launcher.clear_invalid(stream_of)
+
+    def rebound(self, columns: dict, stream_of) -> "Devices":
+        for device_id, _, launcher in self.parts:
+            launcher.check_upload(stream_of(device_id))
+        self.parts = [(device_id, indices,
+                       launcher.rebound({k: a[indices] for k, a in columns.items()}, stream_of))
+                      for device_id, indices, launcher in self.parts]
+        return self
+
+
+def launcher_for(spec, refs, arrays, table_mode, device_id, stream) -> Launcher:
+    """The launcher of ingested tensors on one GPU."""
+    slots = spec.slots
+    n = len(refs[slots[0]])
+    dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
+    numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
+    pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
+    return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
