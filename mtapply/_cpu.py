@@ -11,6 +11,9 @@ import ctypes
 
 import numpy as np
 
+from ._ranges import GRAD_SCALE
+from .stochastic import round_to_bfloat16_stochastic
+
 _STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16,
             "uint8": np.uint8}
 
@@ -41,8 +44,6 @@ def store(ref, values: np.ndarray) -> None:
 
 def store_stochastic(ref, values: np.ndarray, args: dict, tensor: int) -> None:
     """bfloat16 params rounded stochastically, with the bits the kernel draws for them."""
-    from .stochastic import round_to_bfloat16_stochastic
-
     seed = int(args["seed_lo"]) | int(args["seed_hi"]) << 32
     view(ref)[:] = round_to_bfloat16_stochastic(values, seed, int(args["step"]), tensor)
 
@@ -103,8 +104,6 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
 def _values(spec, args: dict, rows, grad_scale):
     """(args, each row's args, grad_scale) with every DeviceScalar read; None where one is out
     of the range its op declares."""
-    from ._ranges import GRAD_SCALE
-
     if not isinstance(grad_scale, float):
         grad_scale = _read(grad_scale)
         if not GRAD_SCALE.holds(grad_scale):

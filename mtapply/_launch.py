@@ -12,6 +12,8 @@ import ctypes
 import struct
 import sys
 
+from ._torch_fast import order_after_current_stream
+
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
 _HEADER = "<2QdQQ6Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
@@ -64,8 +66,6 @@ def order_after_producer(framework: str, device_id: int, stream: int) -> None:
     """Makes `stream` wait for the work queued so far on the framework's current stream of
     the device (what a DLPack export with `stream=` does)."""
     if framework == "torch":
-        from ._torch_fast import order_after_current_stream
-
         order_after_current_stream(device_id, stream)
         return
     import cupy

@@ -28,6 +28,7 @@ import threading
 import numpy as np
 
 from ._rows import same_values
+from .ops._spec import DeviceScalar
 
 MODES = ("memcpy", "unified")
 _H2D = 1
@@ -280,8 +281,6 @@ class DeviceFloats:
             self._held = values
 
     def scalar(self, i: int):
-        from .ops._spec import DeviceScalar
-
         return DeviceScalar(ptr=self.table.ptr + 4 * i, obj=self.table, checked=True)
 
 

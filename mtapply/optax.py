@@ -113,9 +113,11 @@ import optax
 from . import _optax_rules, _xla
 from ._dlpack import TensorRef, export, row_major_strides
 from ._launch import cupy_stream
-from .plan import Plan
 from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
 from .ops._spec import DeviceScalar, check_number
+from .plan import Plan
+from .rules import library
+from .rules._spec import list_name
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -569,8 +571,6 @@ class _UserRule(_Rule):
     or arrays (device values) given here."""
 
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None):
-        from .ops.rule import list_name
-
         self.user, self.name, self.initial = rule, name or rule.name, dict(initial or {})
         if "lr" not in rule.hyper:
             raise TypeError(f"rule {rule.name!r} has no lr: mtapply.optax passes learning_rate "
@@ -613,8 +613,6 @@ class _ScheduleFree(_UserRule):
     scalar_fields = ("weight_sum", "max_lr", "b1")
 
     def __init__(self, b1, b2, eps, weight_decay, weight_lr_power, state_dtype=None):
-        from .rules import library
-
         rule = library.schedule_free_adamw()
         if _is_number(b1) and not 0.0 < check_number("b1", b1) < 1.0:
             raise ValueError(f"b1 must be in (0, 1) for schedule-free AdamW, got {b1}")
@@ -1589,8 +1587,6 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
 
 
 def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> _UserRule:
-    from .rules import library
-
     _refuse("lion", mask=(mask, None))
     if callable(weight_decay):
         raise TypeError("mtapply.optax.lion: weight_decay must be a number, not a schedule")
@@ -1616,8 +1612,6 @@ def fused_lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3,
 
 
 def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> _UserRule:
-    from .rules import library
-
     _refuse("adan", mask=(mask, None))
     if callable(weight_decay):
         raise TypeError("mtapply.optax.adan: weight_decay must be a number, not a schedule")
@@ -1641,8 +1635,6 @@ def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
 
 
 def _adagrad_rule(initial_accumulator_value, eps) -> _UserRule:
-    from .rules import library
-
     if _is_number(initial_accumulator_value):
         check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
     return _UserRule(library.adagrad_optax(), dict(eps=eps), name="adagrad",
@@ -1665,8 +1657,6 @@ def fused_adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7) -> Fus
 
 def _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov,
                   bias_correction) -> _UserRule:
-    from .rules import library
-
     _refuse("rmsprop", bias_correction=(bias_correction, False))
     if nesterov and momentum is None:
         raise ValueError("mtapply.optax.rmsprop: nesterov=True needs a momentum")

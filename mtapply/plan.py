@@ -24,6 +24,7 @@ from ._rows import Rows, rows_for
 from ._torch_fast import torch_ref
 from ._validate import check_lists, check_no_overlap, ingest, ingest_slot
 from .ops._spec import DeviceScalar, OutputArray, check_number
+from .ops.scaling import AddSpec
 
 
 _SCALARS_KEPT = 8
@@ -586,8 +587,6 @@ class StepCounter:
     reads it on the host and an add advances it (`alone`)."""
 
     def __init__(self, plan: Plan, counter):
-        from .ops.scaling import AddSpec
-
         ref = _read_array(counter, "counter")
         if (ref.dtype != "float32" or ref.numel != 1 or ref.read_only
                 or (plan.device is not None and ref.device != plan.device)):

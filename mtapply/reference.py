@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from .quantization import dequantize_blockwise, quantize_blockwise
+
 
 def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, beta1=0.9,
          beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False,
@@ -46,8 +48,6 @@ def adam8bit(param, grad, exp_avg, exp_avg_sq, *, lr, step, block=256, dtype=np.
     (codes uint8, absmax float32 per block); dequantized, stepped as `adam` steps fp32 moments
     (`options` as `adam` takes them, amsgrad excepted), then quantized again with each block's
     fresh absmax. Returns (param, (m codes, m absmax), (v codes, v absmax))."""
-    from .quantization import dequantize_blockwise, quantize_blockwise
-
     shape = np.shape(param)
     m = dequantize_blockwise(*exp_avg, signed=True, block=block).reshape(shape)
     v = dequantize_blockwise(*exp_avg_sq, signed=False, block=block).reshape(shape)

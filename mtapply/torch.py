@@ -83,6 +83,11 @@ from ._ranges import LR, Range
 from ._torch_layouts import PlanLists, Staging, as_real, as_reals, dense_strides
 from ._torch_state import StateKeeping
 from .ops._spec import check_number
+from .ops.norms import L2NormSpec
+from .plan import Plan
+from .rules import library
+from .scaling import zero_
+from .torch_galore import GaLoreAdamW
 
 __all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Adan",
            "GaLoreAdamW", "Lion", "RMSprop",
@@ -422,7 +427,6 @@ class _FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
-        from .scaling import zero_
         for group in self.param_groups:
             grads = [p.grad for p in group["params"] if p.grad is not None]
             by_device: dict = {}
@@ -1181,8 +1185,6 @@ class Lion(_RuleBased):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), flat_grads)
 
     def _rule(self, group):
-        from .rules import library
-
         return library.lion()
 
     def _rule_hyper(self, group) -> dict:
@@ -1207,8 +1209,6 @@ class Adan(_RuleBased):
                                       weight_decay=weight_decay), flat_grads)
 
     def _rule(self, group):
-        from .rules import library
-
         return library.adan()
 
     def _rule_hyper(self, group) -> dict:
@@ -1240,8 +1240,6 @@ class ScheduleFreeAdamW(_RuleBased):
         super().__init__(params, defaults, flat_grads)
 
     def _rule(self, group):
-        from .rules import library
-
         return library.schedule_free_adamw()
 
     def _initial(self, group, p, name: str):
@@ -1338,8 +1336,6 @@ class Adagrad(_RuleBased):
     _sparse_grads = True
 
     def _rule(self, group):
-        from .rules import library
-
         return library.adagrad(bool(group["maximize"]))
 
     def _sparse_step(self, group, params) -> None:
@@ -1378,8 +1374,6 @@ class RMSprop(_RuleBased):
         super().__init__(params, defaults, flat_grads)
 
     def _rule(self, group):
-        from .rules import library
-
         return library.rmsprop(bool(group["centered"]), group["momentum"] > 0,
                                bool(group["maximize"]))
 
@@ -1649,9 +1643,6 @@ class _GlobalNorm:
         return self._copies[device]
 
     def _device_total(self, device, owners: list, grads: list):
-        from .plan import Plan
-        from .ops.norms import L2NormSpec
-
         local = as_reals(_locals(grads))  # a complex grad: the norm of its complex values
         entry = self._plans.get(device)
         moved = entry is None or any(map(operator.is_not, grads, map(_DEREF, entry[1])))
@@ -1711,5 +1702,3 @@ def _check_torch_adam_flags(lr, betas, foreach, fused, capturable) -> None:
             raise ValueError("betas[0] as a Tensor is not supported for capturable=False and "
                              "foreach=True")
 
-
-from .torch_galore import GaLoreAdamW  # noqa: E402  (it builds on this module's peers)

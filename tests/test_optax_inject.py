@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import mtapply.optax as mtx  # noqa: E402
 from mtapply import reference  # noqa: E402
 from mtapply.rules import library  # noqa: E402
-from mtapply.ops.rule import RuleSpec  # noqa: E402
+from mtapply.rules._spec import RuleSpec  # noqa: E402
 
 STEPS = 6
 LION = library.lion()

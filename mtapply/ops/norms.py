@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _cpu
 from ._spec import OpSpec, check_number
 
 
@@ -28,8 +29,6 @@ class L2NormSpec(OpSpec):
         return {"norms_out": norms_out, "total_out": total_out, "max_norm": 0.0, "eps": 0.0}
 
     def cpu_run(self, refs: dict, args: dict, grad_scale: float) -> bool:
-        from .. import _cpu
-
         squares = [float(np.sum(np.square(_cpu.load(ref, np.float64)))) for ref in refs["tensors"]]
         if args["norms_out"] is not None:
             _cpu.store(args["norms_out"].ref, np.sqrt(np.asarray(squares, np.float64)))
@@ -52,8 +51,6 @@ class ClipGradNormSpec(L2NormSpec):
                 "eps": check_number("eps", eps, low=0.0)}
 
     def cpu_run(self, refs: dict, args: dict, grad_scale: float) -> bool:
-        from .. import _cpu
-
         super().cpu_run(refs, args, grad_scale)
         total = _cpu.load(args["total_out"].ref, np.float32)[0]
         coefficient = np.float32(args["max_norm"]) / (total + np.float32(args["eps"]))

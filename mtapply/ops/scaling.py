@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _cpu
 from .._ranges import FACTOR
 from ._spec import OpSpec, number_or_device_scalar
 
@@ -55,8 +56,6 @@ class UnscaleSpec(_ElementwiseSpec):
                 "found_inf_out": found_inf_out}
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
-        from .. import _cpu
-
         values = arrays["tensors"]
         if not np.all(np.isfinite(values)):
             _cpu.store(args["found_inf_out"].ref, np.ones(1))

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import textwrap
 
+from .. import _calls
+from ..plan import Plan
 from ._language import check_hyper, parse, parse_slots
+from ._spec import RuleSpec
 
 
 class Rule:
@@ -61,8 +64,7 @@ class Rule:
         return {name: accepted.describe() for name, accepted in self.program.ranges.items()}
 
     def spec(self, master_weights: bool = False):
-        """The rule's op (`mtapply.ops.rule.RuleSpec`), for the engine and the adapters."""
-        from ..ops.rule import RuleSpec
+        """The rule's op (`mtapply.rules._spec.RuleSpec`), for the engine and the adapters."""
 
         spec = self._specs.get(master_weights)
         if spec is None:
@@ -76,7 +78,6 @@ class Rule:
 
     def plan(self, *lists, master_params=None, table_mode=None, stream=None):
         """Binds the lists (one per slot, in order) once; `plan.step(**hyper)` then steps them."""
-        from ..plan import Plan
 
         spec = self.spec(master_params is not None)
         return Plan(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,
@@ -85,7 +86,6 @@ class Rule:
     def step(self, *lists, master_params=None, grad_scale=None, found_inf=None, stream=None,
              table_mode=None, **hyper) -> None:
         """One step over whole lists (one per slot, in order), in place."""
-        from .. import _calls
 
         spec = self.spec(master_params is not None)
         spec.arguments(**hyper)

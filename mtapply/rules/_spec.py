@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 
 from .. import _source
-from ..rules import _cuda, _numpy
-from ..rules._language import STEP, Program
-from ._spec import OpSpec, number_or_device_scalar
+from ..ops._spec import OpSpec, number_or_device_scalar
+from . import _cuda, _numpy
+from ._language import STEP, Program
 
 
 class RuleSpec(OpSpec):
