@@ -7,6 +7,7 @@ from _torch_graphs import capture
 
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mtapply.torch")
+from mtapply import _torch_optimizer  # noqa: E402
 flat_grads = pytest.importorskip("mtapply._flat_grads")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -78,7 +79,7 @@ def test_trains_like_in_place_grads_and_steps_without_per_param_work(cls, torch_
     # from here on every step must take the O(1) path: the per-param paths would raise
     def per_param(*args, **kwargs):
         raise AssertionError("a per-param path ran")
-    monkeypatch.setattr(mt._FusedOptimizer, "_prepare_group", per_param)
+    monkeypatch.setattr(_torch_optimizer.FusedOptimizer, "_prepare_group", per_param)
     monkeypatch.setattr(flat_grads.FlatGrads, "restore", per_param)
     for batch in batches[3:]:
         start = opt._flat._next
@@ -253,8 +254,8 @@ def test_steps_that_repeat_the_latest_follow_torch_under_a_scheduler(monkeypatch
     """Between the scheduler's lr changes (every third step; it sets the same lr in between) a
     step repeats the latest one's launches, and the run follows torch.optim.AdamW."""
     repeated = []
-    repeat = mt._LatestStep.repeat
-    monkeypatch.setattr(mt._LatestStep, "repeat",
+    repeat = _torch_optimizer.LatestStep.repeat
+    monkeypatch.setattr(_torch_optimizer.LatestStep, "repeat",
                         lambda self, opt: repeated.append(repeat(self, opt)) or repeated[-1])
     batches = _batches("cuda", 12)
     models = [_model("cuda") for _ in range(2)]

@@ -211,10 +211,11 @@ def test_merged_groups_follow_a_scheduler_on_the_gpu(monkeypatch):
                 for k, p in enumerate(m.parameters())]
 
     import mtapply.torch as mt
+    from mtapply import _torch_optimizer
 
     repeated = []  # whether each step repeated the latest (with new lrs: in its slots)
-    original = mt._LatestStep.repeat
-    monkeypatch.setattr(mt._LatestStep, "repeat",
+    original = _torch_optimizer.LatestStep.repeat
+    monkeypatch.setattr(_torch_optimizer.LatestStep, "repeat",
                         lambda self, opt: repeated.append(original(self, opt)) or repeated[-1])
     ours = mt.AdamW(groups(model), flat_grads=True)
     theirs = torch.optim.AdamW(groups(twin), foreach=False)

@@ -1,0 +1,838 @@
+"""The torch.optim.Optimizer whose param groups step through mtapply plans: what every
+`mtapply.torch` optimizer shares (binding groups to plans, repeats of unchanged steps, the
+whole-step checks, the step counters, flat grads, state), and torch.optim's argument checks."""
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from itertools import chain, repeat
+
+import numpy as np
+import torch
+
+from ._flat_grads import FlatGrads
+from ._group_lrs import GroupLrs, TensorCopies
+from ._launch import stream_pointer
+from ._optimizer_step import AmpScaling, lean_step
+from ._optimizer_step import bump_versions as _bump_versions
+from ._param_groups import ANY, PARAMS, GroupChanges, tracked
+from ._ranges import ANY as ANY_NUMBER
+from ._ranges import LR, Range
+from ._torch_layouts import PlanLists, Staging, dense_strides
+from ._torch_state import StateKeeping
+from .scaling import zero_
+
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_NOT_NONE = functools.partial(operator.is_not, None)
+_LR = operator.itemgetter("lr")
+_PARAMS = operator.itemgetter("params")
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DEREF = weakref.ref.__call__
+BETA_NAMES = {"beta1": "betas[0]", "beta2": "betas[1]", "beta3": "betas[2]"}  # the ops' names
+
+
+def data_addresses(tensors: list) -> np.ndarray:
+    return np.fromiter(map(_DATA_PTR, tensors), np.uint64, len(tensors))
+
+
+class Part:
+    """Params of a group on one device that share a step count, bound to one plan and one
+    device counter."""
+
+    def __init__(self, indices, params, plan, counter, staging=None):
+        self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
+        if plan is not None and counter is not None:
+            plan.count_steps(counter)  # each step reads it and, unless found_inf, advances it
+        self.staging = staging or None  # stand-ins copied around each step (_torch_layouts)
+        self.device = params[0].device
+        self.group_of = None  # in a merged group: each param's group index
+        self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
+        self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
+        self.lrs = None  # in a merged group on a GPU: the groups' number lrs, on the device
+        self.float32_math = all(p.dtype not in (torch.float64, torch.complex128) for p in params)
+        self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
+        self.after_pass = None
+        if plan is not None and is_dtensor(params[0]):
+            self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
+        if plan is not None:
+            plan.release("grads", watch=False)  # not this step's grads alive: followed here
+
+    def on_device(self, flag):
+        """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
+        if flag is None or flag.device == self.device:
+            return flag
+        return flag.to(self.device)
+
+
+class Bound:
+    """One param group bound to mtapply plans: its params with grads, in parts of equal step
+    count (params that missed steps, having had no grad, count fewer)."""
+
+    def __init__(self, key, options, params, grads, parts):
+        self.key, self.options, self.params, self.parts = key, options, params, parts
+        self.sharded = any(map(is_dtensor, params))
+        self.param_addresses = data_addresses(local_tensors(params))
+        self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
+        local = local_tensors(grads)  # the layouts the plans took: row-major, or these strides
+        self.grad_strides = None if all(map(_IS_CONTIGUOUS, local)) else list(map(_STRIDE, local))
+        # whether the plans take other tensors than the grads themselves (real views, stand-ins)
+        self.reshaped = any(part.staging for part in parts) or any(map(torch.is_complex, grads))
+        self.complete = False  # with flat_grads: holds every param of its group that needs a grad
+
+    def params_moved(self) -> bool:
+        """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
+        params = local_tensors(self.params) if self.sharded else self.params
+        return not np.array_equal(data_addresses(params), self.param_addresses)
+
+    def follow_grads(self, grads: list) -> bool:
+        """Points the plans at this step's grads, if any moved; False (nothing done) where a
+        grad is laid out otherwise than the one bound, so that the group is bound again."""
+        if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
+            return True
+        local = local_tensors(grads) if self.sharded else grads
+        if not (all(map(_IS_CONTIGUOUS, local)) if self.grad_strides is None
+                else list(map(_STRIDE, local)) == self.grad_strides):
+            return False
+        addresses = data_addresses(local)
+        whole = len(self.parts) == 1
+        for part in self.parts:
+            mine = local if whole else [local[i] for i in part.indices]
+            at = addresses if whole else addresses[part.indices]
+            if self.reshaped:
+                mine, at = (part.staging or Staging()).bound_grads(mine, at)
+            part.plan.rebind_addresses("grads", mine, at, keep_alive=False)
+        self.grad_refs = list(map(weakref.ref, grads))
+        return True
+
+
+class LatestStep:
+    """A flat_grads step whose groups all stepped by their bound parts, each part's plans
+    repeating what they were given. While the grads stay in their views and no GradScaler step
+    comes, a step is the parts' launches again; where only lrs were set since (a scheduler),
+    each part steps with its new lrs, written to its groups' lr slots (or taken by its plan in
+    place: new words, or new slots of its rows)."""
+
+    def __init__(self, parts: list, version: int):
+        self.parts, self.version = parts, version  # parts: (group index, Part)
+        self.repeats = [part.plan._repeat for _, part in parts]
+        self.params = [p for _, part in parts for p in part.params]  # their versions move
+
+    @classmethod
+    def of(cls, parts: list, version: int) -> LatestStep | None:
+        if any(part.plan is None or part.plan._repeat is None or part.sums is not None
+               or part.after_pass is not None or part.staging is not None
+               or not part.plan._relaunch_is_the_step() for _, part in parts):
+            return None
+        return cls(parts, version)
+
+    def repeat(self, optimizer) -> bool:
+        """The step again, or False (nothing done) where it no longer applies."""
+        changes = optimizer._group_changes
+        scheduled = changes.version != self.version
+        if ((scheduled and changes.since(self.version) != {"lr"})
+                or not optimizer._flat.intact(optimizer.param_groups)):
+            return False
+        for (_, part), step in zip(self.parts, self.repeats):
+            if part.plan._repeat is not step or not step.current(part.plan):
+                return False
+        if scheduled:
+            merged = optimizer._merged_group()
+            for index, part in self.parts:
+                group = merged if index == "merged" else optimizer.param_groups[index]
+                optimizer._step_part(part, group, None, None)
+            optimizer._latest = LatestStep.of(self.parts, changes.version)
+        else:
+            for step in self.repeats:
+                step.launch()
+            _bump_versions(self.params)
+        optimizer._flat.mark()
+        return True
+
+
+class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
+    """What the mtapply optimizers share: binding groups to plans, AMP, device step counters."""
+
+    # takes GradScaler's grad_scale / found_inf itself, and grads unscaled by its unscale_
+    _step_supports_amp_scaling = AmpScaling()
+    _counts_steps = True  # a device step counter (Adam, LAMB); SGD and LARS keep none
+    # whether groups of equal compile options step as one plan, each tensor reading its
+    # group's hyperparameters (per-tensor rows): ops whose hyperparameters are plain numbers
+    _merges_groups = False
+    _SHARED = ("seed",)  # hyperparameters that must be equal across groups to merge them
+    _sparse_grads = False  # whether params with sparse grads step (by torch.optim's update)
+
+    def __init__(self, params, defaults, flat_grads=False):
+        self._flat_grads = bool(flat_grads)
+        self._flat = None
+        self._group_changes = GroupChanges()
+        self._merged = (0, None)  # (changes version, the merged group or None)
+        self._groups_seen = 0  # the changes version at which the params were last looked at
+        self._apart_seen = 0  # the changes version at which no param was in two groups
+        self._latest = None  # the latest step, where a step may repeat it (`LatestStep`)
+        super().__init__(params, defaults)
+        self._keep_state()
+        self._bound: dict = {}
+        self._check_groups()  # as each step checks them again where they changed
+        if self._flat_grads:
+            self._refuse_dtensors()  # the flat buffers are made at the first zero_grad or step
+
+    def __getstate__(self):
+        return dict(super().__getstate__(), _flat_grads=self._flat_grads)
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
+        super().__setstate__(state)  # load_state_dict comes here too, with new groups
+        for group in self.param_groups:  # an older pickle's groups
+            self._fill_group(group)
+        self._numbers_to_tensor_steps()
+        self._keep_state()  # plans bound to the old state are dropped below
+        self._flat_grads = state.get("_flat_grads", getattr(self, "_flat_grads", False))
+        self._bound = {}
+        self._flat = self.__dict__.get("_flat")  # a loaded state keeps them; a copy makes its own
+        self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
+        self._merged = (0, None)
+        self._groups_seen = 0
+        self._apart_seen = 0
+        self._latest = None
+        self.param_groups = tracked(self.param_groups, self._group_changes)
+
+    def __repr__(self) -> str:
+        """torch's listing of each group's options, under the class's full name (so that
+        mtapply's AdamW does not read as torch.optim's) and the optimizer's own options:
+        `mtapply.torch.AdamW (flat_grads=False) (` then the groups."""
+        _, groups = super().__repr__().split("\n", 1)  # torch's: "AdamW (" and the groups
+        rule = getattr(self, "rule", None)
+        own = (f"rule={rule!r}, " if rule is not None else "") + f"flat_grads={self._flat_grads}"
+        return f"{type(self).__module__}.{type(self).__qualname__} ({own}) (\n{groups}"
+
+    # -- torch.optim.Optimizer interface ------------------------------------------------------
+
+    step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
+
+    def _plain_step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if torch.compiler.is_compiling():  # being traced: the launch stays out of the graph
+            _outside_graphs(FusedOptimizer._fused_step)(self)
+        else:  # (torch.compiler.disable's wrapper would cost every eager step)
+            self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
+        self._check_groups_apart()
+        if self._checked_at != self._group_changes.version:
+            self._check_groups()  # every group's options, before any group steps
+        if self._state_moved():  # O(1): the plans hold the replaced state tensors
+            self._bound.clear()
+            self._latest = None
+        if self._copies:
+            self._copies.refresh()  # tensor hyperparameters copied to the params' devices
+        attributes = self.__dict__  # GradScaler.step sets grad_scale and found_inf there
+        grad_scale, found_inf = attributes.get("grad_scale"), attributes.get("found_inf")
+        if self._latest is not None and grad_scale is None and found_inf is None:
+            if self._latest.repeat(self):  # launches only: no torch op to keep from autograd
+                return
+        self._latest = None
+        with torch.no_grad():
+            self._grouped_steps(grad_scale, found_inf)
+        self._state_kept()
+
+    def _check_groups_apart(self) -> None:
+        """O(1) unless the groups' params were edited since: then refuses a param held by two
+        groups (torch.optim's add_param_group refuses it; a list edit can still make it)."""
+        changes = self._group_changes
+        if max(changes.set_at[ANY], changes.set_at.get(PARAMS, 0)) <= self._apart_seen:
+            return
+        seen: dict = {}
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if seen.setdefault(id(p), (g, i)) != (g, i):
+                    h, j = seen[id(p)]
+                    raise ValueError(
+                        f"param {i} of param group {g} is also param {j} of param group {h}: "
+                        "a param belongs to one group (torch.optim's add_param_group refuses "
+                        "this too, and a step would update it twice); remove it from one")
+        self._apart_seen = changes.version
+
+    def _grouped_steps(self, grad_scale, found_inf) -> None:
+        """Binds every group (raising any refusal before anything is written), then steps
+        them."""
+        flat = self._flat_grads_in_place()
+        merged = self._merged_group()  # params edited in place merge again, as torch sees them
+        if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
+            self._bound.clear()
+        prepared = []
+        stepped = flat  # whether every group steps by its bound parts
+        for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
+            bound = self._bound.get(index) if flat else None
+            sparse = ()
+            if bound is None or not bound.complete or bound.options != self._compile_options(group):
+                dense, sparse = self._split_sparse(group, grad_scale, found_inf)
+                bound = self._prepare_group(index, dense)
+                stepped = False
+                if self._flat is not None and index in self._bound:
+                    self._bound[index].complete = self._bound[index].key == tuple(
+                        id(p) for p in group["params"] if p.requires_grad)
+                group = dense
+            prepared.append((index, group, bound, sparse))
+        self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
+        for index, group, bound, sparse in prepared:
+            for own, members in by_group(group, sparse) if sparse else ():
+                self._sparse_step(own, members)  # each with its own group's options
+            self._launch_group(index, group, bound, grad_scale, found_inf)
+        if self._flat is not None:
+            self._flat.mark()
+        if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
+            parts = [(index, part) for index, _, bound, _ in prepared for part in bound.parts]
+            self._latest = LatestStep.of(parts, self._group_changes.version)
+
+    @classmethod
+    def _repeats_steps(cls) -> bool:
+        """Whether a step's host work is that of its parts' launches alone (no work across
+        groups, no per-group host work), so that a step repeating the latest may skip it."""
+        return (cls._before_groups is FusedOptimizer._before_groups
+                and cls._launch_group is FusedOptimizer._launch_group
+                and cls._step_part is FusedOptimizer._step_part)
+
+    def _flat_grads_in_place(self) -> bool:
+        """With flat_grads: whether every grad is still its view into the flat buffers (an
+        O(1) check); grads found elsewhere are put back (O(n)) and False is returned."""
+        if not self._flat_grads or self._refresh_flat():
+            return False
+        if self._flat.intact(self.param_groups):
+            return True
+        self._flat.restore()
+        return False
+
+    def _refresh_flat(self) -> bool:
+        """Makes the flat buffers again if there are none or the param groups changed since
+        (then True: the grads were just moved into new views)."""
+        if self._flat is not None and (not self._params_moved() or self._flat.fits(self.param_groups)):
+            return False
+        self._make_flat()
+        return True
+
+    def _params_moved(self) -> bool:
+        """Whether params may have been added to, removed from or replaced in the groups since
+        the last call: O(1), as the tracked groups note it."""
+        self.param_groups = tracked(self.param_groups, self._group_changes)  # O(1) if they are
+        changes = self._group_changes
+        moved = bool(changes.since(self._groups_seen) & {ANY, PARAMS})
+        self._groups_seen = changes.version
+        return moved
+
+    def _refuse_dtensors(self) -> None:
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if is_dtensor(p):
+                    raise ValueError(f"flat_grads=True does not take DTensor params (param {i} of "
+                                     f"param group {g}): FSDP2 manages its grads itself, so use "
+                                     "flat_grads=False")
+
+    def _make_flat(self) -> None:
+        """New flat buffers, holding the current grads; plans bound to old ones are dropped."""
+        self._refuse_dtensors()
+        self._flat = FlatGrads([g["params"] for g in self.param_groups])
+        self._bound.clear()
+        self._latest = None
+        self._merged = (0, None)  # the groups' params changed: merge them again
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if torch.compiler.is_compiling():  # in a compiled training step: run outside its graph
+            _outside_graphs(FusedOptimizer._zero_grad)(self, set_to_none)
+        else:
+            self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        if self._flat_grads:  # the views stay, zeroed: one fill per buffer (set_to_none aside)
+            self._refresh_flat()
+            self._flat.zero_()
+            return
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            by_device: dict = {}
+            for g in grads:
+                if g.grad_fn is not None:
+                    g.detach_()
+                g.requires_grad_(False)
+                by_device.setdefault(g.device, []).append(local_tensor(g))
+            for same in by_device.values():
+                zero_(same)  # one launch per dtype, addresses kept
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._refuse_flags(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # a refused group is not added
+            raise
+        self.param_groups = tracked(self.param_groups, self._group_changes)
+        if hasattr(self, "_bound"):
+            self._bound.clear()
+            self._flat = None  # made again, over every group, at the next step
+
+    # -- binding --------------------------------------------------------------------------------
+
+    def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
+        """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
+        flat_grads and every grad in its view, the buffers that hold all the grads."""
+
+    def _prepare_group(self, index, group) -> Bound | None:
+        """The group bound to plans that point at this step's grads (None where no param
+        has a grad); raises where the group cannot step, before any group launches."""
+        # The common case costs C-level scans only: the same params, every one with a grad.
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        options = self._compile_options(group)
+        bound = self._bound.get(index)
+        same = (bound is not None and bound.options == options and len(bound.params) == len(params)
+                and all(map(operator.is_, params, bound.params))
+                and not any(map(operator.is_, grads, repeat(None))))
+        if not same:
+            params = [p for p in params if p.grad is not None]
+            if not params:
+                return None
+            grads = list(map(_GRAD, params))
+            if bound is None or bound.options != options or bound.key != tuple(map(id, params)):
+                bound = None
+        if bound is not None and (bound.params_moved() or not bound.follow_grads(grads)):
+            bound = None  # storage replaced under the params, or grads of another layout
+        if bound is None:
+            bound = self._bind(tuple(map(id, params)), options, group, params, grads)
+            self._bound[index] = bound
+        return bound
+
+    def _launch_group(self, index, group, bound, grad_scale, found_inf) -> None:
+        """Steps a group as `_prepare_group` prepared it."""
+        if bound is not None:
+            for part in bound.parts:
+                self._step_part(part, group, grad_scale, found_inf)
+
+    def _split_sparse(self, group, grad_scale, found_inf) -> tuple:
+        """(the group without its params whose grads are sparse, those params), for optimizers
+        that step them by `_sparse_step` (a C-level scan); else (the group, ())."""
+        params = group["params"]
+        if not self._sparse_grads or not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params)))):
+            return group, ()
+        sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError(f"{type(self).__name__}: params with sparse grads do not take "
+                               "GradScaler's grad_scale and found_inf here; step them with "
+                               "torch.optim (without GradScaler) or give them dense grads")
+        stepped = set(map(id, sparse))
+        return dict(group, params=[p for p in params if id(p) not in stepped]), sparse
+
+    def _sparse_step(self, group, params) -> None:
+        """One step of params with sparse grads (torch.optim's per-tensor update)."""
+        raise NotImplementedError
+
+    def _merged_group(self) -> dict | None:
+        """All param groups as one, where they can step as one plan: an op of plain-number
+        hyperparameters, several groups, equal compile options and shared values, no tensor
+        lr. The merged group holds every param, and each group's options under "groups".
+        O(1) while no group changed or only plain-number lrs were set."""
+        seen, merged = self._merged
+        changes = self._group_changes
+        if seen != changes.version:
+            if merged is None or changes.since(seen) - {"lr"}:  # plain-number lrs keep a merge
+                merged = self._merge_groups()
+            self._merged = (changes.version, merged)
+        return merged
+
+    def _merge_groups(self) -> dict | None:
+        groups = self.param_groups
+        if not self._merges_groups or len(groups) < 2:
+            return None
+        options = self._merge_options(groups[0])
+        for group in groups:
+            if (self._merge_options(group) != options or self._tensor_options(group)
+                    or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
+                return None
+        return dict(groups[0], params=list(chain.from_iterable(map(_PARAMS, groups))),
+                    groups=groups)
+
+    def _merge_options(self, group) -> tuple:
+        """What groups must share to step as one plan: their compile options, unless the
+        optimizer gives some of those per tensor."""
+        return self._compile_options(group)
+
+    def _tensor_options(self, group) -> bool:
+        """Whether a group gives a hyperparameter as a tensor that keeps its groups from
+        stepping as one (an lr tensor does not: each tensor's row reads its group's)."""
+        return False
+
+    def _part_hyper(self, part, group) -> dict:
+        """The hyperparameters of a part: its group's, or in a merged group each tensor's own
+        (one value per tensor where the groups differ). A merged part keeps them, and renews
+        only the lrs when only lrs were set since."""
+        if "groups" not in group:
+            return self._hyper(group, part.device)
+        changes = self._group_changes
+        if part.hyper is None or part.hyper_at != changes.version:
+            groups = group["groups"]
+            names = changes.since(part.hyper_at) if part.hyper is not None else None
+            if names == {"lr"} and part.numeric_lrs:  # a scheduler set numbers (no tensor)
+                lrs = np.fromiter(map(_LR, groups), np.float64, len(groups))
+                if part.lrs is not None:  # the rows read them from the device: same hyper
+                    part.lrs.write(lrs, stream_pointer(None, "torch", part.device.index))
+                else:
+                    lrs = lrs[part.group_of]
+                    part.hyper = dict(part.hyper,
+                                      lr=float(lrs[0]) if lrs.min() == lrs.max() else lrs)
+            else:
+                part.hyper = self._merged_hyper(part, groups)
+                part.numeric_lrs = not any(isinstance(g["lr"], torch.Tensor) for g in groups)
+            part.hyper_at = changes.version
+        return part.hyper
+
+    def _merged_hyper(self, part, groups: list) -> dict:
+        owner = group_owners({"groups": groups})  # groups may have moved in the list since the bind
+        part.group_of = np.fromiter((owner[id(p)] for p in part.params), np.int64, len(part.params))
+        per_group = [self._hyper(g, part.device) for g in groups]
+        part.lrs = self._group_lrs(part, per_group)
+        first = per_group[0]
+        differ = [k for k in first if any(_differ(h[k], first[k]) for h in per_group)]
+        return dict(first, **{k: tuple(per_group[g][k] for g in part.group_of) for k in differ})
+
+    @staticmethod
+    def _group_lrs(part, per_group: list):
+        """Where a merged part's groups give their lrs as numbers on a GPU, for float32 math:
+        the groups' lrs written to their device slots, which replace them in `per_group`."""
+        if (part.device.type != "cuda" or not part.float32_math
+                or not all(type(h.get("lr")) is float for h in per_group)):
+            return None
+        lrs = part.lrs
+        if lrs is None or len(lrs.slots) != len(per_group):
+            lrs = GroupLrs(len(per_group), part.device.index)
+        lrs.write(np.array([h["lr"] for h in per_group], np.float64),
+                  stream_pointer(None, "torch", part.device.index))
+        for h, slot in zip(per_group, lrs.slots):
+            h["lr"] = slot
+        return lrs
+
+    def _step_part(self, part, group, grad_scale, found_inf) -> None:
+        hyper = self._part_hyper(part, group)
+        scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
+        if part.sums is not None:
+            part.sums.zero_()  # empty shards add nothing: their rows are never written
+        if part.counter is not None:
+            hyper["step"] = part.counter  # the plan counts the step in it
+        staging = part.staging
+        if staging is not None:
+            staging.before([p.grad for p in part.params])
+        try:
+            part.plan.step(grad_scale=scale, found_inf=skip, after_pass=part.after_pass, **hyper)
+        finally:
+            part.plan.release("grads", watch=False)
+        if staging is not None:
+            staging.after()
+        _bump_versions(part.params)
+
+    def _bind(self, key, options, group, params, grads) -> Bound:
+        for p in params:
+            if p.is_sparse or p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        owner = group_owners(group) if "groups" in group else None  # params keep their group's
+        for p in params:
+            self._init_param_state(group["groups"][owner[id(p)]] if owner else group, p)
+        classes: dict = {}  # params of one device and one step count share a plan
+        counts: dict = {}  # one host read per step tensor (params of a plan share one)
+        counting = self._counts(group)
+        for i, p in enumerate(params):
+            count = 0.0
+            if counting:
+                step = self.state[p]["step"]
+                count = counts.setdefault(id(step), float(step))
+            classes.setdefault((p.device, count), []).append(i)
+        parts = []
+        for (_, count), indices in classes.items():
+            members = [params[i] for i in indices]
+            counter = self._counter(members, count) if counting else None
+            lists = PlanLists(self.state, members, [grads[i] for i in indices], local_tensor)
+            plan = self._make_plan(group, lists)
+            parts.append(Part(np.asarray(indices), members, plan, counter, lists.staging))
+            if owner:
+                parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
+        return Bound(key, options, list(params), grads, parts)
+
+    def _init_param_state(self, group, p) -> None:
+        """Checks a param's state, or makes it where it has none (an optimizer that keeps no
+        state for it leaves no empty entry, as torch.optim)."""
+        state = self.state.get(p)
+        if state:
+            self._check_entry(group, p, state, lambda: f"optimizer.state of param "
+                              f"{_index_in(self.param_groups, p)}")
+            self._init_state(group, p, state)
+            return
+        state = {}
+        self._init_state(group, p, state)
+        if state:
+            self.state[p] = state
+
+    def _counts(self, group) -> bool:
+        """Whether the group's params keep a device step counter."""
+        return self._counts_steps
+
+    def _counter(self, params, count: float):
+        """One device step counter for params of equal step count: their `state["step"]`."""
+        counter = torch.tensor(count, dtype=torch.float32, device=params[0].device)
+        for p in params:
+            self.state[p]["step"] = counter
+        return counter
+
+    # -- hyperparameters ------------------------------------------------------------------------
+
+    def _hyper(self, group, device) -> dict:
+        """The group's hyperparameters as its plans on `device` take them: a tensor value
+        as a device value there (`_device_value`)."""
+        values = self._values(group)
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                values[name] = self._device_value(value, device, name, group)
+        return values
+
+    def _device_value(self, value, device, name: str, group):
+        """A one-element tensor hyperparameter as a plan on `device` reads it: itself where
+        it is float32 on that GPU; else a float32 slot there, refreshed from it before every
+        step's launches (`mtapply._group_lrs.TensorCopies`); a CPU plan reads a CPU tensor
+        itself, checked with the others before any group launches."""
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        if device.type == "cpu" and value.device.type != "cpu":
+            raise ValueError(f"a tensor {name} on {value.device} for params on the CPU: put "
+                             f"it on the CPU")
+        if value.device == device and value.dtype == torch.float32 and device.type == "cuda":
+            return value.reshape(1) if value.dim() == 0 else value
+        if self._copies is None:
+            self._copies = TensorCopies()
+        return self._copies.slot(value, device, name, self._range(group, name))
+
+    def _range(self, group, name: str) -> Range:
+        """The values hyperparameter `name` may take."""
+        return LR if name == "lr" else ANY_NUMBER
+
+    def _check_groups(self) -> None:
+        """Checks every group's options as a step takes them, before any group steps; run
+        where the groups changed since the last check (only the lrs, vectorised, where only
+        numbers were set as lrs: a scheduler's step)."""
+        changes, groups = self._group_changes, self.param_groups
+        if changes.since(self._checked_at) == {"lr"} and self._numeric_lrs:
+            _check_lrs(np.fromiter(map(_LR, groups), np.float64, len(groups)),
+                       self._range(groups[0], "lr"))
+        else:
+            for index, group in enumerate(groups):
+                self._check_group(index, group)
+            self._numeric_lrs = all(type(g["lr"]) in (float, int) for g in groups)
+            if self._copies:
+                self._copies.keep_only([value for group in groups for value in group.values()
+                                        if isinstance(value, torch.Tensor)])
+        self._checked_at = changes.version
+
+    def _check_group(self, index: int, group) -> None:
+        """Raises where a group's options are outside what its step accepts: the op's own
+        checks, of the values a step would take (a CPU tensor's read on the host)."""
+        values = self._checked_values(group)
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"param group {index}: Tensor {name} must be 1-element")
+                if value.device.type == "cpu":
+                    values[name] = float(value)
+        try:
+            self._checking_spec(group).arguments(**values)
+        except (TypeError, ValueError) as error:
+            word, space, rest = str(error).partition(" ")
+            raise type(error)(f"param group {index}: {self._OPTION_NAMES.get(word, word)}{space}"
+                              f"{rest}") from None
+
+    # the op's names of options a user gives otherwise (betas), for messages
+    _OPTION_NAMES: dict = {}
+    _checked_at = 0  # the group changes version whose options were last checked
+    _numeric_lrs = False  # whether every group's lr was a number at the last whole check
+    _copies = None  # TensorCopies, made at the first tensor hyperparameter that needs one
+
+    def _checked_values(self, group) -> dict:
+        """The hyperparameters to check, as `_checking_spec(group).arguments` takes them."""
+        return dict(self._values(group), step=1.0)
+
+    # -- per optimizer --------------------------------------------------------------------------
+
+    def _compile_options(self, group) -> tuple:
+        raise NotImplementedError
+
+    def _init_state(self, group, p, state) -> None:
+        raise NotImplementedError
+
+    def _make_plan(self, group, lists: PlanLists):
+        """The plan of `lists` (params of the group, of one device and step count)."""
+        raise NotImplementedError
+
+    def _values(self, group) -> dict:
+        """The group's hyperparameters by the op's names, tensors as given."""
+        raise NotImplementedError
+
+    def _checking_spec(self, group):
+        """An op spec whose `arguments` checks the group's hyperparameters."""
+        raise NotImplementedError
+
+
+def laid_out_as(zeros, form):
+    """Fresh zeros shaped as `form` in its dense layout (8-bit codes are blockwise in memory
+    order, so they are made in the layout the param steps with); others as they are."""
+    if tuple(zeros.shape) != tuple(form.shape):
+        return zeros  # a per-block scale
+    return torch.empty_strided(form.shape, dense_strides(form), dtype=zeros.dtype,
+                               device=zeros.device).zero_()
+
+
+def _check_lrs(lrs: np.ndarray, allowed: Range) -> None:
+    """Raises, naming the first group, where an lr is outside `allowed`."""
+    k = allowed.first_outside(lrs)
+    if k is not None:
+        allowed.check(f"param group {k}: lr", float(lrs[k]))
+
+
+_DISABLED: dict = {}  # method -> the method kept out of torch.compile's graphs
+
+
+def _outside_graphs(method):
+    """`method` kept out of torch.compile's graphs (dynamo cannot trace the tracked param
+    groups); made at first use, since torch.compiler.disable imports torch._dynamo (most of a
+    second). A plain dict, which dynamo reads without a warning (as it would not a cache)."""
+    disabled = _DISABLED.get(method)
+    if disabled is None:
+        disabled = _DISABLED[method] = torch.compiler.disable(method)
+    return disabled
+
+
+def _index_in(groups: list, p) -> str:
+    """Where param p is in the groups, for messages: "3 (param group 1)"."""
+    for g, group in enumerate(groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                return f"{i} (param group {g})"
+    return "(not in any param group)"
+
+
+def group_owners(merged) -> dict:
+    """id(param) -> the index of its own group, in a merged group."""
+    return {id(q): k for k, g in enumerate(merged["groups"]) for q in g["params"]}
+
+
+def by_group(group, params) -> list:
+    """(param group, its params among `params`) pairs: the merged group's own groups, else the
+    group itself."""
+    if "groups" not in group:
+        return [(group, params)]
+    owner = group_owners(group)
+    by_owner: dict = {}
+    for p in params:
+        by_owner.setdefault(owner[id(p)], []).append(p)
+    return [(group["groups"][k], members) for k, members in by_owner.items()]
+
+
+def check_one_element(value, name: str) -> None:
+    """torch.optim's refusal of a tensor option of several elements (an lr, in torch)."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element")
+
+
+def check_options(**values) -> None:
+    """torch.optim's checks of non-negative options, with its messages."""
+    check_one_element(values.get("lr"), "lr")
+    for name, value in values.items():
+        if not 0.0 <= float(value):
+            label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
+            raise ValueError(f"Invalid {label}: {value}")
+
+
+def _differ(a, b) -> bool:
+    """Whether two groups' options differ: tensors by their memory (no read), else by value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.data_ptr() == b.data_ptr())
+    return a != b
+
+
+def is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+def local_tensor(tensor):
+    """The writable local shard of an FSDP2 (DTensor) param, grad or state; else the tensor."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_tensors(tensors: list) -> list:
+    return list(map(local_tensor, tensors)) if any(map(is_dtensor, tensors)) else tensors
+
+
+def shard_groups(param) -> list:
+    """The process groups over which a DTensor param is sharded (its Shard mesh dimensions)."""
+    mesh = param.device_mesh
+    return [mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard()]
+
+
+def _all_reduce_sums(plan, param):
+    """For LARS and LAMB over FSDP2 shards: (the plan's per-tensor sums as a torch view, a hook
+    that sums them over the shard groups between the norms pass and the update), so every rank
+    takes the norms of the whole tensors; (None, None) for single-pass ops."""
+    if not plan.spec.n_sums:
+        return None, None
+    sums = plan.sums()
+    if sums is None:  # the CPU backend sums each tensor whole: it has no pass to hook
+        raise ValueError(f"{plan.spec.name} over FSDP2 (DTensor) shards on {param.device}: "
+                         "the per-tensor norms are all-reduced between the kernels' passes, "
+                         "which run on a GPU; put the model on CUDA devices")
+    import torch.distributed as dist
+
+    view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy
+    groups = shard_groups(param)
+
+    def all_reduce(_pass: int) -> None:
+        for group in groups:
+            dist.all_reduce(view, group=group)
+
+    return view, all_reduce
+
+
+def check_adam_args(lr, betas, eps, weight_decay) -> None:
+    """torch.optim.Adam's argument checks and messages."""
+    check_one_element(lr, "lr")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+
+
+def check_torch_adam_flags(lr, betas, foreach, fused, capturable) -> None:
+    """torch.optim.Adam's refusals of its flag combinations, with its messages (mtapply's one
+    step would take them, but code written for torch.optim never meets them)."""
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+    if foreach and not capturable:
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+        if isinstance(betas[0], torch.Tensor):
+            raise ValueError("betas[0] as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
