@@ -40,7 +40,8 @@ State layout. Both forms keep each state slot (mu, nu, ...) in one flat buffer p
 leaf at a 16-byte aligned offset, so a jitted step passes a few state arrays instead of one per
 param and slot: JAX's dispatch costs a few microseconds per array, more than the kernel on many
 models. `tree_state(state, params)` gives any such state (or a chain's) with its slots as pytrees
-like params, as optax keeps them; `flat_state` goes back. The transformations take
+like params, as optax keeps them; `flat_state` goes back. A state over a single array keeps
+optax's layout: one buffer either way. The transformations take
 `flat_state=False` to keep optax's layout throughout (for states sharded like the params).
 A slot may keep its own dtype (mu_dtype, accumulator_dtype, state_dtype): one buffer of that
 dtype. `optax.tree_map_params` maps a function over each flat buffer (the slot holds optax's
@@ -181,6 +182,12 @@ def flat_state(state, params):
     return _convert_states(state, params, _slot_as_flat)
 
 
+def _flat_for(flat: bool, leaves: list) -> bool:
+    """Whether a state over these leaves is kept flat: asked for, and saving arrays (a tree
+    of one leaf keeps its slots like params, as optax, whose layout it then is)."""
+    return flat and len(leaves) > 1
+
+
 def _convert_states(state, params, convert):
     leaves, treedef = jax.tree.flatten(params)
     structs = [_leaf_struct(x) for x in leaves]
@@ -209,7 +216,9 @@ def _slot_as_tree(structs, treedef, slot, field):
 
 def _slot_as_flat(structs, treedef, slot, field):
     """A slot that is a pytree like params as flat buffers of its leaves' dtypes (a flat one
-    stays)."""
+    stays). A slot of one leaf stays a tree: that is its flat layout (`_flat_for`)."""
+    if len(structs) == 1:
+        return _slot_as_tree(structs, treedef, slot, field)
     if jax.tree.structure(slot) != treedef and isinstance(slot, dict) and set(slot) <= set(_FLOATS):
         return slot
     leaves = treedef.flatten_up_to(slot)
@@ -719,7 +728,7 @@ class _Engine:
             slots = [jax.tree.map(lambda x: x, params) for _ in self.rule.slots]
         else:
             _check_leaves(self.rule.name, params, "params")
-            layouts = self._layouts(leaves) if self.flat else {}
+            layouts = self._layouts(leaves) if _flat_for(self.flat, leaves) else {}
             slots = [_initial_slot(self.rule.initial.get(field, 0.0), params, layouts.get(field),
                                    self.rule.slot_dtypes.get(field))
                      for field in self.rule.slots]
@@ -755,7 +764,9 @@ class _Engine:
                       "grads" if params is None else "params")
         state_names = self.rule.plan_slots[1:-1]
         layouts = None
-        if self.flat:
+        if self.flat and len(like_params) == 1:  # one leaf: its slots like params (`_flat_for`),
+            state = tree_state(state, treedef.unflatten(like_params))  # older states were flat
+        if _flat_for(self.flat, like_params):
             by_field = self._layouts(like_params, state if params is None else None)
             layouts = {name: by_field[field] for name, field in zip(state_names, self.rule.slots)}
         slots = {name: self._slot_values(state, field, treedef, layouts and layouts[name])
