@@ -453,7 +453,7 @@ def test_a_state_over_one_array_is_laid_out_as_optax_keeps_it(make, mu_dtype):
     """A tree of one leaf keeps its slots like params (flat buffers would save no array):
     optax's layout, with the dtypes optax gives them; tree_state and flat_state keep it; a
     state an older version kept flat for one leaf steps the same."""
-    from mtapply.optax import _FlatLayout, _leaf_struct
+    from mtapply._optax_state import FlatLayout, leaf_struct
 
     opt = make()
     params = jnp.asarray(np.random.default_rng(19).standard_normal((3, 4)), jnp.float32)
@@ -466,7 +466,7 @@ def test_a_state_over_one_array_is_laid_out_as_optax_keeps_it(make, mu_dtype):
     for convert in (mtx.tree_state, mtx.flat_state):
         converted = convert(state, params)
         assert jax.tree.structure(converted) == jax.tree.structure(state)
-    layout = _FlatLayout([_leaf_struct(params)])
+    layout = FlatLayout([leaf_struct(params)])
     older = state._replace(**{f: dict(zip(layout.names, layout.join([s + 0.25])))
                               for f, s in slots.items() if s.dtype == jnp.float32})
     newer = state._replace(**{f: s + 0.25 for f, s in slots.items() if s.dtype == jnp.float32})

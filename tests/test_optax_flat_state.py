@@ -12,7 +12,8 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import mtapply.optax as mtx  # noqa: E402
-from mtapply.optax import _FlatLayout  # noqa: E402
+from mtapply import _optax_engine  # noqa: E402
+from mtapply._optax_state import FlatLayout  # noqa: E402
 
 
 def _mixed(rng):
@@ -26,7 +27,7 @@ def _mixed(rng):
 
 def test_leaves_sit_at_16_byte_offsets_in_one_buffer_per_dtype():
     leaves = jax.tree.leaves(_mixed(np.random.default_rng(0)))
-    layout = _FlatLayout(leaves)
+    layout = FlatLayout(leaves)
     assert layout.names == ["float32", "float16"]
     for leaf, offset in zip(leaves, layout.offsets):
         assert offset * leaf.dtype.itemsize % 16 == 0
@@ -121,7 +122,7 @@ def test_trees_stepped_a_few_leaves_per_call(make, flat, monkeypatch):
 
     monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")  # one branch to count calls in
     want = run(make(flat))
-    monkeypatch.setattr(mtx, "_OPERANDS_PER_CALL", 7)  # two or three leaves flat, one not
+    monkeypatch.setattr(_optax_engine, "_OPERANDS_PER_CALL", 7)  # two or three leaves flat, one not
     tx = make(flat)
     text = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
     assert text.count("buffer_callback[") == (2 if flat else 4), text
