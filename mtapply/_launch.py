@@ -17,6 +17,7 @@ from ._torch_fast import order_after_current_stream
 _NAN = float("nan")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
 _HEADER = "<2QdQQ6Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
+HEADER_BYTES = struct.calcsize(_HEADER)  # where the op's words start (kernels assert it)
 
 
 def stream_pointer(stream, framework: str, device_id: int) -> int:

@@ -95,11 +95,15 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 @functools.lru_cache(maxsize=None)
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
                    flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS,
-                   checks: tuple = ()) -> str:
+                   checks: tuple = (), layout: tuple | None = None) -> str:
     """Complete source of one kernel variant (op file, slot dtypes, compile-time flags, elements
     per chunk, the checks of its device scalars: `OpSpec.device_checks`), with one entry point
     per pass: `mta_pass0` for functors[0], and so on. With the MASTER flag, the last slot holds
-    the fp32 master weights of the 16-bit params of slot 0. `OpSpec.source` calls it."""
+    the fp32 master weights of the 16-bit params of slot 0. `OpSpec.source` calls it.
+
+    `layout` (bytes of the launch header, the C++ names of the op's argument words in order):
+    the host's packing of the kernel arguments, which the source then asserts at compile time
+    (see `layout_asserts`)."""
     lines = [f"#define MTA_BLOCK {BLOCK_THREADS}",
              f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {chunk}",
@@ -121,7 +125,24 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     lines += ["}  // namespace mta"]
     lines += inlined_sources((kernel_file,), seen)
     lines += [f"MTA_DEFINE_ENTRY({entry_name(k)}, {f})" for k, f in enumerate(functors)]
+    if layout is not None:
+        lines += [line for f in functors for line in layout_asserts(f, *layout)]
     return "\n".join(lines) + "\n"
+
+
+def layout_asserts(functor: str, header_bytes: int, members: tuple) -> list:
+    """static_asserts that the kernel arguments lie where the host packs them: the op's words
+    after `header_bytes` of launch header (`mtapply._launch._HEADER` against walker.cuh's
+    `Launch`), each member of the functor's Args in its 8-byte word, and no other."""
+    args = f"{functor}::Args"
+    lines = [f'static_assert(__builtin_offsetof(mta::Launch<{args}>, args) == {header_bytes}, '
+             f'"the launch header differs from the host\'s packing (mtapply._launch._HEADER)");',
+             f'static_assert(sizeof({args}) == {8 * len(members)}, '
+             f'"{args} differs from the op\'s arg_fields");']
+    lines += [f'static_assert(__builtin_offsetof({args}, {m}) == {8 * k}, '
+              f'"{args}::{m} is not word {k} of the op\'s arg_fields");'
+              for k, m in enumerate(members)]
+    return lines
 
 
 def entry_name(pass_index: int) -> str:

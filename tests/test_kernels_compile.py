@@ -88,6 +88,8 @@ def test_variant_compiles(spec, dtypes):
         assert f"X({word}, {count}, " in source
     for name, value in spec.flags:
         assert f"#define MTA_{name} {int(value)}" in source
+    for member in spec.arg_members:  # the host's packing, asserted where the kernel compiles
+        assert f"::Args, {member}) == " in source
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         cubins = dict(zip(ARCHS, pool.map(lambda arch: _source.compile_offline(source, arch), ARCHS)))
     for arch, cubin in cubins.items():
@@ -160,6 +162,26 @@ def test_chunk_is_a_multiple_of_every_vector_width(dtypes):
     # the walker keeps vectors aligned only because every chunk starts at a multiple of MTA_VEC
     assert _source.CHUNK_ELEMENTS % _source.vector_width(dtypes) == 0
     assert _source.CHUNK_ELEMENTS % 8 == 0
+
+
+@pytest.mark.parametrize("change", ["header", "order", "missing"])
+def test_a_host_packing_unlike_the_kernels_structs_does_not_compile(change):
+    """The launch header and the op's argument words are packed by the host by name and order
+    (mtapply._launch); a source whose declared packing differs from its C++ structs fails to
+    compile with the differing field named."""
+    from mtapply._launch import HEADER_BYTES
+    from mtapply.ops import AdamSpec
+
+    spec, dtypes = AdamSpec(), ("float32",) * 4
+    header, members = HEADER_BYTES, spec.arg_members
+    header, members, named = {"header": (header - 8, members, "launch header"),
+                              "order": (header, members[::-1], "weight_decay is not word 0"),
+                              "missing": (header, members[:-1], "differs from the op's")}[change]
+    source = _source.variant_source(spec.kernel_file, spec.functors_for(dtypes), dtypes,
+                                    spec.flags, spec.chunk_for(dtypes), spec.device_checks(),
+                                    (header, members))
+    with pytest.raises(RuntimeError, match=named):
+        _source.compile_offline(source, "sm_90")
 
 
 def test_broken_source_raises_with_the_compiler_log():

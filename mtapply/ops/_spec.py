@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _source
+from .._launch import HEADER_BYTES
 from .._ranges import ANY, RANGES, Range, _to_float
 from .._rows import rows_for
 
@@ -165,7 +166,13 @@ class OpSpec:
     def source(self, dtypes: tuple) -> str:
         """The CUDA source of the op's kernel for a group whose slots have these dtypes."""
         return _source.variant_source(self.kernel_file, self.functors_for(dtypes), dtypes,
-                                      self.flags, self.chunk_for(dtypes), self.device_checks())
+                                      self.flags, self.chunk_for(dtypes), self.device_checks(),
+                                      (HEADER_BYTES, self.arg_members))
+
+    @property
+    def arg_members(self) -> tuple:
+        """The C++ names of the argument words (`arg_fields`), in order: the same names."""
+        return tuple(self.arg_fields)
 
     @property
     def outputs(self) -> tuple:

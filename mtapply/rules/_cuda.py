@@ -49,6 +49,11 @@ def arg_fields(program: Program) -> tuple:
                  for f in (field_name(name), f"{field_name(name)}_ptr"))
 
 
+def arg_members(program: Program) -> tuple:
+    """The C++ names of the Args words, in the order of `arg_fields`."""
+    return tuple(c for name in (*program.hyper, STEP) for c in c_fields(name))
+
+
 # The host names a kernel argument word by a suffix where it carries an address (`_ptr`,
 # `_array`, `_out`: mtapply._launch): a hyperparameter whose name ends so gets a mark that no
 # identifier has, so that its number is not taken for an address.

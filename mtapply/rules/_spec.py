@@ -31,6 +31,7 @@ class RuleSpec(OpSpec):
         self.slots = tuple(list_name(s.name) for s in program.slots)
         self.written = frozenset(list_name(s.name) for s in program.slots if s.written)
         self.arg_fields = _cuda.arg_fields(program)
+        self._members = _cuda.arg_members(program)
         self.device_scalars = (*program.hyper, STEP)
         self._names = frozenset(self.device_scalars)
         self._fields = {name: _cuda.field_name(name) for name in self.device_scalars}
@@ -38,6 +39,10 @@ class RuleSpec(OpSpec):
         self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
         self.ranges = dict(program.ranges)  # as declared (steps count from 1, as every op's)
         self._use_master_weights(master_weights)
+
+    @property
+    def arg_members(self) -> tuple:
+        return self._members  # prefixed C++ names (rules._cuda.c_fields)
 
     def field_of(self, name: str) -> str:
         return self._fields.get(name, name)
