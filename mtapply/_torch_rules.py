@@ -1,5 +1,6 @@
 """`mtapply.torch` optimizers run by a rule (`mtapply.rule`): the built-in ones of the rule
-library (Lion, Adan, ScheduleFreeAdamW, Adagrad, RMSprop) and any user-written rule."""
+library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, Adagrad, RMSprop) and any
+user-written rule."""
 from __future__ import annotations
 
 
@@ -235,6 +236,48 @@ class ScheduleFreeAdamW(RuleBased):
                 if z is not None:  # y = b1 x + (1 - b1) z, both ways as a lerp towards z
                     p.lerp_(z, 1 - beta1 if to_train else 1 - 1 / beta1)
             group["train_mode"] = to_train
+
+
+class Adamax(RuleBased):
+    """`torch.optim.Adamax` (same arguments and state: `exp_avg`, `exp_inf`, `step`) from
+    `mtapply.rules.library.adamax`; `foreach`, `capturable` and `differentiable=False` are
+    accepted for compatibility."""
+
+    _OPTION_NAMES = BETA_NAMES
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 foreach=None, *, maximize=False, differentiable=False, capturable=False,
+                 flat_grads=False):
+        check_adam_args(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
+                        maximize=maximize, differentiable=differentiable, capturable=capturable)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        return library.adamax(bool(group["maximize"]))
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"])
+
+
+class Adadelta(RuleBased):
+    """`torch.optim.Adadelta` (same arguments and state: `square_avg`, `acc_delta`, `step`) from
+    `mtapply.rules.library.adadelta`; `foreach`, `capturable` and `differentiable=False` are
+    accepted for compatibility."""
+
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach=None, *,
+                 capturable=False, maximize=False, differentiable=False, flat_grads=False):
+        check_options(lr=lr, eps=eps, weight_decay=weight_decay)
+        if not 0.0 <= float(rho) <= 1.0:
+            raise ValueError(f"Invalid rho value: {rho}")
+        defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, foreach=foreach,
+                        capturable=capturable, maximize=maximize, differentiable=differentiable)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        return library.adadelta(bool(group["maximize"]))
 
 
 class Adagrad(RuleBased):

@@ -276,7 +276,7 @@ def test_shipped_rules_declare_ranges_for_every_hyperparameter():
 
     for make in (library.lion, library.adagrad, library.rmsprop, library.adan,
                  library.adagrad_optax, library.rmsprop_optax, library.schedule_free_adamw,
-                 library.adam):
+                 library.adam, library.adamax, library.adadelta):
         rule = make()
         assert "a finite number" not in rule.ranges.values(), rule.name
         assert rule.ranges["lr"] == ">= 0", rule.name
@@ -391,6 +391,8 @@ def _shipped():
     yield "adan", library.adan()
     for maximize in (False, True):
         yield f"adagrad-max{int(maximize)}", library.adagrad(maximize)
+        yield f"adamax-max{int(maximize)}", library.adamax(maximize)
+        yield f"adadelta-max{int(maximize)}", library.adadelta(maximize)
     for centered in (False, True):
         for momentum in (False, True):
             for maximize in (False, True):

@@ -117,6 +117,52 @@ def test_rmsprop_matches_torch_optim(centered, momentum, maximize):
                                        ref.state[b][key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(weight_decay=0.05, eps=1e-3),
+                                     dict(maximize=True, weight_decay=0.01)],
+                         ids=["defaults", "decay", "maximize"])
+@pytest.mark.parametrize("name,lr", [("Adamax", 2e-2), ("Adadelta", 0.5)])
+def test_adamax_and_adadelta_match_torch_optim(name, lr, options):
+    ours, theirs, opt, ref = _pair(lambda p: getattr(mt, name)(p, lr=lr, **options),
+                                   lambda p: getattr(torch.optim, name)(p, lr=lr, foreach=False,
+                                                                        **options))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        assert set(opt.state[a]) == set(ref.state[b])
+        for key in ref.state[b]:
+            torch.testing.assert_close(opt.state[a][key].reshape(ref.state[b][key].shape),
+                                       ref.state[b][key].to(opt.state[a][key].dtype),
+                                       rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,options", [("Adamax", dict(betas=(0.8, 0.99), weight_decay=0.01)),
+                                          ("Adadelta", dict(rho=0.8, weight_decay=0.01))])
+def test_adamax_and_adadelta_checkpoints_move_both_ways(name, options):
+    a, b = _model(6), _model(6)
+    ref = getattr(torch.optim, name)(a.parameters(), lr=0.1, **options)
+    _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3)
+    b.load_state_dict(a.state_dict())
+    ours = getattr(mt, name)(b.parameters(), lr=1.0)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert ours.param_groups[0]["lr"] == 0.1 and ours.param_groups[0]["weight_decay"] == 0.01
+    _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3, seed=9)
+    _train(b, ours, torch.optim.lr_scheduler.LambdaLR(ours, lambda k: 1.0), 3, seed=9)
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+    back = getattr(torch.optim, name)(a.parameters(), lr=1.0)
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    assert set(back.state[next(a.parameters())]) == set(ref.state[next(a.parameters())])
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: mt.Adamax(p, betas=(1.0, 0.9)), "Invalid beta parameter at index 0"),
+    (lambda p: mt.Adamax(p, eps=-1.0), "Invalid epsilon value"),
+    (lambda p: mt.Adadelta(p, rho=1.5), "Invalid rho value"),
+    (lambda p: mt.Adadelta(p, lr=-1.0), "Invalid learning rate")])
+def test_adamax_and_adadelta_refuse_torchs_bad_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(_model(0).parameters())
+
+
 def test_checkpoints_move_between_torch_optim_and_mtapply():
     a, b = _model(4), _model(4)
     ref = torch.optim.RMSprop(a.parameters(), lr=1e-3, momentum=0.9, centered=True)

@@ -163,6 +163,39 @@ def schedule_free_adamw() -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def adamax(maximize: bool = False) -> Rule:
+    """Adamax as torch.optim.Adamax (Kingma & Ba 2015, sec. 7.1): an exponentially weighted
+    infinity norm in place of Adam's second moment, eps inside the max, the lr over the first
+    moment's bias correction; weight decay as L2 (added to the grad)."""
+    return rule("adamax", slots="param:rw grad:r exp_avg:rw exp_inf:rw",
+                hyper=dict(lr=(2e-3, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"} + weight_decay * param
+                    d = g - exp_avg
+                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
+                    exp_inf = max(exp_inf * beta2, abs(g) + eps)
+                    param = param + (-lr / (1 - beta1 ** step)) * (exp_avg / exp_inf)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def adadelta(maximize: bool = False) -> Rule:
+    """Adadelta as torch.optim.Adadelta (Zeiler 2012): the step is the ratio of the running
+    RMS of past steps to that of the grads, times the grad; weight decay as L2."""
+    return rule("adadelta", slots="param:rw grad:r square_avg:rw acc_delta:rw",
+                hyper=dict(lr=(1.0, LR), rho=(0.9, "[0, 1]"), eps=(1e-6, NON_NEGATIVE),
+                           weight_decay=(0.0, NON_NEGATIVE)),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"} + weight_decay * param
+                    square_avg = square_avg * rho + (1 - rho) * (g * g)
+                    delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * g
+                    acc_delta = acc_delta * rho + (1 - rho) * (delta * delta)
+                    param = param - lr * delta
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     """Adam / AdamW as the built-in `mtapply.AdamSpec` (torch.optim's semantics, its two-sided
     lerp for the first moment), written as a rule: the built-in op's twin, for comparing the
@@ -183,5 +216,5 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
                 """)
 
 
-__all__ = ["adagrad", "adagrad_optax", "adam", "adan", "lion", "rmsprop", "rmsprop_optax",
-           "schedule_free_adamw"]
+__all__ = ["adadelta", "adagrad", "adagrad_optax", "adam", "adamax", "adan", "lion", "rmsprop",
+           "rmsprop_optax", "schedule_free_adamw"]
