@@ -453,6 +453,52 @@ def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
     return _fused(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask), learning_rate)
 
 
+def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8, *,
+           flat_state=True) -> optax.GradientTransformation:
+    """optax.adamax on the rule `mtapply.rules.library.adamax_optax`: m = b1 m + (1 - b1) g;
+    u = max(b2 u, |g| + eps); p -= lr * m / (1 - b1^t) / u. State `AdamaxOptaxState(count, mu,
+    nu)`."""
+    return _transformation(_adamax_rule(b1, b2, eps), learning_rate, flat_state)
+
+
+def fused_adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8) -> FusedOptimizer:
+    """`adamax` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_adamax_rule(b1, b2, eps), learning_rate)
+
+
+def _adamax_rule(b1, b2, eps) -> UserRule:
+    return UserRule(library.adamax_optax(), dict(beta1=b1, beta2=b2, eps=eps), name="adamax")
+
+
+def adadelta(learning_rate, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None, *,
+             flat_state=True) -> optax.GradientTransformation:
+    """optax.adadelta on the rule `mtapply.rules.library.adadelta_optax`: g += wd p;
+    e_g = rho e_g + (1 - rho) g^2; u = sqrt(e_x + eps) / sqrt(e_g + eps) g;
+    e_x = rho e_x + (1 - rho) u^2; p -= lr u. A learning rate is required (optax's default of
+    None scales by nothing it can apply); weight_decay_mask only takes its default. State
+    `AdadeltaOptaxState(count, e_g, e_x)`."""
+    return _transformation(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask,
+                                          learning_rate), learning_rate, flat_state)
+
+
+def fused_adadelta(learning_rate, rho=0.9, eps=1e-6, weight_decay=0.0,
+                   weight_decay_mask=None) -> FusedOptimizer:
+    """`adadelta` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate),
+                  learning_rate)
+
+
+def _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate) -> UserRule:
+    _refuse("adadelta", weight_decay_mask=(weight_decay_mask, None))
+    if learning_rate is None:
+        raise TypeError("mtapply.optax.adadelta needs a learning_rate (a number, an array or a "
+                        "schedule), as optax's chain scales the update by it")
+    if callable(weight_decay):
+        raise TypeError("mtapply.optax.adadelta: weight_decay must be a number, not a schedule")
+    return UserRule(library.adadelta_optax(), dict(rho=rho, eps=eps, weight_decay=weight_decay),
+                    name="adadelta")
+
+
 def _adagrad_rule(initial_accumulator_value, eps) -> UserRule:
     if is_number(initial_accumulator_value):
         check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
@@ -583,7 +629,8 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
     return _fused(UserRule(rule, hyper), learning_rate)
 
 
-__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adagrad", "adam",
+__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
+           "adagrad", "adam", "adamax", "fused_adadelta", "fused_adamax",
            "alias",
            "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
            "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",

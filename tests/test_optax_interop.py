@@ -28,6 +28,8 @@ FACTORIES = {  # name -> a transformation of each kind
     "lion": lambda **kw: mtx.lion(1e-3, **kw),
     "adan": lambda **kw: mtx.adan(1e-2, **kw),
     "adagrad": lambda **kw: mtx.adagrad(1e-2, **kw),
+    "adamax": lambda **kw: mtx.adamax(1e-2, **kw),
+    "adadelta": lambda **kw: mtx.adadelta(0.5, weight_decay=0.01, **kw),
     "rmsprop": lambda **kw: mtx.rmsprop(1e-2, centered=True, momentum=0.9, **kw),
     "schedule_free_adamw": lambda **kw: mtx.schedule_free_adamw(1e-2, **kw),
     "rule": lambda **kw: mtx.transformation(library.lion(), 1e-3, **kw),

@@ -140,13 +140,24 @@ def test_shipped_adan_follows_optax_adan(fused, hyper):
                            nesterov=True)),
     ("rmsprop-torch-eps", lambda m: m.rmsprop(1e-2, eps_in_sqrt=False, momentum=0.5),
      lambda: optax.rmsprop(1e-2, eps_in_sqrt=False, momentum=0.5)),
+    ("adamax", lambda m: m.adamax(1e-2, b1=0.8, eps=1e-6), lambda: optax.adamax(1e-2, b1=0.8,
+                                                                                eps=1e-6)),
+    ("adadelta", lambda m: m.adadelta(0.5, rho=0.8, weight_decay=0.01),
+     lambda: optax.adadelta(0.5, rho=0.8, weight_decay=0.01)),
 ])
-def test_shipped_adagrad_and_rmsprop_follow_optax(fused, name, ours, theirs):
+def test_shipped_rules_follow_optax(fused, name, ours, theirs):
     class Fused:  # the fused forms take the same constructor arguments
         def __getattr__(self, attr):
             return getattr(mtx, f"fused_{attr}")
 
     _against_optax(ours(Fused() if fused else mtx), theirs(), seed=4)
+
+
+def test_adadelta_refuses_what_it_cannot_take():
+    with pytest.raises(TypeError, match="needs a learning_rate"):
+        mtx.adadelta(None)
+    with pytest.raises(NotImplementedError, match="weight_decay_mask"):
+        mtx.adadelta(0.5, weight_decay_mask={"w": True})
 
 
 def test_one_state_type_per_rule():

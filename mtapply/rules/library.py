@@ -115,6 +115,36 @@ def adagrad_optax() -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def adamax_optax() -> Rule:
+    """Adamax as optax.adamax (optax.scale_by_adamax): the same update as `adamax`, with
+    optax's state names (mu, nu) and no weight decay."""
+    return rule("adamax_optax", slots="param:rw grad:r mu:rw nu:rw",
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE)),
+                update="""
+                    mu = (1 - beta1) * grad + beta1 * mu
+                    nu = max(nu * beta2, abs(grad) + eps)
+                    param = param - lr * ((mu / (1 - beta1 ** step)) / nu)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def adadelta_optax() -> Rule:
+    """Adadelta as optax.adadelta (add_decayed_weights, then optax.scale_by_adadelta): the
+    same update as `adadelta`, with optax's state names (e_g, e_x)."""
+    return rule("adadelta_optax", slots="param:rw grad:r e_g:rw e_x:rw",
+                hyper=dict(lr=(None, LR), rho=(0.9, "[0, 1]"), eps=(1e-6, NON_NEGATIVE),
+                           weight_decay=(0.0, NON_NEGATIVE)),
+                update="""
+                    g = grad + weight_decay * param
+                    e_g = (1 - rho) * (g * g) + rho * e_g
+                    u = sqrt(e_x + eps) / sqrt(e_g + eps) * g
+                    e_x = (1 - rho) * (u * u) + rho * e_x
+                    param = param - lr * u
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def rmsprop_optax(centered: bool = False, momentum: bool = False, nesterov: bool = False,
                   eps_in_sqrt: bool = True) -> Rule:
     """RMSprop as optax.rmsprop (without bias correction): eps inside the root by default;
@@ -216,5 +246,5 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
                 """)
 
 
-__all__ = ["adadelta", "adagrad", "adagrad_optax", "adam", "adamax", "adan", "lion", "rmsprop",
-           "rmsprop_optax", "schedule_free_adamw"]
+__all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
+           "adamax_optax", "adan", "lion", "rmsprop", "rmsprop_optax", "schedule_free_adamw"]
