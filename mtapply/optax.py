@@ -470,33 +470,31 @@ def _adamax_rule(b1, b2, eps) -> UserRule:
     return UserRule(library.adamax_optax(), dict(beta1=b1, beta2=b2, eps=eps), name="adamax")
 
 
-def adadelta(learning_rate, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None, *,
-             flat_state=True) -> optax.GradientTransformation:
+def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None,
+             *, flat_state=True) -> optax.GradientTransformation:
     """optax.adadelta on the rule `mtapply.rules.library.adadelta_optax`: g += wd p;
     e_g = rho e_g + (1 - rho) g^2; u = sqrt(e_x + eps) / sqrt(e_g + eps) g;
-    e_x = rho e_x + (1 - rho) u^2; p -= lr u. A learning rate is required (optax's default of
-    None scales by nothing it can apply); weight_decay_mask only takes its default. State
+    e_x = rho e_x + (1 - rho) u^2; p -= lr u (learning_rate None: p += u, as optax's chain
+    without a learning rate). weight_decay_mask only takes its default. State
     `AdadeltaOptaxState(count, e_g, e_x)`."""
     return _transformation(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask,
-                                          learning_rate), learning_rate, flat_state)
+                                          learning_rate is None),
+                           1.0 if learning_rate is None else learning_rate, flat_state)
 
 
-def fused_adadelta(learning_rate, rho=0.9, eps=1e-6, weight_decay=0.0,
+def fused_adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0,
                    weight_decay_mask=None) -> FusedOptimizer:
     """`adadelta` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate),
-                  learning_rate)
+    return _fused(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate is None),
+                  1.0 if learning_rate is None else learning_rate)
 
 
-def _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate) -> UserRule:
+def _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, unscaled: bool) -> UserRule:
     _refuse("adadelta", weight_decay_mask=(weight_decay_mask, None))
-    if learning_rate is None:
-        raise TypeError("mtapply.optax.adadelta needs a learning_rate (a number, an array or a "
-                        "schedule), as optax's chain scales the update by it")
     if callable(weight_decay):
         raise TypeError("mtapply.optax.adadelta: weight_decay must be a number, not a schedule")
-    return UserRule(library.adadelta_optax(), dict(rho=rho, eps=eps, weight_decay=weight_decay),
-                    name="adadelta")
+    return UserRule(library.adadelta_optax(unscaled),
+                    dict(rho=rho, eps=eps, weight_decay=weight_decay), name="adadelta")
 
 
 def _adagrad_rule(initial_accumulator_value, eps) -> UserRule:

@@ -276,7 +276,8 @@ def test_shipped_rules_declare_ranges_for_every_hyperparameter():
 
     for make in (library.lion, library.adagrad, library.rmsprop, library.adan,
                  library.adagrad_optax, library.rmsprop_optax, library.schedule_free_adamw,
-                 library.adam, library.adamax, library.adadelta):
+                 library.adam, library.adamax, library.adadelta, library.adamax_optax,
+                 library.adadelta_optax):
         rule = make()
         assert "a finite number" not in rule.ranges.values(), rule.name
         assert rule.ranges["lr"] == ">= 0", rule.name
@@ -399,6 +400,9 @@ def _shipped():
                 yield (f"rmsprop-c{int(centered)}-m{int(momentum)}-max{int(maximize)}",
                        library.rmsprop(centered, momentum, maximize))
     yield "adagrad-optax", library.adagrad_optax()
+    yield "adamax-optax", library.adamax_optax()
+    for unscaled in (False, True):
+        yield f"adadelta-optax-u{int(unscaled)}", library.adadelta_optax(unscaled)
     yield "schedule-free-adamw", library.schedule_free_adamw()
     yield "adamw", library.adam(True)
     for centered, momentum, nesterov, eps_in_sqrt in [(False, False, False, True),

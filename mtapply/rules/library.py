@@ -129,18 +129,21 @@ def adamax_optax() -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
-def adadelta_optax() -> Rule:
+def adadelta_optax(unscaled: bool = False) -> Rule:
     """Adadelta as optax.adadelta (add_decayed_weights, then optax.scale_by_adadelta): the
-    same update as `adadelta`, with optax's state names (e_g, e_x)."""
+    same update as `adadelta`, with optax's state names (e_g, e_x). `unscaled`: optax's
+    learning_rate=None, whose chain leaves the step as it is, sign included (param + lr u,
+    lr 1)."""
+    step = "param = param + lr * u" if unscaled else "param = param - lr * u"
     return rule("adadelta_optax", slots="param:rw grad:r e_g:rw e_x:rw",
                 hyper=dict(lr=(None, LR), rho=(0.9, "[0, 1]"), eps=(1e-6, NON_NEGATIVE),
                            weight_decay=(0.0, NON_NEGATIVE)),
-                update="""
+                update=f"""
                     g = grad + weight_decay * param
                     e_g = (1 - rho) * (g * g) + rho * e_g
                     u = sqrt(e_x + eps) / sqrt(e_g + eps) * g
                     e_x = (1 - rho) * (u * u) + rho * e_x
-                    param = param - lr * u
+                    {step}
                 """)
 
 
