@@ -156,14 +156,15 @@ __device__ __forceinline__ bool args_in_range(const Launch<Args>& launch, Args a
 }
 
 // Whether this step writes: not when found_inf is set, nor when a device value is out of its
-// range (then *invalid is set). A launch without the flag (XLA's) is not checked: its outputs
-// are fresh buffers that a skipped step would leave unwritten. Per block, a few scalar loads
+// range (then *invalid is set). A launch without the flag is not checked: XLA's (its outputs
+// are fresh buffers that a skipped step would leave unwritten), and one whose values are all
+// host numbers the host checked (mtapply._launch gives it no flag). Per block, a few scalar loads
 // before the walk; the rows of per-tensor args (where some hold device values the host did
 // not check) are split among the block's threads.
 template <class Args>
 __device__ __forceinline__ bool step_runs(const Launch<Args>& launch) {
   if (launch.found_inf_ptr && *launch.found_inf_ptr != 0.0f) return false;
-  if (!launch.invalid) return true;  // no flag to raise (XLA's calls): values go through, as in optax
+  if (!launch.invalid) return true;  // nothing to check (see above)
   bool valid = !launch.grad_scale_ptr ||
                in_range(*launch.grad_scale_ptr, 0.0, 0.0, CHECK_LOW | CHECK_LOW_OPEN | CHECK_FINITE);
   if constexpr (HasStep<Args>::value) {  // the step is the count plus one: a whole number >= 1

@@ -172,7 +172,18 @@ class KernelLaunch:
         values += self._workspace
         values += self._rows
         values += self._counting
-        values += self._checks
+        op_words, device_args = self._arg_values(args)
+        # The flag goes only to a launch with device values to check: without it, the kernel
+        # checks nothing (kernels/walker.cuh, step_runs), which saves every block the checks'
+        # loads where all values are host numbers the host has checked.
+        checked = (device_args or type(grad_scale) is not float or self._counting[0] != 0
+                   or self._checks[0] > 0)
+        values += (self._checks[0], self._checks[1] if checked else 0)
+        return values + op_words
+
+    def _arg_values(self, args: dict) -> tuple:
+        """The op's argument words, and whether any of them points at a device scalar."""
+        values, device = [], False
         for name, has_pointer in self._layout:
             if name.endswith("_array"):
                 values.append(self._arrays[name])
@@ -188,7 +199,8 @@ class KernelLaunch:
             else:
                 values.append(_NAN)
                 values.append(value.ptr)
-        return values
+                device = True
+        return values, device
 
     def words(self) -> bytes:
         """The packed argument struct, as the kernel receives it."""

@@ -126,23 +126,30 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     lines += inlined_sources((kernel_file,), seen)
     lines += [f"MTA_DEFINE_ENTRY({entry_name(k)}, {f})" for k, f in enumerate(functors)]
     if layout is not None:
-        lines += [line for f in functors for line in layout_asserts(f, *layout)]
+        lines += [line for k, f in enumerate(functors) for line in layout_asserts(f, *layout, k)]
     return "\n".join(lines) + "\n"
 
 
-def layout_asserts(functor: str, header_bytes: int, members: tuple) -> list:
-    """static_asserts that the kernel arguments lie where the host packs them: the op's words
-    after `header_bytes` of launch header (`mtapply._launch._HEADER` against walker.cuh's
-    `Launch`), each member of the functor's Args in its 8-byte word, and no other."""
+def layout_asserts(functor: str, header_bytes: int, members: tuple, index: int = 0) -> list:
+    """static_asserts that the kernel arguments lie where the host packs them: the launch header
+    (`mtapply._launch._HEADER` against walker.cuh's `Launch`, whose last member is the op's
+    Args) as long as the host packs it, and each member of the functor's Args in its 8-byte
+    word, and no other. Written without `__builtin_offsetof`, which some NVRTC releases lack:
+    Args is n words of 8 bytes, and its k-th member (a structured binding of it) is `members[k]`.
+    `index`: the functor's place in its source, which names the asserts' namespace."""
     args = f"{functor}::Args"
-    lines = [f'static_assert(__builtin_offsetof(mta::Launch<{args}>, args) == {header_bytes}, '
+    words = ", ".join(f"w{k}" for k in range(len(members)))
+    lines = [f'static_assert(sizeof(mta::Launch<{args}>) == {header_bytes} + sizeof({args}) && '
+             f'alignof(mta::Launch<{args}>) == 8, '
              f'"the launch header differs from the host\'s packing (mtapply._launch._HEADER)");',
              f'static_assert(sizeof({args}) == {8 * len(members)}, '
-             f'"{args} differs from the op\'s arg_fields");']
-    lines += [f'static_assert(__builtin_offsetof({args}, {m}) == {8 * k}, '
-              f'"{args}::{m} is not word {k} of the op\'s arg_fields");'
-              for k, m in enumerate(members)]
-    return lines
+             f'"{args} differs from the op\'s arg_fields");',
+             f"namespace mta_layout_{index} {{"]
+    for k, m in enumerate(members):
+        lines += [f"__host__ __device__ constexpr bool word_{k}() {{ {args} a{{}}; auto& [{words}] = a; "
+                  f"return sizeof(w{k}) == 8 && (const void*)&w{k} == (const void*)&a.{m}; }}",
+                  f'static_assert(word_{k}(), "{args}::{m} is not word {k} of the op\'s arg_fields");']
+    return lines + [f"}}  // namespace mta_layout_{index}"]
 
 
 def entry_name(pass_index: int) -> str:
