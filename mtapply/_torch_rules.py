@@ -1,5 +1,5 @@
 """`mtapply.torch` optimizers run by a rule (`mtapply.rule`): the built-in ones of the rule
-library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, Adagrad, RMSprop) and any
+library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, RAdam, Adagrad, RMSprop) and any
 user-written rule."""
 from __future__ import annotations
 
@@ -255,6 +255,31 @@ class Adamax(RuleBased):
 
     def _rule(self, group):
         return library.adamax(bool(group["maximize"]))
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"])
+
+
+class RAdam(RuleBased):
+    """`torch.optim.RAdam` (same arguments and state: `exp_avg`, `exp_avg_sq`, `step`) from
+    `mtapply.rules.library.radam`; `foreach`, `capturable` and `differentiable=False` are
+    accepted for compatibility."""
+
+    _OPTION_NAMES = BETA_NAMES
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False,
+                 capturable=False, differentiable=False, flat_grads=False):
+        check_adam_args(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                        maximize=maximize, capturable=capturable, differentiable=differentiable)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        return library.radam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
 
     def _rule_hyper(self, group) -> dict:
         beta1, beta2 = group["betas"]

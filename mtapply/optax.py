@@ -15,8 +15,10 @@
 
 A rule written with `mtapply.rule` becomes one too: `transformation(rule, learning_rate,
 **hyper)` and `fused(rule, learning_rate, **hyper)` (`alias(rule)` is its factory, for
-`optax.inject_hyperparams`); `lion`, `adan`, `adagrad` and `rmsprop` (and their fused forms) are
-the shipped rules of `mtapply.rules.library` with optax's arguments and semantics.
+`optax.inject_hyperparams`); `lion`, `adan`, `adagrad`, `rmsprop`, `adamax`, `adadelta` and
+`radam` (and their fused forms) are the shipped rules of `mtapply.rules.library` with optax's
+arguments and semantics; `nadam` and `nadamw` are `adam` and `adamw` with nesterov=True, as
+optax's.
 
 Hyperparameters. Each number may be an array, as `optax.inject_hyperparams` passes them (traced
 under jit): it is then a one-element operand of the step, read by the kernel from device memory
@@ -470,6 +472,55 @@ def _adamax_rule(b1, b2, eps) -> UserRule:
     return UserRule(library.adamax_optax(), dict(beta1=b1, beta2=b2, eps=eps), name="adamax")
 
 
+def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
+          nesterov=False, flat_state=True) -> optax.GradientTransformation:
+    """optax.radam on the rule `mtapply.rules.library.radam_optax`: Adam's moments; where
+    rho_t >= threshold the bias-corrected step is rectified, before it the bias-corrected
+    momentum alone. State `RadamOptaxState(count, mu, nu)`."""
+    return _transformation(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov),
+                           learning_rate, flat_state)
+
+
+def fused_radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
+                nesterov=False) -> FusedOptimizer:
+    """`radam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov), learning_rate)
+
+
+def _radam_rule(b1, b2, eps, eps_root, threshold, nesterov) -> UserRule:
+    return UserRule(library.radam_optax(bool(nesterov)),
+                    dict(beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, threshold=threshold),
+                    name="radam")
+
+
+def nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
+          nesterov=True, flat_state=True) -> optax.GradientTransformation:
+    """optax.nadam: `adam` with nesterov=True (the same state, `AdamState`)."""
+    return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                flat_state=flat_state)
+
+
+def nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+           weight_decay=1e-4, mask=None, *, nesterov=True,
+           flat_state=True) -> optax.GradientTransformation:
+    """optax.nadamw: `adamw` with nesterov=True."""
+    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+                 nesterov=nesterov, flat_state=flat_state)
+
+
+def fused_nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
+                nesterov=True) -> FusedOptimizer:
+    """`nadam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return fused_adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+
+
+def fused_nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+                 weight_decay=1e-4, mask=None, *, nesterov=True) -> FusedOptimizer:
+    """`nadamw` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return fused_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+                       nesterov=nesterov)
+
+
 def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None,
              *, flat_state=True) -> optax.GradientTransformation:
     """optax.adadelta on the rule `mtapply.rules.library.adadelta_optax`: g += wd p;
@@ -628,13 +679,13 @@ def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
 
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
-           "adagrad", "adam", "adamax", "fused_adadelta", "fused_adamax",
-           "alias",
-           "adamw", "adan", "flat_state", "fused", "fused_adagrad", "fused_adam", "fused_adamw",
+           "adagrad", "adam", "adamax", "adamw", "adan", "alias", "flat_state", "fused",
+           "fused_adadelta", "fused_adagrad", "fused_adam", "fused_adamax", "fused_adamw",
            "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
-           "fused_rmsprop", "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion",
-           "multi_transform", "rmsprop", "schedule_free_adamw", "schedule_free_eval_params",
-           "sgd", "transformation", "tree_state"]
+           "fused_nadam", "fused_nadamw", "fused_radam", "fused_rmsprop",
+           "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",
+           "nadam", "nadamw", "radam", "rmsprop", "schedule_free_adamw",
+           "schedule_free_eval_params", "sgd", "transformation", "tree_state"]
 
 # The states are this module's, to users and pickles alike (pickles of rule states call
 # `_rule_state`, found here as in earlier versions).

@@ -38,6 +38,8 @@ CASES = {
     "adagrad": (mtx.adagrad, optax.adagrad, {}),
     "adamax": (mtx.adamax, optax.adamax, dict(b1=0.8)),
     "adadelta": (mtx.adadelta, optax.adadelta, dict(weight_decay=0.01)),
+    "radam": (mtx.radam, optax.radam, dict(b2=0.99, threshold=4.5)),
+    "nadamw": (mtx.nadamw, optax.nadamw, dict(weight_decay=0.01)),
     "rmsprop": (mtx.rmsprop, optax.rmsprop, {}),
     "rmsprop-centered-momentum": (mtx.rmsprop, optax.rmsprop, dict(centered=True, momentum=0.9)),
     "schedule_free_adamw": (mtx.schedule_free_adamw, optax.contrib.schedule_free_adamw,

@@ -30,6 +30,8 @@ FACTORIES = {  # name -> a transformation of each kind
     "adagrad": lambda **kw: mtx.adagrad(1e-2, **kw),
     "adamax": lambda **kw: mtx.adamax(1e-2, **kw),
     "adadelta": lambda **kw: mtx.adadelta(0.5, weight_decay=0.01, **kw),
+    "radam": lambda **kw: mtx.radam(1e-2, **kw),
+    "nadamw": lambda **kw: mtx.nadamw(1e-2, **kw),
     "rmsprop": lambda **kw: mtx.rmsprop(1e-2, centered=True, momentum=0.9, **kw),
     "schedule_free_adamw": lambda **kw: mtx.schedule_free_adamw(1e-2, **kw),
     "rule": lambda **kw: mtx.transformation(library.lion(), 1e-3, **kw),
@@ -275,6 +277,18 @@ for ours, theirs in ((mtx.sgd(1 / 3, momentum=0.9), optax.sgd(1 / 3, momentum=0.
         for x, y in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
             assert x.dtype == jnp.float64
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-14, atol=1e-15)
+# RAdam past its threshold (rho_t > 5 from the sixth step), and NAdam
+for ours, theirs in ((mtx.radam(1 / 3), optax.radam(1 / 3)),
+                     (mtx.radam(1 / 3, eps_root=1e-8, nesterov=True),
+                      optax.radam(1 / 3, eps_root=1e-8, nesterov=True)),
+                     (mtx.nadam(1 / 3), optax.nadam(1 / 3))):
+    a, b = ours.init(params), theirs.init(params)
+    for _ in range(9):
+        u, a = ours.update(grads, a, params)
+        v, b = theirs.update(grads, b, params)
+        for x, y in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+            # rho_t is a difference of numbers near 2 / (1 - b2): its rounding is amplified
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-9, atol=1e-14)
 # the step count past 2**24 (float32 counts no further), b2 close to 1
 tx, ref = mtx.adam(1e-3, b2=1 - 1e-8), optax.adam(1e-3, b2=1 - 1e-8)
 state = ref.init(params)

@@ -145,6 +145,13 @@ def test_shipped_adan_follows_optax_adan(fused, hyper):
     ("adadelta", lambda m: m.adadelta(0.5, rho=0.8, weight_decay=0.01),
      lambda: optax.adadelta(0.5, rho=0.8, weight_decay=0.01)),
     ("adadelta-no-lr", lambda m: m.adadelta(), lambda: optax.adadelta()),
+    ("radam", lambda m: m.radam(1e-2, b2=0.99), lambda: optax.radam(1e-2, b2=0.99)),
+    ("radam-nesterov", lambda m: m.radam(1e-2, b1=0.8, b2=0.99, eps_root=1e-8, threshold=6.0,
+                                         nesterov=True),
+     lambda: optax.radam(1e-2, b1=0.8, b2=0.99, eps_root=1e-8, threshold=6.0, nesterov=True)),
+    ("nadam", lambda m: m.nadam(1e-2, b1=0.8), lambda: optax.nadam(1e-2, b1=0.8)),
+    ("nadamw", lambda m: m.nadamw(1e-2, weight_decay=0.05), lambda: optax.nadamw(1e-2,
+                                                                              weight_decay=0.05)),
 ])
 def test_shipped_rules_follow_optax(fused, name, ours, theirs):
     class Fused:  # the fused forms take the same constructor arguments

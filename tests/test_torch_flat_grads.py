@@ -17,6 +17,7 @@ OPTIMIZERS = [
     (mt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
     (mt.LARS, None, dict(lr=0.1, weight_decay=1e-3)),
     (mt.LAMB, None, dict(lr=1e-2, max_grad_norm=0.5)),
+    (mt.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
 ]
 IDS = [cls.__name__ for cls, _, _ in OPTIMIZERS]
 RTOL, ATOL = 1e-5, 1e-6

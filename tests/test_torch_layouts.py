@@ -35,6 +35,9 @@ OPTIMIZERS = [
     (mt.Lion, dict(lr=1e-3, weight_decay=0.1)),
     (mt.Adan, dict(lr=1e-2)),
     (mt.ScheduleFreeAdamW, dict(lr=1e-2, warmup_steps=2)),
+    (mt.Adamax, dict(lr=1e-2)),
+    (mt.Adadelta, dict(lr=0.5, weight_decay=0.01)),
+    (mt.RAdam, dict(lr=1e-2)),
     (lambda params, **kw: mt.optimizer(RULE, params, **kw), dict(lr=1e-2)),
     (mt.GaLoreAdamW, dict(lr=1e-2, weight_decay=0.01)),
 ]
@@ -159,7 +162,10 @@ def test_complex_params_step_as_their_real_views(make, options, flat_grads, devi
     (mt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
     (mt.Adagrad, torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1)),
     (mt.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, centered=True, momentum=0.5)),
-], ids=["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"])
+    (mt.Adamax, torch.optim.Adamax, dict(lr=1e-2, weight_decay=0.01)),
+    (mt.Adadelta, torch.optim.Adadelta, dict(lr=0.5)),
+    (mt.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+], ids=["Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "Adadelta", "RAdam"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_layouts_step_as_torch_optim_steps_them(ours, theirs, options, kind, flat_grads, device):
     def made():

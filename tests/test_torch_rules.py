@@ -120,8 +120,8 @@ def test_rmsprop_matches_torch_optim(centered, momentum, maximize):
 @pytest.mark.parametrize("options", [dict(), dict(weight_decay=0.05, eps=1e-3),
                                      dict(maximize=True, weight_decay=0.01)],
                          ids=["defaults", "decay", "maximize"])
-@pytest.mark.parametrize("name,lr", [("Adamax", 2e-2), ("Adadelta", 0.5)])
-def test_adamax_and_adadelta_match_torch_optim(name, lr, options):
+@pytest.mark.parametrize("name,lr", [("Adamax", 2e-2), ("Adadelta", 0.5), ("RAdam", 1e-2)])
+def test_adamax_adadelta_and_radam_match_torch_optim(name, lr, options):
     ours, theirs, opt, ref = _pair(lambda p: getattr(mt, name)(p, lr=lr, **options),
                                    lambda p: getattr(torch.optim, name)(p, lr=lr, foreach=False,
                                                                         **options))
@@ -134,9 +134,25 @@ def test_adamax_and_adadelta_match_torch_optim(name, lr, options):
                                        rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_radam_with_decoupled_weight_decay_matches_torch_optim(maximize):
+    options = dict(lr=1e-2, betas=(0.85, 0.995), weight_decay=0.1, decoupled_weight_decay=True,
+                   maximize=maximize)
+    ours, theirs, opt, ref = _pair(lambda p: mt.RAdam(p, **options),
+                                   lambda p: torch.optim.RAdam(p, foreach=False, **options),
+                                   steps=16)
+    assert opt.param_groups[0]["decoupled_weight_decay"]
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"],
+                                   rtol=2e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("name,options", [("Adamax", dict(betas=(0.8, 0.99), weight_decay=0.01)),
-                                          ("Adadelta", dict(rho=0.8, weight_decay=0.01))])
-def test_adamax_and_adadelta_checkpoints_move_both_ways(name, options):
+                                          ("Adadelta", dict(rho=0.8, weight_decay=0.01)),
+                                          ("RAdam", dict(betas=(0.8, 0.99), weight_decay=0.01,
+                                                         decoupled_weight_decay=True))])
+def test_adamax_adadelta_and_radam_checkpoints_move_both_ways(name, options):
     a, b = _model(6), _model(6)
     ref = getattr(torch.optim, name)(a.parameters(), lr=0.1, **options)
     _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3)
@@ -157,8 +173,10 @@ def test_adamax_and_adadelta_checkpoints_move_both_ways(name, options):
     (lambda p: mt.Adamax(p, betas=(1.0, 0.9)), "Invalid beta parameter at index 0"),
     (lambda p: mt.Adamax(p, eps=-1.0), "Invalid epsilon value"),
     (lambda p: mt.Adadelta(p, rho=1.5), "Invalid rho value"),
-    (lambda p: mt.Adadelta(p, lr=-1.0), "Invalid learning rate")])
-def test_adamax_and_adadelta_refuse_torchs_bad_arguments(make, message):
+    (lambda p: mt.Adadelta(p, lr=-1.0), "Invalid learning rate"),
+    (lambda p: mt.RAdam(p, betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
+    (lambda p: mt.RAdam(p, weight_decay=-0.1), "Invalid weight_decay value")])
+def test_adamax_adadelta_and_radam_refuse_torchs_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make(_model(0).parameters())
 

@@ -30,6 +30,9 @@ OPTIMIZERS = {
     "Adan": lambda ps, **kw: mt.Adan(ps, lr=1e-2, **kw),
     "ScheduleFreeAdamW": lambda ps, **kw: mt.ScheduleFreeAdamW(ps, lr=1e-2, warmup_steps=2, **kw),
     "RuleOptimizer": lambda ps, **kw: mt.optimizer(library.adam(), ps, lr=1e-2, **kw),
+    "Adamax": lambda ps, **kw: mt.Adamax(ps, lr=1e-2, weight_decay=0.01, **kw),
+    "Adadelta": lambda ps, **kw: mt.Adadelta(ps, lr=0.5, **kw),
+    "RAdam": lambda ps, **kw: mt.RAdam(ps, lr=1e-2, decoupled_weight_decay=True, **kw),
     "GaLoreAdamW": lambda ps: GaLoreAdamW(_ranked(ps), lr=1e-2),
 }
 NAMES = list(OPTIMIZERS)
@@ -42,7 +45,8 @@ COUNTING_CASES = CASES
 KEPT = {"Adam": "exp_avg", "AdamW": "exp_avg_sq", "Adam8bit": "exp_avg", "AdamW8bit": "exp_avg",
         "SGD": None, "SGD-plain": None, "LARS": "momentum_buffer", "LAMB": "exp_avg",
         "Adagrad": "sum", "RMSprop": "square_avg", "Lion": "exp_avg", "Adan": "n",
-        "ScheduleFreeAdamW": "z", "RuleOptimizer": "exp_avg", "GaLoreAdamW": "exp_avg"}
+        "ScheduleFreeAdamW": "z", "RuleOptimizer": "exp_avg", "GaLoreAdamW": "exp_avg",
+        "Adamax": "exp_inf", "Adadelta": "acc_delta", "RAdam": "exp_avg_sq"}
 
 
 def _ranked(params):
@@ -264,7 +268,10 @@ TORCH_PAIRS = {"Adam": (torch.optim.Adam, mt.Adam, dict(lr=1e-2)),
                "AdamW": (torch.optim.AdamW, mt.AdamW, dict(lr=1e-2)),
                "SGD": (torch.optim.SGD, mt.SGD, dict(lr=0.1, momentum=0.9)),
                "Adagrad": (torch.optim.Adagrad, mt.Adagrad, dict(lr=0.1)),
-               "RMSprop": (torch.optim.RMSprop, mt.RMSprop, dict(lr=1e-2))}
+               "RMSprop": (torch.optim.RMSprop, mt.RMSprop, dict(lr=1e-2)),
+               "Adamax": (torch.optim.Adamax, mt.Adamax, dict(lr=1e-2)),
+               "Adadelta": (torch.optim.Adadelta, mt.Adadelta, dict(lr=0.5)),
+               "RAdam": (torch.optim.RAdam, mt.RAdam, dict(lr=1e-2))}
 LATER_FLAGS = ("maximize", "foreach", "capturable", "differentiable", "fused", "amsgrad",
                "nesterov", "centered", "decoupled_weight_decay")
 

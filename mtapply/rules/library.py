@@ -229,6 +229,56 @@ def adadelta(maximize: bool = False) -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def radam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
+    """RAdam as torch.optim.RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning
+    Rate and Beyond"): Adam's moments; while the variance of the adaptive step is tractable
+    (rho_t > 5) the bias-corrected step is rectified, before it plain momentum SGD. Weight
+    decay as L2, or decoupled (AdamW's)."""
+    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
+             else "g = g + weight_decay * param")
+    return rule("radam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
+                hyper=dict(lr=(1e-3, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"}
+                    {decay}
+                    d = g - exp_avg
+                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
+                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    bias2 = 1 - beta2 ** step
+                    rho_inf = 2 / (1 - beta2) - 1
+                    rho = rho_inf - 2 * step * beta2 ** step / bias2
+                    rect = sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+                    m = exp_avg / (1 - beta1 ** step) * lr
+                    param = param - where(rho > 5, m * (sqrt(bias2) / (sqrt(exp_avg_sq) + eps)) * rect, m)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def radam_optax(nesterov: bool = False) -> Rule:
+    """RAdam as optax.radam (optax.scale_by_radam): the same rectification, with optax's
+    state names (mu, nu), eps_root inside the root and its `threshold` on rho_t (>=).
+    `nesterov`: the first moment looked one step ahead, as optax's."""
+    mu_hat = ("beta1 * (mu / (1 - beta1 ** (step + 1))) + (1 - beta1) * (grad / (1 - beta1 ** step))"
+              if nesterov else "mu / (1 - beta1 ** step)")
+    return rule("radam_optax", slots="param:rw grad:r mu:rw nu:rw",
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), eps_root=(0.0, NON_NEGATIVE),
+                           threshold=5.0),
+                update=f"""
+                    mu = (1 - beta1) * grad + beta1 * mu
+                    nu = (1 - beta2) * (grad * grad) + beta2 * nu
+                    b2t = beta2 ** step
+                    rho_inf = 2 / (1 - beta2) - 1
+                    rho = rho_inf - 2 * step * b2t / (1 - b2t)
+                    r = sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+                    mu_hat = {mu_hat}
+                    nu_hat = nu / (1 - beta2 ** step)
+                    param = param - lr * where(rho >= threshold, r * mu_hat / (sqrt(nu_hat + eps_root) + eps), mu_hat)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     """Adam / AdamW as the built-in `mtapply.AdamSpec` (torch.optim's semantics, its two-sided
     lerp for the first moment), written as a rule: the built-in op's twin, for comparing the
@@ -250,4 +300,5 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
 
 
 __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
-           "adamax_optax", "adan", "lion", "rmsprop", "rmsprop_optax", "schedule_free_adamw"]
+           "adamax_optax", "adan", "lion", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
+           "schedule_free_adamw"]

@@ -112,6 +112,10 @@ JAX_TWINS = {  # name -> (our constructor name, its arguments, optax's twin)
                 lambda optax: optax.rmsprop(1e-3, centered=True, momentum=0.9)),
     "schedule_free": ("schedule_free_adamw", dict(learning_rate=1e-2, warmup_steps=3),
                       lambda optax: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=3)),
+    "adamax": ("adamax", dict(learning_rate=1e-3), lambda optax: optax.adamax(1e-3)),
+    "adadelta": ("adadelta", dict(learning_rate=0.5, weight_decay=0.01),
+                 lambda optax: optax.adadelta(0.5, weight_decay=0.01)),
+    "radam": ("radam", dict(learning_rate=1e-3, b2=0.99), lambda optax: optax.radam(1e-3, b2=0.99)),
 }
 
 
@@ -190,6 +194,13 @@ def _apply(tx, optax, params, state, grads):
                                    foreach=False)),
     ("rmsprop", lambda p: mt.RMSprop(p, lr=1e-3, momentum=0.9, centered=True),
      lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True, foreach=False)),
+    ("adamax", lambda p: mt.Adamax(p, lr=1e-3, weight_decay=0.01),
+     lambda p: torch.optim.Adamax(p, lr=1e-3, weight_decay=0.01, foreach=False)),
+    ("adadelta", lambda p: mt.Adadelta(p, lr=0.5, weight_decay=0.01),
+     lambda p: torch.optim.Adadelta(p, lr=0.5, weight_decay=0.01, foreach=False)),
+    ("radam", lambda p: mt.RAdam(p, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
+     lambda p: torch.optim.RAdam(p, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True,
+                                 foreach=False)),
 ])
 def test_shipped_torch_classes_match_torch_optim_on_the_gpu(name, make_ours, make_theirs):
     torch.manual_seed(0)
