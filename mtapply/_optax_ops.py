@@ -353,6 +353,11 @@ class UserRule(OptaxRule):
 
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None):
         self.user, self.name, self.initial = rule, name or rule.name, dict(initial or {})
+        if rule.scalars:
+            raise NotImplementedError(
+                f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
+                f"mtapply.optax does not carry yet: step it with the rule's own step or plan "
+                f"(or mtapply.torch.optimizer)")
         if "lr" not in rule.hyper:
             raise TypeError(f"rule {rule.name!r} has no lr: mtapply.optax passes learning_rate "
                             f"as the rule's lr hyperparameter")

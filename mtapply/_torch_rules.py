@@ -75,6 +75,11 @@ class RuleOptimizer(RuleBased):
     def __init__(self, rule, params, *, flat_grads=False, **hyper):
         from torch.optim.optimizer import required
 
+        if rule.scalars:
+            raise NotImplementedError(
+                f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
+                f"mtapply.torch optimizers do not carry yet: step it with the rule's own step or "
+                f"plan, passing scalars_out=")
         unknown = sorted(set(hyper) - set(rule.hyper))
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "

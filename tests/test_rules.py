@@ -277,7 +277,7 @@ def test_shipped_rules_declare_ranges_for_every_hyperparameter():
     for make in (library.lion, library.adagrad, library.rmsprop, library.adan,
                  library.adagrad_optax, library.rmsprop_optax, library.schedule_free_adamw,
                  library.adam, library.adamax, library.adadelta, library.adamax_optax,
-                 library.adadelta_optax, library.radam):
+                 library.adadelta_optax, library.radam, library.nadam):
         rule = make()
         assert "a finite number" not in rule.ranges.values(), rule.name
         assert rule.ranges["lr"] == ">= 0", rule.name
@@ -395,6 +395,7 @@ def _shipped():
         yield f"adamax-max{int(maximize)}", library.adamax(maximize)
         yield f"adadelta-max{int(maximize)}", library.adadelta(maximize)
         yield f"radam-max{int(maximize)}", library.radam(maximize, maximize)
+        yield f"nadam-max{int(maximize)}", library.nadam(maximize, maximize)
         yield f"radam-optax-n{int(maximize)}", library.radam_optax(maximize)
     for centered in (False, True):
         for momentum in (False, True):

@@ -35,16 +35,17 @@ class Rule:
     """A user-written optimizer: `step` and `plan` over lists in slot order."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = ""):
+                 finish: str = "", scalars=None):
         if not isinstance(name, str) or not name:
             raise TypeError("name must be a non-empty string")
         self.name = name
         self._source = (name, slots, dict(hyper), update,  # how pickle makes it again
-                        dict(sums) if isinstance(sums, dict) else sums, finish)
+                        dict(sums) if isinstance(sums, dict) else sums, finish,
+                        dict(scalars) if isinstance(scalars, dict) else scalars)
         parsed = parse_slots(slots)
         defaults, ranges = check_hyper(hyper, parsed)
         self.program = parse(parsed, defaults, textwrap.dedent(update), sums,
-                             textwrap.dedent(finish or ""), ranges)
+                             textwrap.dedent(finish or ""), ranges, scalars)
         self._specs: dict = {}
 
     @property
@@ -56,6 +57,22 @@ class Rule:
     def hyper(self) -> dict:
         """Hyperparameter name -> default (None: required at every step)."""
         return dict(self.program.hyper)
+
+    @property
+    def scalars(self) -> dict:
+        """Scalar state name -> its value before the first step (see `initial_scalars`)."""
+        return dict(self.program.scalars)
+
+    def initial_scalars(self):
+        """A rule with scalar state steps with `scalars_out=`: a float32 array of two copies of
+        its scalars, in `scalars` order (the copy at the step's parity is written, the other
+        one read, so a step that is repeated or skipped reads what the step before it left).
+        This returns that array as it is before step 1 (NumPy; copy it to the tensors'
+        device); after step t the scalars are `array[(t % 2) * n:][:n]`."""
+        import numpy as np
+
+        values = np.asarray(list(self.program.scalars.values()), np.float32)
+        return np.concatenate([values, values])
 
     @property
     def ranges(self) -> dict:
@@ -106,6 +123,8 @@ class Rule:
         None: required), and the names of its per-tensor sums, if any."""
         slots = " ".join(f"{s.name}:{'rw' if s.written else 'r'}" for s in self.program.slots)
         named = f", sums={[s.name for s in self.program.sums]!r}" if self.program.sums else ""
+        if self.program.scalars:
+            named += f", scalars={self.scalars!r}"
         return f"mtapply.rule({self.name!r}, slots={slots!r}, hyper={self.hyper!r}{named})"
 
     def __reduce__(self):  # its checked program refers to its own parse: made again from source
@@ -115,7 +134,8 @@ class Rule:
         return self  # a rule never changes once made
 
 
-def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: str = "") -> Rule:
+def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: str = "",
+         scalars=None) -> Rule:
     """A fused multi-tensor optimizer from a few lines (see the module docstring).
 
     Args:
@@ -134,13 +154,20 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             and LAMB trust ratios are written). Deterministic: fixed summation order.
         finish: lines of per-tensor values computed from the sums (no slots), run before the
             update's first line that reads a sum or a finish value.
+        scalars: name -> initial value of numbers kept between steps for the whole list (NAdam's
+            running product of momentum factors): in the update a name reads the value the
+            previous step left, and a line assigning it (from numbers, hyperparameters, step
+            and scalars) sets the next step's. Each step then takes `scalars_out=`, a float32
+            array on the tensors' device made from `initial_scalars()`, which it updates;
+            the tensors must be on one device, with one value per hyperparameter. (Not yet
+            taken by mtapply.torch.optimizer and mtapply.optax, which refuse such rules.)
 
     Raises:
         ValueError, TypeError: at once, naming the line, for unknown names, a write to a
         read-only slot, an rw slot never written, a comparison used as a number, a call
         outside the rule functions, division by a literal 0.
     """
-    return Rule(name, slots, hyper, update, sums, finish)
+    return Rule(name, slots, hyper, update, sums, finish, scalars)
 
 
 __all__ = ["Rule", "rule"]

@@ -30,6 +30,8 @@ def functor_source(program: Program, struct: str) -> str:
     kernels that include walker.cuh first."""
     fields = [f"  {ctype} {field};" for name in (*program.hyper, STEP)
               for ctype, field in zip(("double", "const float*"), c_fields(name))]
+    if program.scalars:
+        fields.append(f"  float* {SCALARS};  // two copies of the scalar state (see Rule)")
     parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
     if program.sums:
         parts.append(_Writer(program, f"{struct}Sums", f"{struct}Args", first_pass=True).functor())
@@ -44,14 +46,23 @@ def functor_names(program: Program, struct: str) -> tuple:
 
 def arg_fields(program: Program) -> tuple:
     """The Args words in order, as the host names them: each hyperparameter and the step (by
-    `field_name`), then its device pointer (the same, plus "_ptr")."""
+    `field_name`), then its device pointer (the same, plus "_ptr"); then, with scalar state,
+    the address of its array."""
     return tuple(f for name in (*program.hyper, STEP)
-                 for f in (field_name(name), f"{field_name(name)}_ptr"))
+                 for f in (field_name(name), f"{field_name(name)}_ptr")) + _scalar_words(program)
 
 
 def arg_members(program: Program) -> tuple:
     """The C++ names of the Args words, in the order of `arg_fields`."""
-    return tuple(c for name in (*program.hyper, STEP) for c in c_fields(name))
+    return tuple(c for name in (*program.hyper, STEP) for c in c_fields(name)) + _scalar_words(
+        program)
+
+
+SCALARS = "scalars_out"  # the argument (and Args member) of a rule's scalar state array
+
+
+def _scalar_words(program: Program) -> tuple:
+    return (SCALARS,) if program.scalars else ()
 
 
 # The host names a kernel argument word by a suffix where it carries an address (`_ptr`,
@@ -89,6 +100,12 @@ class _Writer:
         program, n_sums = self.program, len(self.program.sums)
         reads = [f"    const double h_{name} = scalar_arg(a.{c_fields(name)[1]}, a.{c_fields(name)[0]});"
                  for name in (*program.hyper, STEP)]
+        n_scalars = len(program.scalars)
+        if n_scalars:  # the copy of the step before (odd steps read copy 0), see Rule
+            reads.append(f"    const long long z_parity = static_cast<long long>(h_{STEP}) & 1;")
+            reads += [f"    const double h_{name} = static_cast<double>("
+                      f"a.{SCALARS}[(1 - z_parity) * {n_scalars} + {k}]);"
+                      for k, name in enumerate(program.scalars)]
         if self.first_pass:
             for line in program.lines[:program.prefix]:
                 self._line(line)
@@ -108,6 +125,11 @@ class _Writer:
             written = " | ".join(f"(1u << {self._slot(slot.name)})"
                                  for slot in program.slots if slot.written)
             counted = 0
+            # every block computes the same values; one thread stores them, in the copy that
+            # no block of this step reads
+            self.setup += [f"if (blockIdx.x == 0 && threadIdx.x == 0) a.{SCALARS}[z_parity * "
+                           f"{n_scalars} + {k}] = static_cast<float>({self.uniform_name(name)});"
+                           for k, name in enumerate(program.scalars)]
         enum = ", ".join(self._slot(slot.name) for slot in program.slots)
         s = self.struct
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
@@ -157,6 +179,10 @@ class _Writer:
                 return f"x[{self._slot(node.id)}]"
             return self.names[node.id]
         return self._apply(node, self.element, "acc_t")
+
+    def uniform_name(self, name: str) -> str:
+        """The C name of a uniform value's latest version (a scalar never assigned: its read)."""
+        return self.names.get(name, f"h_{name}")
 
     def uniform(self, node) -> str:
         """double code of a uniform node, valid in the constructor."""

@@ -7,7 +7,10 @@ A rule's update is Python-like text, one assignment per line:
     exp_avg = beta2 * exp_avg + (1 - beta2) * grad
 
 Names are the rule's slots (per-element values of its tensors), its hyperparameters and `step`
-(per-launch numbers), and temporaries assigned on earlier lines. Expressions use numbers,
+(per-launch numbers), its scalar state (numbers kept between steps for the whole list, such as
+NAdam's running product of momentum factors: a name reads the value the previous step left, an
+assignment sets the value the next step reads; uniform values only), and temporaries assigned on
+earlier lines. Expressions use numbers,
 + - * / **, unary minus, comparisons, `where(cond, a, b)` and the functions in FUNCTIONS.
 The text is parsed with Python's `ast` and only the node types named here are accepted: nothing
 from it is ever executed. Each value is classed once: *uniform* (the same for every element of
@@ -86,14 +89,17 @@ class Program:
     sums: tuple = ()
     prefix: int = 0
     ranges: dict = field(default_factory=dict)  # hyperparameter name -> its declared Range
+    scalars: dict = field(default_factory=dict)  # scalar state name -> its value before step 1
 
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
 
     @property
     def uses_step(self) -> bool:
-        return any(isinstance(n, ast.Name) and n.id == STEP
-                   for line in self.lines for n in ast.walk(line.expr))
+        """Whether a step needs the step count: the lines read it, or scalar state is kept
+        (two copies, picked by the step's parity)."""
+        return bool(self.scalars) or any(isinstance(n, ast.Name) and n.id == STEP
+                                         for line in self.lines for n in ast.walk(line.expr))
 
 
 def parse_slots(text: str) -> tuple:
@@ -155,14 +161,16 @@ def _check_default(name: str, value: float, accepted: Range) -> None:
 
 
 def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
-          ranges: dict | None = None) -> Program:
+          ranges: dict | None = None, scalars=None) -> Program:
     """The checked program of an update text (with its sums and finish lines, see Program);
-    ValueError or TypeError naming the line. `ranges`: name -> Range (FINITE where absent)."""
+    ValueError or TypeError naming the line. `ranges`: name -> Range (FINITE where absent);
+    `scalars`: scalar state name -> its value before the first step."""
     if not isinstance(update, str) or not isinstance(finish or "", str):
         raise TypeError("update and finish must be strings of assignments")
     sums = _check_sums(sums, slots, hyper)
     program = Program(slots, hyper, (), ranges={name: (ranges or {}).get(name, FINITE)
-                                                 for name in hyper})
+                                                 for name in hyper},
+                      scalars=_check_scalars(scalars, slots, hyper, sums))
     checker = _Checker(program, set(sums))
     texts = _texts(update, "update")
     if not texts:
@@ -201,6 +209,31 @@ def _check_sums(sums, slots: tuple, hyper: dict) -> dict:
         if not isinstance(text, str):
             raise TypeError(f"sums: the expression of {name!r} must be a string")
     return dict(sums)
+
+
+def _check_scalars(scalars, slots: tuple, hyper: dict, sums: dict) -> dict:
+    """name -> initial value (a float) of each scalar state."""
+    if scalars is None:
+        return {}
+    if not isinstance(scalars, dict):
+        raise TypeError(f"scalars must be a dict of name -> initial value, got "
+                        f"{type(scalars).__name__}")
+    if scalars and sums:
+        raise ValueError("scalars and sums cannot be combined: a scalar state holds one value "
+                         "for the whole list, and sums are per tensor")
+    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP}
+    checked = {}
+    for name, value in scalars.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"scalars: {name!r} is not a valid name")
+        if name in taken:
+            raise ValueError(f"scalars: {name!r} is already a slot, a hyperparameter or reserved")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value)):
+            raise TypeError(f"scalars: the initial value of {name!r} must be a finite number, "
+                            f"got {value!r}")
+        checked[name] = float(value)
+    return checked
 
 
 def _texts(text: str, what: str) -> list:
@@ -269,6 +302,10 @@ class _Checker:
         if self.per_tensor and (not kind.uniform or target in self.slots):
             raise ValueError(f"{self.where}: finish lines compute per-tensor values from sums, "
                              f"hyperparameters and step: no slots")
+        if target in self.program.scalars and not kind.uniform:
+            raise ValueError(f"{self.where}: scalar state {target!r} holds one value for the "
+                             f"whole list: assign it from numbers, hyperparameters, step and "
+                             f"scalars, not from slots")
         if target in self.slots:
             if not self.slots[target].written:
                 raise ValueError(f"{self.where}: slot {target!r} is read-only (declared "
@@ -324,14 +361,15 @@ class _Checker:
             return Kind(uniform=True)
         if name in self.slots:
             return Kind(uniform=False)
-        if name in self.program.hyper or name == STEP:
+        if name in self.program.hyper or name == STEP or name in self.program.scalars:
             return Kind(uniform=True)
         if name in self.temporaries:
             return self.temporaries[name]
         raise ValueError(f"{self.where}: unknown name {name!r} (slots: "
                          f"{', '.join(self.slots)}; hyperparameters: "
-                         f"{', '.join(self.program.hyper) or 'none'}; step; or a name assigned "
-                         f"on an earlier line)")
+                         f"{', '.join(self.program.hyper) or 'none'}; step; scalars: "
+                         f"{', '.join(self.program.scalars) or 'none'}; or a name assigned on an "
+                         f"earlier line)")
 
     def _numeric(self, node, what: str) -> Kind:
         kind = self.expr(node)

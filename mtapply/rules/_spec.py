@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .. import _source
+from .. import _cpu, _source
 from ..ops._spec import OpSpec, number_or_device_scalar
 from . import _cuda, _numpy
 from ._language import STEP, Program
@@ -33,7 +33,9 @@ class RuleSpec(OpSpec):
         self.arg_fields = _cuda.arg_fields(program)
         self._members = _cuda.arg_members(program)
         self.device_scalars = (*program.hyper, STEP)
-        self._names = frozenset(self.device_scalars)
+        self._names = frozenset(self.device_scalars) | frozenset(self.outputs)
+        # one array of scalar state for the whole list: one device, one value per hyperparameter
+        self.single_device = bool(program.scalars)
         self._fields = {name: _cuda.field_name(name) for name in self.device_scalars}
         # a rule that never reads the step does not need one
         self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
@@ -66,12 +68,25 @@ class RuleSpec(OpSpec):
                                 f"one-element float32 device array")
             args[self._fields[name]] = number_or_device_scalar(name, value,
                                                                self.scalar_range(name))
+        if self.outputs:
+            state = hyper.get(_cuda.SCALARS)
+            if state is None:
+                raise TypeError(f"rule {self.rule_name!r} keeps scalar state "
+                                f"({', '.join(self.program.scalars)}): pass {_cuda.SCALARS}=, a "
+                                f"float32 array on the tensors' device made from the rule's "
+                                f"initial_scalars(), the same one every step")
+            args[_cuda.SCALARS] = state
         return args
+
+    def output_numel(self, name: str, n_tensors: int) -> int:
+        """Two copies of the scalar state (see `Rule.initial_scalars`)."""
+        return 2 * len(self.program.scalars)
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}
         scalars = {name: float(args[field]) for name, field in self._fields.items()}
-        new = _numpy.evaluate(self.program, rule_arrays, scalars, dtype)
+        state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
+        new = _numpy.evaluate(self.program, rule_arrays, scalars, dtype, state)
         return {list_name(name): values for name, values in new.items()}
 
 

@@ -229,6 +229,35 @@ def adadelta(maximize: bool = False) -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def nadam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
+    """NAdam as torch.optim.NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"):
+    Adam's moments with a momentum factor mu_t that warms up (momentum_decay), the step a blend
+    of the grad and the first moment over the running product of the factors, `mu_product`,
+    kept as scalar state (steps take `scalars_out=`, see `mtapply.rule`). Weight decay as L2,
+    or decoupled."""
+    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
+             else "g = g + weight_decay * param")
+    return rule("nadam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
+                hyper=dict(lr=(2e-3, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
+                           momentum_decay=(4e-3, NON_NEGATIVE)),
+                scalars=dict(mu_product=1.0),
+                update=f"""
+                    g = {"-grad" if maximize else "grad"}
+                    {decay}
+                    mu = beta1 * (1 - 0.5 * 0.96 ** (step * momentum_decay))
+                    mu_next = beta1 * (1 - 0.5 * 0.96 ** ((step + 1) * momentum_decay))
+                    mu_product = mu_product * mu
+                    d = g - exp_avg
+                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
+                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    denom = sqrt(exp_avg_sq / (1 - beta2 ** step)) + eps
+                    param = param + (-lr * (1 - mu) / (1 - mu_product)) * (g / denom)
+                    param = param + (-lr * mu_next / (1 - mu_product * mu_next)) * (exp_avg / denom)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def radam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     """RAdam as torch.optim.RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning
     Rate and Beyond"): Adam's moments; while the variance of the adaptive step is tractable
@@ -300,5 +329,5 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
 
 
 __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
-           "adamax_optax", "adan", "lion", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
+           "adamax_optax", "adan", "lion", "nadam", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw"]

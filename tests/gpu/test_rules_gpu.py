@@ -216,3 +216,49 @@ def test_shipped_torch_classes_match_torch_optim_on_the_gpu(name, make_ours, mak
             o.step()
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_nadam_scalar_state_on_the_gpu_follows_the_cpu_path_over_two_launches():
+    """NAdam's mu_product is scalar state: one thread of each launch writes the copy of the
+    step's parity; params of two dtypes make two launches per step, a device found_inf skips
+    one step (nothing written, the state included), and a CUDA graph replays a step."""
+    from mtapply.rules import library
+
+    rule = library.nadam(True)
+    hyper = dict(lr=1e-2, weight_decay=0.1, momentum_decay=0.01)
+    lists = _lists(len(rule.slots), 5)
+    lists[0][1], lists[1][1] = lists[0][1].to(torch.bfloat16), lists[1][1].to(torch.bfloat16)
+    host = _host(lists)
+    host[0][1], host[1][1] = lists[0][1].float().cpu().numpy(), lists[1][1].float().cpu().numpy()
+    state = torch.tensor(rule.initial_scalars(), device="cuda")
+    host_state = rule.initial_scalars()
+    skip = torch.ones(1, device="cuda")
+    for step in range(1, 6):
+        if step == 3:  # skipped on the device: the next call steps 3 again
+            rule.step(*lists, step=step, scalars_out=state, found_inf=skip, **hyper)
+        rule.step(*lists, step=step, scalars_out=state, **hyper)
+        rule.step(*host, step=step, scalars_out=host_state, **hyper)
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-6)
+    for i, (got, want) in enumerate(zip(lists[0], host[0])):
+        if i == 1:  # bf16 params: compared after rounding
+            want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=2e-2 if i == 1 else 2e-5,
+                                   atol=2e-6, err_msg=f"param[{i}]")
+    plan = rule.plan(*lists)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.step(step=6, scalars_out=state, **hyper)
+        with torch.cuda.graph(graph, stream=side):
+            plan.step(step=7, scalars_out=state, **hyper)
+    torch.cuda.synchronize()
+    after_six = state.clone()
+    graph.replay()  # step 7 reads copy 0 (step 6's) and writes copy 1, each replay alike
+    graph.replay()
+    torch.cuda.synchronize()
+    assert state[0].item() == after_six[0].item()
+    rule.step(*host, step=6, scalars_out=host_state, **hyper)
+    rule.step(*host, step=7, scalars_out=host_state, **hyper)
+    np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-6)

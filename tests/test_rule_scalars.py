@@ -1,0 +1,171 @@
+"""Scalar state of a rule (`mtapply.rule(..., scalars=...)`): numbers kept between steps for the
+whole list, on the CPU path; NAdam (`mtapply.rules.library.nadam`) against torch.optim.NAdam."""
+import pickle
+
+import numpy as np
+import pytest
+
+import mtapply
+from mtapply.rules import library
+
+COUNTER = dict(slots="param:rw grad:r", hyper=dict(lr=(None, ">= 0"), decay=0.5),
+               scalars=dict(total=1.0),
+               update="""
+                   total = total * decay + step
+                   param = param - lr * total * grad
+               """)
+
+
+def _lists(seed=0, shapes=((4, 3), (5,))):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s) for s in shapes], [rng.standard_normal(s) for s in shapes]
+
+
+def _expected_totals(steps, decay=0.5, start=1.0):
+    totals, total = [], start
+    for t in range(1, steps + 1):
+        total = total * decay + t
+        totals.append(total)
+    return totals
+
+
+def test_a_scalar_carries_from_step_to_step_in_two_copies():
+    rule = mtapply.rule("counter", **COUNTER)
+    params, grads = _lists()
+    before = [p.copy() for p in params]
+    state = rule.initial_scalars()
+    assert state.dtype == np.float32 and state.tolist() == [1.0, 1.0]
+    totals = _expected_totals(4)
+    for t in range(1, 5):
+        rule.step(params, grads, lr=0.1, step=t, scalars_out=state)
+        assert state[t % 2] == np.float32(totals[t - 1])  # written at the step's parity
+        assert state[(t + 1) % 2] == np.float32(totals[t - 2] if t > 1 else 1.0)  # kept
+    for p, p0, g in zip(params, before, grads):
+        want = p0 - sum(0.1 * total * g for total in totals)  # exact in float32 too
+        np.testing.assert_allclose(p, want, rtol=1e-12)
+
+
+def test_a_repeated_or_skipped_step_reads_what_the_step_before_left():
+    rule = mtapply.rule("counter", **COUNTER)
+    params, grads = _lists(1)
+    state = rule.initial_scalars()
+    rule.step(params, grads, lr=0.1, step=1, scalars_out=state)
+    rule.step(params, grads, lr=0.1, step=2, scalars_out=state, found_inf=1.0)  # skipped
+    assert state.tolist() == [1.0, 1.5]
+    rule.step(params, grads, lr=0.1, step=2, scalars_out=state)
+    again = state.copy()
+    rule.step(params, grads, lr=0.1, step=2, scalars_out=state)  # the same step once more
+    assert state.tolist() == again.tolist() == [np.float32(2.75), 1.5]
+
+
+def test_a_plan_steps_the_same_scalar_state():
+    rule = mtapply.rule("counter", **COUNTER)
+    (params, grads), (twin, twin_grads) = _lists(2), _lists(2)
+    plan = rule.plan(params, grads)
+    state, twin_state = rule.initial_scalars(), rule.initial_scalars()
+    for t in range(1, 4):
+        plan.step(lr=0.1, step=t, scalars_out=state)
+        rule.step(twin, twin_grads, lr=0.1, step=t, scalars_out=twin_state)
+    assert state.tolist() == twin_state.tolist()
+    for a, b in zip(params, twin):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_steps_without_the_state_array_or_with_a_wrong_one_are_refused_before_writing():
+    rule = mtapply.rule("counter", **COUNTER)
+    params, grads = _lists(3)
+    before = [p.copy() for p in params]
+    with pytest.raises(TypeError, match=r"keeps scalar state \(total\): pass scalars_out="):
+        rule.step(params, grads, lr=0.1, step=1)
+    with pytest.raises(ValueError, match="scalars_out must be a writable contiguous float32 "
+                                         "array of 2 element"):
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(2, np.float64))
+    with pytest.raises(ValueError, match="one number, not one per tensor"):  # one scalar state
+        rule.plan(params, grads).step(lr=[0.1, 0.2], step=1, scalars_out=rule.initial_scalars())
+    for p, p0 in zip(params, before):
+        np.testing.assert_array_equal(p, p0)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(update="total = total + grad\nparam = param - lr * grad"), ValueError,
+     "scalar state 'total' holds one value for the whole list"),
+    (dict(scalars=dict(grad=1.0)), ValueError, "already a slot"),
+    (dict(scalars=dict(total="one")), TypeError, "must be a finite number"),
+    (dict(scalars=dict(total=float("inf"))), TypeError, "must be a finite number"),
+    (dict(scalars=[1.0]), TypeError, "scalars must be a dict"),
+    (dict(sums={"g2": "grad * grad"}), ValueError, "scalars and sums cannot be combined"),
+])
+def test_bad_scalar_declarations_are_refused_when_the_rule_is_made(change, error, message):
+    with pytest.raises(error, match=message):
+        mtapply.rule("counter", **{**COUNTER, **change})
+
+
+def test_a_rule_with_scalars_pickles_and_shows_them():
+    rule = mtapply.rule("counter", **COUNTER)
+    assert "scalars={'total': 1.0}" in repr(rule)
+    assert rule.scalars == {"total": 1.0} and rule.program.uses_step
+    copy = pickle.loads(pickle.dumps(rule))
+    params, grads = _lists(4)
+    twin = [p.copy() for p in params]
+    a, b = rule.initial_scalars(), copy.initial_scalars()
+    for t in (1, 2):
+        rule.step(params, grads, lr=0.1, step=t, scalars_out=a)
+        copy.step(twin, grads, lr=0.1, step=t, scalars_out=b)
+    assert a.tolist() == b.tolist()
+
+
+def test_the_generated_kernel_reads_one_copy_and_one_thread_writes_the_other():
+    source = mtapply.rule("counter", **COUNTER).cuda_source()
+    assert "float* scalars_out;" in source
+    assert "a.scalars_out[(1 - z_parity) * 1 + 0]" in source
+    assert "if (blockIdx.x == 0 && threadIdx.x == 0) a.scalars_out[z_parity * 1 + 0] = " in source
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_nadam_follows_torch_optim_nadam(decoupled, maximize):
+    torch = pytest.importorskip("torch")
+    rule = library.nadam(decoupled, maximize)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=g, dtype=torch.float64),
+              torch.randn(7, generator=g, dtype=torch.float64)]
+    theirs = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.NAdam(theirs, lr=0.01, betas=(0.8, 0.99), weight_decay=0.1,
+                            momentum_decay=0.01, decoupled_weight_decay=decoupled,
+                            maximize=maximize, foreach=False)
+    exp_avgs = [torch.zeros_like(p) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p) for p in params]
+    state = rule.initial_scalars()
+    for t in range(1, 13):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+        for p, grad in zip(theirs, grads):
+            p.grad = grad.clone()
+        opt.step()
+        rule.step([p.numpy() for p in params], [x.numpy() for x in grads],
+                  [x.numpy() for x in exp_avgs], [x.numpy() for x in exp_avg_sqs], lr=0.01,
+                  beta1=0.8, beta2=0.99, weight_decay=0.1, momentum_decay=0.01, step=t,
+                  scalars_out=state)
+    # torch keeps mu_product in float32 (its scalar dtype), as mtapply's scalar state is
+    mu_product = opt.state[theirs[0]]["mu_product"]
+    assert mu_product.dtype == torch.float32
+    np.testing.assert_allclose(state[12 % 2], mu_product.item(), rtol=1e-6)
+    for ours, ref in zip(params, theirs):
+        torch.testing.assert_close(ours, ref.detach(), rtol=1e-8, atol=1e-10)
+    for ours, ref in zip(exp_avg_sqs, theirs):
+        torch.testing.assert_close(ours, opt.state[ref]["exp_avg_sq"], rtol=1e-8, atol=1e-12)
+
+
+def test_the_adapters_refuse_rules_with_scalar_state_clearly():
+    rule = library.nadam()
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    with pytest.raises(NotImplementedError, match="keeps scalar state \\(mu_product\\)"):
+        mt.optimizer(rule, [torch.zeros(3, requires_grad=True)], lr=1e-3)
+    pytest.importorskip("optax")
+    import mtapply.optax as mtx
+
+    with pytest.raises(NotImplementedError, match="mtapply.optax does not carry yet"):
+        mtx.transformation(rule, 1e-3)
