@@ -56,6 +56,7 @@ class Part:
         self.float32_math = all(p.dtype not in (torch.float64, torch.complex128) for p in params)
         self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
         self.after_pass = None
+        self.scalars = None  # a rule's scalar state array (RuleBased)
         if plan is not None and is_dtensor(params[0]):
             self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
         if plan is not None:

@@ -1,5 +1,5 @@
 """`mtapply.torch` optimizers run by a rule (`mtapply.rule`): the built-in ones of the rule
-library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, RAdam, Adagrad, RMSprop) and any
+library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop) and any
 user-written rule."""
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from .rules import library
 
 class RuleBased(FusedOptimizer):
     """Optimizers run by a rule (`mtapply.rule`): each group's rule and hyperparameters, state
-    tensors named after the rule's slots beside the device step counter `step`."""
+    tensors named after the rule's slots beside the device step counter `step`.
+
+    A rule's scalar state (NAdam's `mu_product`) is one array (`Rule.initial_scalars`) per
+    group's params of one device and step count (one plan), which the step's launches update;
+    each of their states holds a zero-dimensional view of its latest values under the
+    scalar's name (shared, as the step counter is), saved as torch.optim saves them."""
 
     _merges_groups = True
 
@@ -46,7 +51,68 @@ class RuleBased(FusedOptimizer):
     def _required_state(self, group, param) -> tuple:
         rule = self._rule(group)  # `step` where the update reads it
         return (("step",) if rule.program.uses_step else ()) + tuple(
-            name for name in rule.slots[1:] if name != "grad")
+            name for name in rule.slots[1:] if name != "grad") + tuple(rule.scalars)
+
+    def _bind(self, key, options, group, params, grads):
+        bound = super()._bind(key, options, group, params, grads)
+        if self._rule(group).scalars:
+            taken: set = set()  # parts that a step count split apart keep arrays of their own
+            for part in bound.parts:
+                part.scalars = self._scalar_array(group, part.params, taken)
+                taken.add(id(part.scalars))
+        return bound
+
+    def _scalar_array(self, group, params, taken: set):
+        """The scalar state array of params that share a step count (a part), from their
+        state entries: the views of an array they share still (and no other part took),
+        else the values they hold (loaded, or set); each entry then becomes a view of the
+        new array's latest values."""
+        rule, state = self._rule(group), self.state
+        names, n = tuple(rule.scalars), len(rule.scalars)
+        entries = [[state[p].get(name) for name in names] for p in params]
+        first = entries[0]
+        if all(isinstance(v, torch.Tensor) and v._base is not None for v in first) and all(
+                all(v is w for v, w in zip(entry, first)) for entry in entries):
+            array = first[0]._base  # the part's own array, as the last bind left it
+            if (array.numel() == 3 * n and array.device == params[0].device
+                    and id(array) not in taken):
+                return array
+        values = []
+        for k, name in enumerate(names):
+            given = {float(entry[k]) for entry in entries if entry[k] is not None}
+            if len(given) > 1:
+                raise ValueError(f"{type(self).__name__} keeps one {name!r} for params of one "
+                                 f"group and step count, but they hold {sorted(given)}: give "
+                                 f"the params of each {name!r} a param group of their own")
+            values.append(given.pop() if given else float(rule.initial_scalars()[k]))
+        array = torch.tensor(values * 3, dtype=torch.float32, device=params[0].device)
+        views = [array[2 * n + k] for k in range(n)]
+        for p in params:
+            for name, view in zip(names, views):
+                state[p][name] = view
+        return array
+
+    def _part_hyper(self, part, group) -> dict:
+        hyper = super()._part_hyper(part, group)
+        if self._rule(group).scalars:
+            hyper["scalars_out"] = part.scalars
+        return hyper
+
+    def _checked_values(self, group) -> dict:
+        values = super()._checked_values(group)
+        if self._rule(group).scalars:  # the group's own array, made by the step
+            values["scalars_out"] = self._rule(group).initial_scalars()
+        return values
+
+    def _saved_entry(self, entry, param, group, reads: dict) -> dict:
+        saved = super()._saved_entry(entry, param, group, reads)
+        if param is not None and group is not None:
+            on_device = group.get("fused") or group.get("capturable")
+            for name in self._rule(group).scalars:  # torch.optim's layout: a CPU scalar
+                if isinstance(saved.get(name), torch.Tensor):
+                    saved[name] = saved[name].to(device=param.device if on_device else "cpu",
+                                                 copy=True)
+        return saved
 
     def _make_plan(self, group, lists):
         given, rule = {"param": lists.bound, "grad": lists.grads}, self._rule(group)
@@ -75,11 +141,6 @@ class RuleOptimizer(RuleBased):
     def __init__(self, rule, params, *, flat_grads=False, **hyper):
         from torch.optim.optimizer import required
 
-        if rule.scalars:
-            raise NotImplementedError(
-                f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
-                f"mtapply.torch optimizers do not carry yet: step it with the rule's own step or "
-                f"plan, passing scalars_out=")
         unknown = sorted(set(hyper) - set(rule.hyper))
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
@@ -87,6 +148,8 @@ class RuleOptimizer(RuleBased):
         for name, value in hyper.items():
             check_one_element(value, name)
         self.rule = rule
+        if rule.scalars:
+            self._merges_groups = False  # a scalar state per group (per step count)
         defaults = {name: hyper.get(name, required if default is None else default)
                     for name, default in rule.hyper.items()}
         super().__init__(params, defaults, flat_grads)
@@ -265,6 +328,37 @@ class Adamax(RuleBased):
         beta1, beta2 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"])
+
+
+class NAdam(RuleBased):
+    """`torch.optim.NAdam` (same arguments and state: `exp_avg`, `exp_avg_sq`, `mu_product`,
+    `step`) from `mtapply.rules.library.nadam`, whose `mu_product` is scalar state, kept on
+    the device for the params of a group that share a step count (see RuleBased), as their
+    per-param values are equal in torch.optim. `foreach`, `capturable` and
+    `differentiable=False` are accepted for compatibility."""
+
+    _OPTION_NAMES = BETA_NAMES
+    _merges_groups = False  # a mu_product per group (per step count)
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 momentum_decay=4e-3, decoupled_weight_decay=False, *, foreach=None,
+                 maximize=False, capturable=False, differentiable=False, flat_grads=False):
+        check_adam_args(lr, betas, eps, weight_decay)
+        if not 0.0 <= momentum_decay:
+            raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        momentum_decay=momentum_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                        maximize=maximize, capturable=capturable, differentiable=differentiable)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        return library.nadam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], momentum_decay=group["momentum_decay"])
 
 
 class RAdam(RuleBased):

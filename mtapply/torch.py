@@ -1,6 +1,6 @@
 """Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
-Adamax, Adadelta, RAdam, Adagrad, RMSprop, Lion, Adan, ScheduleFreeAdamW, and any user-written rule
-(`optimizer(mtapply.rule(...), params, ...)`).
+Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop, Lion, Adan, ScheduleFreeAdamW, and any
+user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
@@ -75,7 +75,7 @@ from ._torch_optimizer import (BETA_NAMES, FusedOptimizer, Part, by_group, check
                                check_one_element, check_torch_adam_flags, data_addresses,
                                group_owners, is_dtensor, laid_out_as, local_tensor, local_tensors,
                                shard_groups)
-from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, RAdam, RMSprop, RuleOptimizer,
+from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop, RuleOptimizer,
                            ScheduleFreeAdamW, optimizer)
 from ._torch_state import StateKeeping
 from .ops.norms import L2NormSpec
@@ -84,14 +84,14 @@ from .torch_galore import GaLoreAdamW
 
 __all__ = ["LAMB", "LARS", "SGD", "Adadelta", "Adagrad", "Adam", "Adam8bit", "Adamax", "AdamW",
            "AdamW8bit", "Adan",
-           "GaLoreAdamW", "Lion", "RAdam", "RMSprop",
+           "GaLoreAdamW", "Lion", "NAdam", "RAdam", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
 _DEREF = weakref.ref.__call__
 
 # The rule-run optimizers are this module's, to users, reprs and pickles alike.
-for _public in (Adadelta, Adagrad, Adamax, Adan, Lion, RAdam, RMSprop, RuleOptimizer,
+for _public in (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop, RuleOptimizer,
                 ScheduleFreeAdamW, optimizer):
     _public.__module__ = __name__
 

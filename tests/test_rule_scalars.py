@@ -34,12 +34,13 @@ def test_a_scalar_carries_from_step_to_step_in_two_copies():
     params, grads = _lists()
     before = [p.copy() for p in params]
     state = rule.initial_scalars()
-    assert state.dtype == np.float32 and state.tolist() == [1.0, 1.0]
+    assert state.dtype == np.float32 and state.tolist() == [1.0, 1.0, 1.0]
     totals = _expected_totals(4)
     for t in range(1, 5):
         rule.step(params, grads, lr=0.1, step=t, scalars_out=state)
         assert state[t % 2] == np.float32(totals[t - 1])  # written at the step's parity
         assert state[(t + 1) % 2] == np.float32(totals[t - 2] if t > 1 else 1.0)  # kept
+        assert state[2] == np.float32(totals[t - 1])  # the latest, where it stays
     for p, p0, g in zip(params, before, grads):
         want = p0 - sum(0.1 * total * g for total in totals)  # exact in float32 too
         np.testing.assert_allclose(p, want, rtol=1e-12)
@@ -51,11 +52,11 @@ def test_a_repeated_or_skipped_step_reads_what_the_step_before_left():
     state = rule.initial_scalars()
     rule.step(params, grads, lr=0.1, step=1, scalars_out=state)
     rule.step(params, grads, lr=0.1, step=2, scalars_out=state, found_inf=1.0)  # skipped
-    assert state.tolist() == [1.0, 1.5]
+    assert state.tolist() == [1.0, 1.5, 1.5]
     rule.step(params, grads, lr=0.1, step=2, scalars_out=state)
     again = state.copy()
     rule.step(params, grads, lr=0.1, step=2, scalars_out=state)  # the same step once more
-    assert state.tolist() == again.tolist() == [np.float32(2.75), 1.5]
+    assert state.tolist() == again.tolist() == [2.75, 1.5, 2.75]
 
 
 def test_a_plan_steps_the_same_scalar_state():
@@ -78,10 +79,10 @@ def test_steps_without_the_state_array_or_with_a_wrong_one_are_refused_before_wr
     with pytest.raises(TypeError, match=r"keeps scalar state \(total\): pass scalars_out="):
         rule.step(params, grads, lr=0.1, step=1)
     with pytest.raises(ValueError, match="scalars_out must be a writable contiguous float32 "
-                                         "array of 2 element"):
-        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(3, np.float32))
+                                         "array of 3 element"):
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(2, np.float32))
     with pytest.raises(ValueError, match="float32"):
-        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(2, np.float64))
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(3, np.float64))
     with pytest.raises(ValueError, match="one number, not one per tensor"):  # one scalar state
         rule.plan(params, grads).step(lr=[0.1, 0.2], step=1, scalars_out=rule.initial_scalars())
     for p, p0 in zip(params, before):
@@ -120,7 +121,8 @@ def test_the_generated_kernel_reads_one_copy_and_one_thread_writes_the_other():
     source = mtapply.rule("counter", **COUNTER).cuda_source()
     assert "float* scalars_out;" in source
     assert "a.scalars_out[(1 - z_parity) * 1 + 0]" in source
-    assert "if (blockIdx.x == 0 && threadIdx.x == 0) a.scalars_out[z_parity * 1 + 0] = " in source
+    assert ("if (blockIdx.x == 0 && threadIdx.x == 0) { a.scalars_out[z_parity * 1 + 0] = "
+            in source) and "a.scalars_out[2] = " in source
 
 
 @pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
@@ -150,22 +152,33 @@ def test_nadam_follows_torch_optim_nadam(decoupled, maximize):
     # torch keeps mu_product in float32 (its scalar dtype), as mtapply's scalar state is
     mu_product = opt.state[theirs[0]]["mu_product"]
     assert mu_product.dtype == torch.float32
-    np.testing.assert_allclose(state[12 % 2], mu_product.item(), rtol=1e-6)
+    np.testing.assert_allclose(state[[12 % 2, 2]], mu_product.item(), rtol=1e-6)
     for ours, ref in zip(params, theirs):
         torch.testing.assert_close(ours, ref.detach(), rtol=1e-8, atol=1e-10)
     for ours, ref in zip(exp_avg_sqs, theirs):
         torch.testing.assert_close(ours, opt.state[ref]["exp_avg_sq"], rtol=1e-8, atol=1e-12)
 
 
-def test_the_adapters_refuse_rules_with_scalar_state_clearly():
-    rule = library.nadam()
+def test_a_rule_with_scalars_in_a_torch_optimizer_keeps_them_per_group():
     torch = pytest.importorskip("torch")
     import mtapply.torch as mt
 
-    with pytest.raises(NotImplementedError, match="keeps scalar state \\(mu_product\\)"):
-        mt.optimizer(rule, [torch.zeros(3, requires_grad=True)], lr=1e-3)
+    rule = mtapply.rule("counter", **COUNTER)
+    params = [torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)]
+    opt = mt.optimizer(rule, [{"params": params[:1]}, {"params": params[1:], "decay": 0.25}],
+                       lr=0.1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert opt.state[params[0]]["total"].item() == _expected_totals(3)[-1]
+    assert opt.state[params[1]]["total"].item() == _expected_totals(3, decay=0.25)[-1]
+    assert len(opt.param_groups) == 2
+
+
+def test_mtapply_optax_refuses_rules_with_scalar_state_clearly():
     pytest.importorskip("optax")
     import mtapply.optax as mtx
 
     with pytest.raises(NotImplementedError, match="mtapply.optax does not carry yet"):
-        mtx.transformation(rule, 1e-3)
+        mtx.transformation(library.nadam(), 1e-3)

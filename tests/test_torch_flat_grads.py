@@ -18,6 +18,7 @@ OPTIMIZERS = [
     (mt.LARS, None, dict(lr=0.1, weight_decay=1e-3)),
     (mt.LAMB, None, dict(lr=1e-2, max_grad_norm=0.5)),
     (mt.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    (mt.NAdam, torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
 ]
 IDS = [cls.__name__ for cls, _, _ in OPTIMIZERS]
 RTOL, ATOL = 1e-5, 1e-6

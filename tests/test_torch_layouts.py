@@ -38,6 +38,7 @@ OPTIMIZERS = [
     (mt.Adamax, dict(lr=1e-2)),
     (mt.Adadelta, dict(lr=0.5, weight_decay=0.01)),
     (mt.RAdam, dict(lr=1e-2)),
+    (mt.NAdam, dict(lr=1e-2, weight_decay=0.01)),
     (lambda params, **kw: mt.optimizer(RULE, params, **kw), dict(lr=1e-2)),
     (mt.GaLoreAdamW, dict(lr=1e-2, weight_decay=0.01)),
 ]
@@ -165,7 +166,8 @@ def test_complex_params_step_as_their_real_views(make, options, flat_grads, devi
     (mt.Adamax, torch.optim.Adamax, dict(lr=1e-2, weight_decay=0.01)),
     (mt.Adadelta, torch.optim.Adadelta, dict(lr=0.5)),
     (mt.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
-], ids=["Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "Adadelta", "RAdam"])
+    (mt.NAdam, torch.optim.NAdam, dict(lr=1e-2, momentum_decay=0.01)),
+], ids=["Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "Adadelta", "RAdam", "NAdam"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_layouts_step_as_torch_optim_steps_them(ours, theirs, options, kind, flat_grads, device):
     def made():

@@ -120,8 +120,9 @@ def test_rmsprop_matches_torch_optim(centered, momentum, maximize):
 @pytest.mark.parametrize("options", [dict(), dict(weight_decay=0.05, eps=1e-3),
                                      dict(maximize=True, weight_decay=0.01)],
                          ids=["defaults", "decay", "maximize"])
-@pytest.mark.parametrize("name,lr", [("Adamax", 2e-2), ("Adadelta", 0.5), ("RAdam", 1e-2)])
-def test_adamax_adadelta_and_radam_match_torch_optim(name, lr, options):
+@pytest.mark.parametrize("name,lr", [("Adamax", 2e-2), ("Adadelta", 0.5), ("RAdam", 1e-2),
+                                     ("NAdam", 1e-2)])
+def test_adamax_adadelta_radam_and_nadam_match_torch_optim(name, lr, options):
     ours, theirs, opt, ref = _pair(lambda p: getattr(mt, name)(p, lr=lr, **options),
                                    lambda p: getattr(torch.optim, name)(p, lr=lr, foreach=False,
                                                                         **options))
@@ -151,8 +152,10 @@ def test_radam_with_decoupled_weight_decay_matches_torch_optim(maximize):
 @pytest.mark.parametrize("name,options", [("Adamax", dict(betas=(0.8, 0.99), weight_decay=0.01)),
                                           ("Adadelta", dict(rho=0.8, weight_decay=0.01)),
                                           ("RAdam", dict(betas=(0.8, 0.99), weight_decay=0.01,
-                                                         decoupled_weight_decay=True))])
-def test_adamax_adadelta_and_radam_checkpoints_move_both_ways(name, options):
+                                                         decoupled_weight_decay=True)),
+                                          ("NAdam", dict(betas=(0.8, 0.99), weight_decay=0.01,
+                                                         momentum_decay=0.01))])
+def test_adamax_adadelta_radam_and_nadam_checkpoints_move_both_ways(name, options):
     a, b = _model(6), _model(6)
     ref = getattr(torch.optim, name)(a.parameters(), lr=0.1, **options)
     _train(a, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 3)
@@ -175,8 +178,9 @@ def test_adamax_adadelta_and_radam_checkpoints_move_both_ways(name, options):
     (lambda p: mt.Adadelta(p, rho=1.5), "Invalid rho value"),
     (lambda p: mt.Adadelta(p, lr=-1.0), "Invalid learning rate"),
     (lambda p: mt.RAdam(p, betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
-    (lambda p: mt.RAdam(p, weight_decay=-0.1), "Invalid weight_decay value")])
-def test_adamax_adadelta_and_radam_refuse_torchs_bad_arguments(make, message):
+    (lambda p: mt.RAdam(p, weight_decay=-0.1), "Invalid weight_decay value"),
+    (lambda p: mt.NAdam(p, momentum_decay=-0.1), "Invalid momentum_decay value")])
+def test_adamax_adadelta_radam_and_nadam_refuse_torchs_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make(_model(0).parameters())
 
@@ -288,3 +292,41 @@ def test_schedule_free_groups_without_grads_keep_their_weights():
     opt.step()
     assert opt.param_groups[1]["k"] == 1 and opt.param_groups[1]["weight_sum"] > 0
     assert opt.param_groups[0]["k"] == 0 and opt.param_groups[0]["weight_sum"] == 0
+
+
+def _two_groups(params):
+    params = list(params)  # the first layer's weight and bias, then the second's
+    return [{"params": params[:2], "momentum_decay": 0.02},
+            {"params": params[2:], "betas": (0.7, 0.99)}]
+
+
+def test_nadam_keeps_one_mu_product_per_group_as_torch_optim_does():
+    ours, theirs, opt, ref = _pair(lambda p: mt.NAdam(_two_groups(p), lr=1e-2),
+                                   lambda p: torch.optim.NAdam(_two_groups(p), lr=1e-2,
+                                                               foreach=False))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[a]["mu_product"], ref.state[b]["mu_product"],
+                                   rtol=1e-6, atol=0)
+    first, last = list(ours.parameters())[0], list(ours.parameters())[-1]
+    assert opt.state[first]["mu_product"].item() != opt.state[last]["mu_product"].item()
+    saved = opt.state_dict()["state"][0]["mu_product"]
+    assert saved.device.type == "cpu" and saved.dtype == torch.float32 and saved.dim() == 0
+    twin = copy.deepcopy(opt)  # a copy steps on from the same mu_product
+    assert twin.state[list(twin.state)[0]]["mu_product"].item() == opt.state[first][
+        "mu_product"].item()
+
+
+def test_nadam_refuses_a_group_whose_params_hold_different_mu_products():
+    model = _model(2)
+    ref = torch.optim.NAdam(model.parameters(), lr=1e-2)
+    _train(model, ref, torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1.0), 2)
+    saved = copy.deepcopy(ref.state_dict())
+    saved["state"][1]["mu_product"] = saved["state"][1]["mu_product"] * 0.5
+    ours = mt.NAdam(model.parameters(), lr=1e-2)
+    ours.load_state_dict(saved)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="keeps one 'mu_product' for params of one group"):
+        _train(model, ours, torch.optim.lr_scheduler.LambdaLR(ours, lambda k: 1.0), 1)
+    for p, p0 in zip(model.parameters(), before):
+        torch.testing.assert_close(p, p0, rtol=0, atol=0)

@@ -33,6 +33,7 @@ OPTIMIZERS = {
     "Adamax": lambda ps, **kw: mt.Adamax(ps, lr=1e-2, weight_decay=0.01, **kw),
     "Adadelta": lambda ps, **kw: mt.Adadelta(ps, lr=0.5, **kw),
     "RAdam": lambda ps, **kw: mt.RAdam(ps, lr=1e-2, decoupled_weight_decay=True, **kw),
+    "NAdam": lambda ps, **kw: mt.NAdam(ps, lr=1e-2, momentum_decay=0.01, **kw),
     "GaLoreAdamW": lambda ps: GaLoreAdamW(_ranked(ps), lr=1e-2),
 }
 NAMES = list(OPTIMIZERS)
@@ -46,7 +47,7 @@ KEPT = {"Adam": "exp_avg", "AdamW": "exp_avg_sq", "Adam8bit": "exp_avg", "AdamW8
         "SGD": None, "SGD-plain": None, "LARS": "momentum_buffer", "LAMB": "exp_avg",
         "Adagrad": "sum", "RMSprop": "square_avg", "Lion": "exp_avg", "Adan": "n",
         "ScheduleFreeAdamW": "z", "RuleOptimizer": "exp_avg", "GaLoreAdamW": "exp_avg",
-        "Adamax": "exp_inf", "Adadelta": "acc_delta", "RAdam": "exp_avg_sq"}
+        "Adamax": "exp_inf", "Adadelta": "acc_delta", "RAdam": "exp_avg_sq", "NAdam": "exp_avg"}
 
 
 def _ranked(params):
@@ -271,7 +272,8 @@ TORCH_PAIRS = {"Adam": (torch.optim.Adam, mt.Adam, dict(lr=1e-2)),
                "RMSprop": (torch.optim.RMSprop, mt.RMSprop, dict(lr=1e-2)),
                "Adamax": (torch.optim.Adamax, mt.Adamax, dict(lr=1e-2)),
                "Adadelta": (torch.optim.Adadelta, mt.Adadelta, dict(lr=0.5)),
-               "RAdam": (torch.optim.RAdam, mt.RAdam, dict(lr=1e-2))}
+               "RAdam": (torch.optim.RAdam, mt.RAdam, dict(lr=1e-2)),
+               "NAdam": (torch.optim.NAdam, mt.NAdam, dict(lr=1e-2))}
 LATER_FLAGS = ("maximize", "foreach", "capturable", "differentiable", "fused", "amsgrad",
                "nesterov", "centered", "decoupled_weight_decay")
 

@@ -17,6 +17,7 @@ OPTIMIZERS = [
     (mt.SGD, dict(momentum=0.9)), (mt.LARS, {}), (mt.LAMB, {}), (mt.Adagrad, {}),
     (mt.RMSprop, {}), (mt.Lion, {}), (mt.Adan, {}), (mt.ScheduleFreeAdamW, {}),
     (mt.Adamax, {}), (mt.Adadelta, {}), (mt.RAdam, dict(decoupled_weight_decay=True)),
+    (mt.NAdam, {}),
     (lambda params, **kw: mt.optimizer(RULE, params, **kw), {}), (mt.GaLoreAdamW, {}),
 ]
 IDS = [f"{getattr(make, '__name__', 'rule')}" for make, _ in OPTIMIZERS]

@@ -64,15 +64,16 @@ class Rule:
         return dict(self.program.scalars)
 
     def initial_scalars(self):
-        """A rule with scalar state steps with `scalars_out=`: a float32 array of two copies of
-        its scalars, in `scalars` order (the copy at the step's parity is written, the other
-        one read, so a step that is repeated or skipped reads what the step before it left).
-        This returns that array as it is before step 1 (NumPy; copy it to the tensors'
-        device); after step t the scalars are `array[(t % 2) * n:][:n]`."""
+        """A rule with scalar state steps with `scalars_out=`: a float32 array of three copies
+        of its n scalars, in `scalars` order. A step reads the copy of the step before it
+        (entries [(t - 1) % 2 * n:][:n] at step t) and writes the other one, so a step that is
+        repeated or skipped reads what the step before it left; it writes the latest values
+        into the last n entries too, where they stay put. This returns the array as it is
+        before step 1 (NumPy; copy it to the tensors' device)."""
         import numpy as np
 
         values = np.asarray(list(self.program.scalars.values()), np.float32)
-        return np.concatenate([values, values])
+        return np.concatenate([values, values, values])
 
     @property
     def ranges(self) -> dict:
@@ -159,8 +160,9 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             previous step left, and a line assigning it (from numbers, hyperparameters, step
             and scalars) sets the next step's. Each step then takes `scalars_out=`, a float32
             array on the tensors' device made from `initial_scalars()`, which it updates;
-            the tensors must be on one device, with one value per hyperparameter. (Not yet
-            taken by mtapply.torch.optimizer and mtapply.optax, which refuse such rules.)
+            the tensors must be on one device, with one value per hyperparameter.
+            `mtapply.torch.optimizer` keeps the array per param group; `mtapply.optax`
+            refuses such rules for now.
 
     Raises:
         ValueError, TypeError: at once, naming the line, for unknown names, a write to a

@@ -31,7 +31,7 @@ def functor_source(program: Program, struct: str) -> str:
     fields = [f"  {ctype} {field};" for name in (*program.hyper, STEP)
               for ctype, field in zip(("double", "const float*"), c_fields(name))]
     if program.scalars:
-        fields.append(f"  float* {SCALARS};  // two copies of the scalar state (see Rule)")
+        fields.append(f"  float* {SCALARS};  // copies of the scalar state (Rule.initial_scalars)")
     parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
     if program.sums:
         parts.append(_Writer(program, f"{struct}Sums", f"{struct}Args", first_pass=True).functor())
@@ -127,9 +127,12 @@ class _Writer:
             counted = 0
             # every block computes the same values; one thread stores them, in the copy that
             # no block of this step reads
-            self.setup += [f"if (blockIdx.x == 0 && threadIdx.x == 0) a.{SCALARS}[z_parity * "
-                           f"{n_scalars} + {k}] = static_cast<float>({self.uniform_name(name)});"
-                           for k, name in enumerate(program.scalars)]
+            # (and the latest values, at the end, for whoever reads them between steps)
+            for k, name in enumerate(program.scalars):
+                value = f"static_cast<float>({self.uniform_name(name)})"
+                self.setup.append(f"if (blockIdx.x == 0 && threadIdx.x == 0) {{ "
+                                  f"a.{SCALARS}[z_parity * {n_scalars} + {k}] = {value}; "
+                                  f"a.{SCALARS}[{2 * n_scalars + k}] = {value}; }}")
         enum = ", ".join(self._slot(slot.name) for slot in program.slots)
         s = self.struct
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",

@@ -97,7 +97,7 @@ class Program:
     @property
     def uses_step(self) -> bool:
         """Whether a step needs the step count: the lines read it, or scalar state is kept
-        (two copies, picked by the step's parity)."""
+        (copies picked by the step's parity)."""
         return bool(self.scalars) or any(isinstance(n, ast.Name) and n.id == STEP
                                          for line in self.lines for n in ast.walk(line.expr))
 

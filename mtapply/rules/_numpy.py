@@ -20,7 +20,7 @@ _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np
 def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None) -> dict:
     """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
     `scalars`: hyperparameter (and step) name -> float; `state`: the float32 array of the
-    rule's scalar state (two copies: the step's parity picks the one written), updated here."""
+    rule's scalar state (see `Rule.initial_scalars`), updated here."""
     shape = next(iter(arrays.values())).shape
     env = {name: np.float64(value) for name, value in scalars.items()}
     n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
@@ -42,7 +42,7 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None) -
         for line in program.lines:
             env[line.target] = evaluator.value(line.expr)
     for k, name in enumerate(program.scalars):
-        state[parity * n_state + k] = np.float32(env[name])
+        state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
     return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()
             for s in program.slots if s.written}
 

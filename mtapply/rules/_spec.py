@@ -79,8 +79,8 @@ class RuleSpec(OpSpec):
         return args
 
     def output_numel(self, name: str, n_tensors: int) -> int:
-        """Two copies of the scalar state (see `Rule.initial_scalars`)."""
-        return 2 * len(self.program.scalars)
+        """Three copies of the scalar state (see `Rule.initial_scalars`)."""
+        return 3 * len(self.program.scalars)
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}

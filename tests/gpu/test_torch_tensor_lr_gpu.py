@@ -17,7 +17,7 @@ OPTIMIZERS = [
     (mt.AdamW8bit, {}), (mt.SGD, dict(momentum=0.9)), (mt.LARS, {}), (mt.LAMB, {}),
     (mt.Adagrad, {}), (mt.RMSprop, {}), (mt.Lion, {}), (mt.Adan, {}),
     (mt.ScheduleFreeAdamW, {}), (lambda params, **kw: mt.optimizer(RULE, params, **kw), {}),
-    (mt.Adamax, {}), (mt.Adadelta, {}), (mt.RAdam, {}),
+    (mt.Adamax, {}), (mt.Adadelta, {}), (mt.RAdam, {}), (mt.NAdam, {}),
     (mt.GaLoreAdamW, {}),
 ]
 IDS = [getattr(make, "__name__", "rule") for make, _ in OPTIMIZERS]
