@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GPU_MARK = "# needs a CUDA GPU"
-LONGEST = 450  # lines: a user's page; details go to docs/
+LONGEST = 400  # lines: a user's page; details go to docs/
 
 # Runs the blocks of a JSON list [(first README line, code), ...] in one namespace, as pasted
 # into one interpreter; a failure names the block's line in README.md.
