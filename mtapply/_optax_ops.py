@@ -352,7 +352,10 @@ class UserRule(OptaxRule):
     or arrays (device values) given here."""
 
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None):
-        self.user, self.name, self.initial = rule, name or rule.name, dict(initial or {})
+        self.user, self.name = rule, name or rule.name
+        self.initial = {slot: "params" if value == "param" else value  # as declared, or given
+                        for slot, value in rule.initial.items() if value != 0.0}
+        self.initial.update(initial or {})
         if rule.scalars:
             raise NotImplementedError(
                 f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
@@ -406,7 +409,7 @@ class ScheduleFreeRule(UserRule):
                                 if is_number(weight_lr_power) else weight_lr_power)
         self.b1 = b1
         super().__init__(rule, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, ck=0.0),
-                         initial={"z": "params"}, name="schedule_free_adamw")
+                         name="schedule_free_adamw")  # z starts as the params (the rule's)
         del self.hyper["ck"]  # a step argument, computed per step
         self.state_type = _rule_state_type(rule.name, self.slots, self.scalar_fields)
         self.slot_dtypes = {"z": state_dtype} if state_dtype is not None else {}

@@ -36,7 +36,13 @@ class RuleBased(FusedOptimizer):
         return {name: group[name] for name in self._rule(group).hyper}
 
     def _initial(self, group, p, name: str):
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
+        """A new state tensor of slot `name`: its declared first value (see `mtapply.rule`)."""
+        value = self._rule(group).initial.get(name, 0.0)
+        if value == "param":
+            return p.detach().clone(memory_format=torch.preserve_format)
+        if p.is_complex():  # stepped as its real view: both parts start at the value
+            value = complex(value, value)
+        return torch.full_like(p, value, memory_format=torch.preserve_format)
 
     def _compile_options(self, group) -> tuple:
         return (self._rule(group),)
@@ -141,6 +147,9 @@ class RuleOptimizer(RuleBased):
     def __init__(self, rule, params, *, flat_grads=False, **hyper):
         from torch.optim.optimizer import required
 
+        if "lr" not in rule.hyper:
+            raise TypeError(f"rule {rule.name!r} has no lr: a torch optimizer's param groups "
+                            f"(and LR schedulers) drive the rule's lr hyperparameter; declare one")
         unknown = sorted(set(hyper) - set(rule.hyper))
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
@@ -230,9 +239,6 @@ class ScheduleFreeAdamW(RuleBased):
 
     def _rule(self, group):
         return library.schedule_free_adamw()
-
-    def _initial(self, group, p, name: str):
-        return p.detach().clone() if name == "z" else super()._initial(group, p, name)
 
     def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         for index, group in enumerate(self.param_groups):  # a tensor lr, filled in place

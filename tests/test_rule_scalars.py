@@ -182,3 +182,118 @@ def test_mtapply_optax_refuses_rules_with_scalar_state_clearly():
 
     with pytest.raises(NotImplementedError, match="mtapply.optax does not carry yet"):
         mtx.transformation(library.nadam(), 1e-3)
+
+
+def test_modulo_follows_python_and_picks_every_kth_step():
+    """`%` as Python's (the sign of the divisor), uniform or per element: an update applied
+    every third step, and the fractional part of negative numbers."""
+    rule = mtapply.rule("every_third", slots="param:rw grad:r frac:rw",
+                        hyper=dict(lr=(None, ">= 0")),
+                        update="""
+                            param = where(step % 3 == 0, param - lr * grad, param)
+                            frac = grad % 0.75 + (0 - grad) % -0.5
+                        """)
+    params, grads = _lists(6)
+    fracs = [np.zeros_like(g) for g in grads]
+    before = [p.copy() for p in params]
+    for t in range(1, 7):
+        rule.step(params, grads, fracs, lr=0.5, step=t)
+        moved = t // 3
+        for p, p0, g in zip(params, before, grads):
+            np.testing.assert_allclose(p, p0 - moved * 0.5 * g, rtol=1e-12, atol=1e-15)
+    for g, f in zip(grads, fracs):
+        want = np.array([x % 0.75 + (-x) % -0.5 for x in g.ravel()]).reshape(g.shape)
+        np.testing.assert_allclose(f, want, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="division by the literal 0"):
+        mtapply.rule("bad", slots="param:rw grad:r", hyper={}, update="param = param % 0")
+
+
+YOGI_LIKE = dict(slots="param:rw grad:r v:rw=1e-6 anchor:rw=param",
+                 hyper=dict(lr=(None, ">= 0")),
+                 update="""
+                     v = v + grad * grad
+                     param = param - lr * grad / sqrt(v) + 0 * anchor
+                     anchor = anchor
+                 """)
+
+
+def test_declared_first_values_of_state_slots_in_torch_and_optax():
+    rule = mtapply.rule("yogi_like", **YOGI_LIKE)
+    assert rule.initial == {"v": 1e-6, "anchor": "param"}
+    assert "v:rw=1e-06 anchor:rw=param" in repr(rule)
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    p = torch.randn(4, 3).to(memory_format=torch.contiguous_format).requires_grad_()
+    start = p.detach().clone()
+    opt = mt.optimizer(rule, [p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["v"], torch.full_like(p, 1e-6 + 1.0))
+    torch.testing.assert_close(opt.state[p]["anchor"], start)  # the param before the step
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    import mtapply.optax as mtx
+
+    params = {"w": jax.numpy.arange(6.0).reshape(2, 3)}
+    state = mtx.transformation(rule, 0.1, flat_state=False).init(params)
+    np.testing.assert_array_equal(np.asarray(state.v["w"]), np.full((2, 3), 1e-6, np.float32))
+    np.testing.assert_array_equal(np.asarray(state.anchor["w"]), np.asarray(params["w"]))
+
+
+@pytest.mark.parametrize("slots,message", [
+    ("param:rw=1 grad:r", "only state slots declare a first value"),
+    ("param:rw grad:r v:rw=one", "a first value is a finite number or param"),
+    ("param:rw grad:r v:rw=inf", "a first value is a finite number or param"),
+])
+def test_bad_first_values_are_refused(slots, message):
+    with pytest.raises(ValueError, match=message):
+        mtapply.rule("bad", slots=slots, hyper={}, update="param = param - grad")
+
+
+EMA = dict(slots="param:r grad:r ema:rw=param", hyper=dict(lr=(0.1, "[0, 1]")),
+           update="ema = ema + lr * (param - ema)")  # lr: the average's rate
+
+
+def test_a_state_only_rule_keeps_an_average_of_the_params_and_never_writes_them():
+    rule = mtapply.rule("ema", **EMA)
+    params, grads = _lists(7)
+    before = [p.copy() for p in params]
+    emas = [np.zeros_like(p) for p in params]
+    rule.step(params, grads, emas, lr=0.5)
+    for p, p0, e in zip(params, before, emas):
+        np.testing.assert_array_equal(p, p0)
+        np.testing.assert_allclose(e, 0.5 * p0, rtol=1e-12)
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    w = torch.randn(5, requires_grad=True)
+    opt = mt.optimizer(rule, [w], lr=0.25)
+    start = w.detach().clone()
+    for _ in range(2):
+        w.grad = torch.ones_like(w)
+        opt.step()
+    torch.testing.assert_close(w.detach(), start, rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[w]["ema"], start)  # first value: the param itself
+    with pytest.raises(ValueError, match="keeps state only"):
+        rule.spec(master_weights=True)
+    with pytest.raises(ValueError, match="a rule writes at least one slot"):
+        mtapply.rule("nothing", slots="param:r grad:r", hyper={}, update="x = grad")
+    no_lr = mtapply.rule("no_lr", slots="param:rw grad:r", hyper=dict(rate=0.1),
+                         update="param = param - rate * grad")
+    with pytest.raises(TypeError, match="rule 'no_lr' has no lr"):
+        mt.optimizer(no_lr, [w])
+
+
+@pytest.mark.parametrize("definition", [COUNTER, EMA, YOGI_LIKE], ids=["scalars", "state-only",
+                                                                       "first-values"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_new_constructs_compile_for_the_gpu(definition, dtype):
+    pytest.importorskip("cuda.bindings")
+    from mtapply import _source
+
+    rule = mtapply.rule("compiled", **definition)
+    spec = rule.spec()
+    types = (dtype, dtype) + ("float32",) * (len(rule.slots) - 2)
+    for arch in ("sm_80", "sm_90"):
+        assert _source.compile_offline(spec.source(types), arch)[:4] == b"\x7fELF"

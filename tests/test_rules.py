@@ -33,6 +33,8 @@ EVERYTHING = dict(slots="param:rw grad:r a:rw b:r",
                       t = where(grad > 0, sqrt(abs(grad)), -rsqrt(abs(grad) + 1))
                       t = t + exp(-abs(b)) * log(1 + b * b) + min(grad, b) - max(a, -1)
                       u = where(step > 1, lr, lr / k)
+                      u = where(step % 3 == 0, u * 0.5, u) + (grad % 0.75) * 0
+                      t = t + (b % -0.5) * 0.1
                       a = a ** 2 * 0.5 + b ** 0.5 * 0 + abs(a) ** 1.5 * 0.1 + sign(grad)
                       param = param - u * t
                   """)
@@ -117,6 +119,7 @@ def test_every_construct_follows_the_float64_definition():
         g, bb, aa = g.astype(np.float64), bb.astype(np.float64), want[1][i]
         t = np.where(g > 0, np.sqrt(np.abs(g)), -1 / np.sqrt(np.abs(g) + 1))
         t = t + np.exp(-np.abs(bb)) * np.log(1 + bb * bb) + np.fmin(g, bb) - np.fmax(aa, -1)
+        t = t + np.mod(bb, -0.5) * 0.1  # Python's %: the sign of the divisor
         want[1][i] = aa ** 2 * 0.5 + np.abs(aa) ** 1.5 * 0.1 + np.sign(g)
         want[0][i] = want[0][i] - 0.05 * t  # step 1: lr / k
     for got, expected in zip(params + a, want[0] + want[1]):

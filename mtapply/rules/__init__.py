@@ -59,6 +59,13 @@ class Rule:
         return dict(self.program.hyper)
 
     @property
+    def initial(self) -> dict:
+        """State slot name -> its first value: a number, or "param" (a copy of the param), as
+        declared in `slots` (0 where not). mtapply.torch and mtapply.optax make state so; the
+        functional `step` and `plan` take the lists as given."""
+        return {s.name: s.initial for s in self.program.slots[1:] if s.name != "grad"}
+
+    @property
     def scalars(self) -> dict:
         """Scalar state name -> its value before the first step (see `initial_scalars`)."""
         return dict(self.program.scalars)
@@ -122,7 +129,10 @@ class Rule:
     def __repr__(self) -> str:
         """The rule's name, slots (with their access) and hyperparameters (with their defaults;
         None: required), and the names of its per-tensor sums, if any."""
-        slots = " ".join(f"{s.name}:{'rw' if s.written else 'r'}" for s in self.program.slots)
+        slots = " ".join(f"{s.name}:{'rw' if s.written else 'r'}"
+                         + (f"={s.initial:g}" if isinstance(s.initial, float) and s.initial
+                            else f"={s.initial}" if isinstance(s.initial, str) else "")
+                         for s in self.program.slots)
         named = f", sums={[s.name for s in self.program.sums]!r}" if self.program.sums else ""
         if self.program.scalars:
             named += f", scalars={self.scalars!r}"
@@ -142,7 +152,9 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
     Args:
         name: the rule's name, for messages.
         slots: the per-param tensors as "NAME:r" or "NAME:rw", in the order `step` takes their
-            lists: "param:rw" first, and "grad:r" among them.
+            lists: "param:rw" first, and "grad:r" among them. A state slot may declare its
+            first value, "NAME:rw=1e-6" or "NAME:rw=param" (a copy of the param), which
+            mtapply.torch and mtapply.optax give new state (0 where none is declared).
         hyper: name -> default of each scalar hyperparameter (None: required), or name ->
             (default, range), the range a step accepts: ">= 0", "> 0", "<= 1", "< 1", or an
             interval "[0, 1)" (any brackets). Each may be a number (finite, in its range, or

@@ -15,6 +15,7 @@ from ._language import STEP, Program
 
 HELPERS = """
 template <class T> __device__ __forceinline__ T rule_rsqrt(T x) { return T(1) / sqrt(x); }
+template <class T> __device__ __forceinline__ T rule_mod(T a, T b) { return a - b * floor(a / b); }
 template <class T> __device__ __forceinline__ T rule_sign(T x) {
   return x != x ? x : T((x > T(0)) - (x < T(0)));
 }
@@ -201,6 +202,8 @@ class _Writer:
         if isinstance(node, ast.BinOp):
             if isinstance(node.op, ast.Pow):
                 return self._power(node, sub)
+            if isinstance(node.op, ast.Mod):  # Python's: the sign of the divisor
+                return f"rule_mod({sub(node.left)}, {sub(node.right)})"
             return f"({sub(node.left)} {_BINARY[type(node.op)]} {sub(node.right)})"
         if isinstance(node, ast.Compare):
             return f"({sub(node.left)} {_COMPARE[type(node.ops[0])]} {sub(node.comparators[0])})"

@@ -11,7 +11,8 @@ Names are the rule's slots (per-element values of its tensors), its hyperparamet
 NAdam's running product of momentum factors: a name reads the value the previous step left, an
 assignment sets the value the next step reads; uniform values only), and temporaries assigned on
 earlier lines. Expressions use numbers,
-+ - * / **, unary minus, comparisons, `where(cond, a, b)` and the functions in FUNCTIONS.
++ - * / ** %, unary minus, comparisons, `where(cond, a, b)` and the functions in FUNCTIONS
+(`a % b` as Python's: a - b * floor(a / b), the sign of b; `step % k == 0` picks every k-th step).
 The text is parsed with Python's `ast` and only the node types named here are accepted: nothing
 from it is ever executed. Each value is classed once: *uniform* (the same for every element of
 a launch: numbers, hyperparameters, step, and what is computed from them alone) or *element*,
@@ -35,7 +36,7 @@ from .._ranges import parse as parse_range
 
 FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
              "max": 2, "where": 3}
-BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
+BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**", ast.Mod: "%"}
 COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
            ast.NotEq: "!="}
 STEP = "step"
@@ -45,6 +46,7 @@ STEP = "step"
 class Slot:
     name: str
     written: bool
+    initial: object = 0.0  # a state slot's first value: a number, or "param" (a copy of it)
 
 
 @dataclass(frozen=True)
@@ -103,27 +105,49 @@ class Program:
 
 
 def parse_slots(text: str) -> tuple:
-    """"param:rw grad:r exp_avg:rw" -> Slots. param (read-written) comes first, grad (read)
-    is among them."""
+    """"param:rw grad:r exp_avg:rw nu:rw=1e-6 z:rw=param" -> Slots. param comes first (rw,
+    or r for a rule that only keeps state, such as an average of the params), grad (read) is
+    among them; a state slot may declare its first value (a number, or `param`: a copy of the
+    param), 0 where it does not."""
     if not isinstance(text, str):
         raise TypeError(f"slots must be a string like \"param:rw grad:r exp_avg:rw\", got "
                         f"{type(text).__name__}")
     slots = []
     for word in text.split():
         name, _, mode = word.partition(":")
+        mode, equals, start = mode.partition("=")
         if not name.isidentifier() or keyword.iskeyword(name) or mode not in ("r", "rw"):
             raise ValueError(f"slots: {word!r} is not NAME:r or NAME:rw")
+        initial = _initial(word, start) if equals else 0.0
+        if equals and name in ("param", "grad"):
+            raise ValueError(f"slots: {word!r}: only state slots declare a first value")
         if name in FUNCTIONS or name == STEP:
             raise ValueError(f"slots: {name!r} is a reserved name")
         if any(s.name == name for s in slots):
             raise ValueError(f"slots: {name!r} is declared twice")
-        slots.append(Slot(name, mode == "rw"))
-    if not slots or slots[0] != Slot("param", True):
-        raise ValueError("slots must begin with param:rw (the tensors the rule updates)")
+        slots.append(Slot(name, mode == "rw", initial))
+    if not slots or slots[0].name != "param":
+        raise ValueError("slots must begin with param:rw (the tensors the rule updates), or "
+                         "param:r for a rule that only keeps state")
+    if not any(s.written for s in slots):
+        raise ValueError("slots: a rule writes at least one slot (declare it NAME:rw)")
     if Slot("grad", False) not in slots:
         raise ValueError("slots must include grad:r (the gradients, unscaled by AMP's "
                          "grad_scale)")
     return tuple(slots)
+
+
+def _initial(word: str, text: str):
+    """A state slot's declared first value: a finite number, or "param"."""
+    if text == "param":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"slots: {word!r}: a first value is a finite number or param")
+    return value
 
 
 def check_hyper(hyper: dict, slots: tuple) -> tuple:
@@ -337,7 +361,7 @@ class _Checker:
         if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
             left = self._numeric(node.left, BINARY[type(node.op)])
             right = self._numeric(node.right, BINARY[type(node.op)])
-            if isinstance(node.op, ast.Div) and _is_zero(node.right):
+            if isinstance(node.op, (ast.Div, ast.Mod)) and _is_zero(node.right):
                 raise ValueError(f"{self.where}: division by the literal 0")
             return Kind(uniform=left.uniform and right.uniform)
         if isinstance(node, ast.Compare):
@@ -350,7 +374,7 @@ class _Checker:
             return self._call(node)
         token = ast.get_source_segment(self.text, node) or type(node).__name__
         raise ValueError(f"{self.where}: {type(node).__name__} ({token}) is not part of the rule "
-                         f"language (numbers, names, + - * / **, comparisons, where() and "
+                         f"language (numbers, names, + - * / ** %, comparisons, where() and "
                          f"{', '.join(f for f in FUNCTIONS if f != 'where')})")
 
     def _name(self, name: str) -> Kind:

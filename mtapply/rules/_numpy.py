@@ -105,6 +105,8 @@ def _binary(node: ast.BinOp, sub):
         return left * right
     if isinstance(node.op, ast.Div):
         return left / right
+    if isinstance(node.op, ast.Mod):  # as the kernel computes it (Python's sign convention)
+        return left - right * np.floor(left / right)
     return np.power(left, right)
 
 

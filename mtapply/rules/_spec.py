@@ -16,6 +16,9 @@ class RuleSpec(OpSpec):
     flags = ()
 
     def __init__(self, name: str, program: Program, *, master_weights: bool = False):
+        if master_weights and not program.slots[0].written:
+            raise ValueError(f"rule {name!r} keeps state only (param:r): master_params are "
+                             f"for rules that update the params")
         self.program = program
         self.rule_name = name
         digest = hashlib.sha256(_cuda.functor_source(program, "Rule").encode()).hexdigest()[:16]

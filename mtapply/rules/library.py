@@ -181,7 +181,7 @@ def schedule_free_adamw() -> Rule:
     params at first); x, the average, is recomputed from them. `ck` is the averaging weight of
     this step (from the running sum of max_lr**weight_lr_power), which the adapter computes;
     lr is the base step's learning rate."""
-    return rule("schedule_free_adamw", slots="param:rw grad:r z:rw nu:rw",
+    return rule("schedule_free_adamw", slots="param:rw grad:r z:rw=param nu:rw",
                 hyper=dict(lr=(None, LR), b1=(0.9, "(0, 1)"), b2=(0.999, BETA),
                            eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
                            ck=(None, "[0, 1]")),

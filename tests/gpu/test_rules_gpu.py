@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import mtapply.torch as mt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' rules
+from test_rule_scalars import EMA  # noqa: E402
 from test_rules import ADAGRAD, EVERYTHING, LAMB, LARS, LION  # noqa: E402
 
 SHAPES = [(10,), (3, 4), (0,), (1,), (257,), (1 << 20 | 3,)]
@@ -44,6 +45,7 @@ def _host(lists):
     ("everything", EVERYTHING, dict(lr=0.1), (3,), 5e-5),
     ("lars", LARS, dict(lr=0.5, weight_decay=0.01, trust_coefficient=0.02, eps=1e-6), (), 2e-6),
     ("lamb", LAMB, dict(lr=1e-2), (3,), 2e-6),
+    ("ema", EMA, dict(lr=0.25), (), 2e-6),  # state only: the params stay as they are
 ])
 def test_gpu_steps_match_the_cpu_path(name, definition, hyper, positive, atol):
     rule = mtapply.rule(name, **definition)
