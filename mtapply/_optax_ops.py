@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -436,7 +437,10 @@ def _rule_state_type(name: str, slots: tuple, scalars: tuple) -> type:
     """The state class of a rule (one per name and fields, so that every transformation of one
     rule keeps states of one pytree type): `count`, each state slot, then per-step scalars.
     Made at run time, it pickles as a call that makes it again."""
-    title = "".join(part.title() for part in name.replace("-", "_").split("_")) or "Rule"
+    words = re.sub(r"\W", "_", name).split("_")  # a chain's name joins its links' with "+"
+    title = "".join(part.title() for part in words) or "Rule"
+    if not title.isidentifier():
+        title = f"Rule{title}"
     state_type = NamedTuple(f"{title}State",
                             [("count", Any)] + [(s, Any) for s in (*slots, *scalars)])
     state_type.slot_fields = slots  # what tree_state and flat_state convert

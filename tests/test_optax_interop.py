@@ -267,8 +267,14 @@ rng = np.random.default_rng(0)
 params = {"w": jnp.asarray(rng.standard_normal((5, 3))), "b": jnp.asarray(rng.standard_normal(3))}
 grads = {"w": jnp.asarray(rng.standard_normal((5, 3))), "b": jnp.asarray(rng.standard_normal(3))}
 assert params["w"].dtype == jnp.float64
+import mtapply
+from mtapply.rules import library as L
+adamw_chain = mtapply.chain(L.scale_by_adam(), L.add_decayed_weights(0.1), L.scale_by_learning_rate())
 for ours, theirs in ((mtx.sgd(1 / 3, momentum=0.9), optax.sgd(1 / 3, momentum=0.9)),
                      (mtx.adam(1 / 3), optax.adam(1 / 3)),
+                     (mtx.transformation(adamw_chain, 1 / 3),
+                      optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1),
+                                  optax.scale_by_learning_rate(1 / 3))),
                      (mtx.adam(1 / 3, b1=jnp.asarray(0.9)), optax.adam(1 / 3))):
     a, b = ours.init(params), theirs.init(params)
     for _ in range(3):

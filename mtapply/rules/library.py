@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from . import Rule, rule
+from .chain import Link
 
 # the ranges the shipped rules declare for their hyperparameters (see mtapply.rule)
 LR = ">= 0"
@@ -328,6 +329,91 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
                 """)
 
 
+# -- links: gradient transformations for `mtapply.chain`, named and behaving as optax's --------
+# (each factory's arguments are the link's hyperparameter defaults; a step may pass others)
+
+def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0) -> Link:
+    """optax.scale_by_adam: bias-corrected first moment over the root of the second."""
+    return Link("scale_by_adam", "mu:rw nu:rw",
+                dict(b1=(b1, BETA), b2=(b2, BETA), eps=(eps, NON_NEGATIVE),
+                     eps_root=(eps_root, NON_NEGATIVE)),
+                """
+                    mu = (1 - b1) * grad + b1 * mu
+                    nu = (1 - b2) * (grad * grad) + b2 * nu
+                    update = mu / (1 - b1 ** step) / (sqrt(nu / (1 - b2 ** step) + eps_root) + eps)
+                """)
+
+
+def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0) -> Link:
+    """optax.scale_by_rms: the update over the root of a running mean of its squares (eps
+    inside the root); the mean starts at `initial_scale`."""
+    return Link("scale_by_rms", f"nu:rw={float(initial_scale)!r}",
+                dict(decay=(decay, "[0, 1]"), eps=(eps, NON_NEGATIVE)),
+                """
+                    nu = (1 - decay) * (grad * grad) + decay * nu
+                    update = grad * rsqrt(nu + eps)
+                """)
+
+
+def scale_by_lion(b1=0.9, b2=0.99) -> Link:
+    """optax.scale_by_lion: the sign of an interpolation of momentum and update."""
+    return Link("scale_by_lion", "mu:rw", dict(b1=(b1, BETA), b2=(b2, BETA)),
+                """
+                    update = sign((1 - b1) * grad + b1 * mu)
+                    mu = (1 - b2) * grad + b2 * mu
+                """)
+
+
+def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16) -> Link:
+    """optax.scale_by_belief (AdaBelief): the second moment of the update's surprise."""
+    return Link("scale_by_belief", "mu:rw nu:rw",
+                dict(b1=(b1, BETA), b2=(b2, BETA), eps=(eps, NON_NEGATIVE),
+                     eps_root=(eps_root, NON_NEGATIVE)),
+                """
+                    mu = (1 - b1) * grad + b1 * mu
+                    surprise = grad - mu
+                    nu = (1 - b2) * (surprise * surprise) + b2 * nu + eps_root
+                    update = mu / (1 - b1 ** step) / (sqrt(nu / (1 - b2 ** step)) + eps)
+                """)
+
+
+def trace(decay, nesterov=False) -> Link:
+    """optax.trace: momentum (the trace starts at zero); with nesterov, the update plus the
+    decayed new trace."""
+    return Link("trace", "trace:rw", dict(decay=(decay, "[0, 1]")),
+                f"""
+                    trace = grad + decay * trace
+                    update = {"grad + decay * trace" if nesterov else "trace"}
+                """)
+
+
+def add_decayed_weights(weight_decay=0.0) -> Link:
+    """optax.add_decayed_weights (without a mask): the update plus weight_decay * param."""
+    return Link("add_decayed_weights", "", dict(weight_decay=(weight_decay, NON_NEGATIVE)),
+                "update = grad + weight_decay * param")
+
+
+def scale(step_size) -> Link:
+    """optax.scale: the update times `step_size`."""
+    return Link("scale", "", dict(step_size=step_size), "update = step_size * grad")
+
+
+def scale_by_learning_rate(learning_rate=None) -> Link:
+    """optax.scale_by_learning_rate: the update times -lr (the rule's `lr`, which the torch
+    and optax adapters drive; None: given at every step)."""
+    return Link("scale_by_learning_rate", "", dict(lr=(learning_rate, LR)),
+                "update = -lr * grad")
+
+
+def clip(max_delta) -> Link:
+    """optax.clip: each element of the update into [-max_delta, max_delta]."""
+    return Link("clip", "", dict(max_delta=(max_delta, NON_NEGATIVE)),
+                "update = max(min(grad, max_delta), -max_delta)")
+
+
 __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
            "adamax_optax", "adan", "lion", "nadam", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
-           "schedule_free_adamw"]
+           "schedule_free_adamw",
+           # links
+           "add_decayed_weights", "clip", "scale", "scale_by_adam", "scale_by_belief",
+           "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "trace"]

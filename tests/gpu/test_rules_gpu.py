@@ -267,3 +267,22 @@ def test_nadam_scalar_state_on_the_gpu_follows_the_cpu_path_over_two_launches():
     rule.step(*host, step=6, scalars_out=host_state, **hyper)
     rule.step(*host, step=7, scalars_out=host_state, **hyper)
     np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-6)
+
+
+def test_a_chain_of_links_on_the_gpu_follows_the_cpu_path():
+    """optax-style links fused into one rule (`mtapply.chain`): one launch per dtype group
+    over the big and the empty tensors alike."""
+    from mtapply.rules import library as L
+
+    rule = mtapply.chain(L.clip(2.0), L.scale_by_adam(b1=0.8), L.add_decayed_weights(0.01),
+                         L.trace(0.5, nesterov=True), L.scale_by_learning_rate())
+    lists = _lists(len(rule.slots), 7)
+    host = _host(lists)
+    for step in range(1, 5):
+        rule.step(*lists, lr=1e-2, step=step)
+        rule.step(*host, lr=1e-2, step=step)
+    torch.cuda.synchronize()
+    for k, slot in enumerate(rule.slots):
+        for i, (got, want) in enumerate(zip(lists[k], host[k])):
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=2e-5, atol=2e-6,
+                                       err_msg=f"{slot}[{i}]")

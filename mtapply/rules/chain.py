@@ -1,0 +1,104 @@
+"""Gradient transformations as rules, and chains of them fused into one rule.
+
+A link reads `grad` (the updates so far: the gradient for the first link) and writes `update`,
+with state slots and hyperparameters of its own, as an optax GradientTransformation does; it
+may read `param` and `step`. `chain(*links)` is one rule: each link's lines in order, each
+reading the update of the link before, then `param = param + update` (optax's
+apply_updates), so the generated kernel reads each tensor once and writes it once. A chain
+that ends in a learning-rate scaling is an optimizer wherever a rule is one.
+
+    adamw = mtapply.chain(library.scale_by_adam(), library.add_decayed_weights(1e-4),
+                          library.scale_by_learning_rate())
+    adamw.step(params, grads, mu, nu, lr=1e-3, step=1)
+
+Names of slots and hyperparameters stay as the links declare them where they are unique in
+the chain; a name two links declare gets the link's 1-based position as a suffix (`mu_2`).
+"""
+from __future__ import annotations
+
+import ast
+import textwrap
+
+from . import Rule
+from ._language import FUNCTIONS, STEP
+
+INPUT, OUTPUT = "grad", "update"
+
+
+class Link:
+    """One gradient transformation: `slots` (its state, "NAME:rw" or "NAME:rw=FIRST"),
+    `hyper` (as a rule's) and `update` lines that end by assigning `update`."""
+
+    def __init__(self, name: str, slots: str, hyper: dict, update: str):
+        self.name, self.slots_text, self.hyper = name, slots, dict(hyper)
+        self.update = textwrap.dedent(update)
+        if not any(line.partition("=")[0].strip() == OUTPUT for line in _lines(self.update)):
+            raise ValueError(f"link {name!r} never assigns {OUTPUT!r} (its output)")
+        # checked as the rule it would be alone: names, ranges, reads and writes
+        alone = Rule(name, f"param:rw grad:r {slots}", hyper,
+                     f"{self.update}\nparam = param + {OUTPUT}")
+        self.state = alone.program.slots[2:]
+
+    def __repr__(self) -> str:
+        return f"mtapply.rules.chain.Link({self.name!r}, slots={self.slots_text!r})"
+
+
+def chain(*links: Link, name: str | None = None) -> Rule:
+    """One rule of `links` in order (see the module docstring)."""
+    if not links or not all(isinstance(link, Link) for link in links):
+        raise TypeError("chain takes one or more links (mtapply.rules.chain.Link)")
+    taken = _taken(links)
+    slots, hyper, lines = ["param:rw", "grad:r"], {}, []
+    for k, link in enumerate(links, 1):
+        names = {INPUT: INPUT if k == 1 else f"update_{k - 1}", OUTPUT: f"update_{k}"}
+        for slot in link.state:
+            names[slot.name] = _unique(slot.name, k, taken)
+            first = "" if slot.initial == 0.0 else f"={slot.initial}"
+            slots.append(f"{names[slot.name]}:{'rw' if slot.written else 'r'}{first}")
+        for hyper_name, declared in link.hyper.items():
+            names[hyper_name] = _unique(hyper_name, k, taken)
+            hyper[names[hyper_name]] = declared
+        lines += [_renamed(line, names, k) for line in _lines(link.update)]
+    lines.append(f"param = param + update_{len(links)}")
+    return Rule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
+                "\n".join(lines))
+
+
+def _taken(links) -> dict:
+    """Name -> how many links declare it (a slot or a hyperparameter)."""
+    counts: dict = {}
+    for link in links:
+        for declared in {s.name for s in link.state} | set(link.hyper):
+            counts[declared] = counts.get(declared, 0) + 1
+    return counts
+
+
+def _unique(declared: str, k: int, taken: dict) -> str:
+    return declared if taken[declared] == 1 else f"{declared}_{k}"
+
+
+def _lines(text: str) -> list:
+    return [line.split("#", 1)[0].strip() for line in text.splitlines()
+            if line.split("#", 1)[0].strip()]
+
+
+def _renamed(line: str, names: dict, k: int) -> str:
+    """A link's line with its names as the chain knows them: slots, hyperparameters, input
+    and output by `names`, temporaries prefixed by the link's position; `param`, `step` and
+    the functions as they are."""
+    keep = {"param", STEP} | set(FUNCTIONS)
+
+    class Rename(ast.NodeTransformer):
+        def visit_Call(self, node):
+            node.args = [self.visit(arg) for arg in node.args]
+            return node
+
+        def visit_Name(self, node):
+            if node.id not in keep:
+                node.id = names.get(node.id, f"link{k}_{node.id}")
+            return node
+
+    return ast.unparse(Rename().visit(ast.parse(line)))
+
+
+__all__ = ["Link", "chain"]
