@@ -31,6 +31,13 @@ CHAINS = {  # name -> (our links, optax's links), both ending in the learning ra
                          optax.scale_by_learning_rate(lr)]),
     "belief": (lambda: [L.scale_by_belief(), L.scale_by_learning_rate()],
                lambda lr: [optax.scale_by_belief(), optax.scale_by_learning_rate(lr)]),
+    "lamb": (lambda: [L.scale_by_adam(eps=1e-6), L.add_decayed_weights(0.01),
+                      L.scale_by_trust_ratio(), L.scale_by_learning_rate()],
+             lambda lr: [optax.lamb(lr, weight_decay=0.01)]),
+    "lars": (lambda: [L.add_decayed_weights(1e-3), L.scale_by_trust_ratio(trust_coefficient=0.02),
+                      L.scale_by_learning_rate(), L.trace(0.9)],
+             lambda lr: [optax.lars(lr, weight_decay=1e-3, trust_coefficient=0.02,
+                                    momentum=0.9)]),
     "two-traces": (lambda: [L.trace(0.5), L.trace(0.9), L.scale_by_learning_rate()],
                    lambda lr: [optax.trace(0.5), optax.trace(0.9),
                                optax.scale_by_learning_rate(lr)]),
@@ -110,6 +117,8 @@ def test_a_chain_is_a_torch_optimizer_like_adamw():
 
 
 @pytest.mark.parametrize("make,error,message", [
+    (lambda: mtapply.chain(L.scale_by_trust_ratio(), L.scale_by_trust_ratio()), ValueError,
+     "at most one link with sums"),
     (lambda: Link("no_output", "", {}, "x = grad"), ValueError, "never assigns 'update'"),
     (lambda: Link("bad", "m:rw", {}, "update = grad"), ValueError, "'m' is declared rw"),
     (lambda: mtapply.chain(), TypeError, "one or more links"),
@@ -120,7 +129,7 @@ def test_bad_links_and_chains_are_refused(make, error, message):
         make()
 
 
-@pytest.mark.parametrize("name", ["adamw", "two-traces", "clip-rms"])
+@pytest.mark.parametrize("name", ["adamw", "two-traces", "clip-rms", "lamb"])
 def test_a_chain_compiles_for_the_gpu(name):
     pytest.importorskip("cuda.bindings")
     from mtapply import _source

@@ -27,16 +27,19 @@ INPUT, OUTPUT = "grad", "update"
 
 class Link:
     """One gradient transformation: `slots` (its state, "NAME:rw" or "NAME:rw=FIRST"),
-    `hyper` (as a rule's) and `update` lines that end by assigning `update`."""
+    `hyper` (as a rule's) and `update` lines that end by assigning `update`; `sums` and
+    `finish` as a rule's (per-tensor norms: a chain holds at most one link with sums)."""
 
-    def __init__(self, name: str, slots: str, hyper: dict, update: str):
+    def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
+                 finish: str = ""):
         self.name, self.slots_text, self.hyper = name, slots, dict(hyper)
-        self.update = textwrap.dedent(update)
+        self.update, self.finish = textwrap.dedent(update), textwrap.dedent(finish)
+        self.sums = dict(sums or {})
         if not any(line.partition("=")[0].strip() == OUTPUT for line in _lines(self.update)):
             raise ValueError(f"link {name!r} never assigns {OUTPUT!r} (its output)")
         # checked as the rule it would be alone: names, ranges, reads and writes
         alone = Rule(name, f"param:rw grad:r {slots}", hyper,
-                     f"{self.update}\nparam = param + {OUTPUT}")
+                     f"{self.update}\nparam = param + {OUTPUT}", self.sums or None, self.finish)
         self.state = alone.program.slots[2:]
 
     def __repr__(self) -> str:
@@ -47,8 +50,11 @@ def chain(*links: Link, name: str | None = None) -> Rule:
     """One rule of `links` in order (see the module docstring)."""
     if not links or not all(isinstance(link, Link) for link in links):
         raise TypeError("chain takes one or more links (mtapply.rules.chain.Link)")
+    if sum(bool(link.sums) for link in links) > 1:
+        raise ValueError("a chain holds at most one link with sums (its first pass sums the "
+                         "values the links before it leave)")
     taken = _taken(links)
-    slots, hyper, lines = ["param:rw", "grad:r"], {}, []
+    slots, hyper, lines, sums, finish = ["param:rw", "grad:r"], {}, [], {}, []
     for k, link in enumerate(links, 1):
         names = {INPUT: INPUT if k == 1 else f"update_{k - 1}", OUTPUT: f"update_{k}"}
         for slot in link.state:
@@ -58,10 +64,14 @@ def chain(*links: Link, name: str | None = None) -> Rule:
         for hyper_name, declared in link.hyper.items():
             names[hyper_name] = _unique(hyper_name, k, taken)
             hyper[names[hyper_name]] = declared
+        for total, text in link.sums.items():
+            names[total] = f"link{k}_{total}"
+            sums[names[total]] = _renamed(text, names, k)
+        finish += [_renamed(line, names, k) for line in _lines(link.finish)]
         lines += [_renamed(line, names, k) for line in _lines(link.update)]
     lines.append(f"param = param + update_{len(links)}")
     return Rule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
-                "\n".join(lines))
+                "\n".join(lines), sums or None, "\n".join(finish))
 
 
 def _taken(links) -> dict:

@@ -387,6 +387,22 @@ def trace(decay, nesterov=False) -> Link:
                 """)
 
 
+def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0) -> Link:
+    """optax.scale_by_trust_ratio (LAMB's, LARS's): each tensor's update times
+    trust_coefficient * ||param|| / (||update|| + eps), or 1 where a norm is 0; norms at least
+    min_norm. Its norms are sums of a first pass over what the links before it leave."""
+    return Link("scale_by_trust_ratio", "",
+                dict(min_norm=(min_norm, NON_NEGATIVE), trust_coefficient=trust_coefficient,
+                     eps=(eps, NON_NEGATIVE)),
+                sums={"p2": "param * param", "u2": "grad * grad"},
+                finish="""
+                    p_norm = max(sqrt(p2), min_norm)
+                    u_norm = max(sqrt(u2), min_norm)
+                    ratio = where(p_norm == 0, 1, where(u_norm == 0, 1, trust_coefficient * p_norm / (u_norm + eps)))
+                """,
+                update="update = grad * ratio")
+
+
 def add_decayed_weights(weight_decay=0.0) -> Link:
     """optax.add_decayed_weights (without a mask): the update plus weight_decay * param."""
     return Link("add_decayed_weights", "", dict(weight_decay=(weight_decay, NON_NEGATIVE)),
@@ -416,4 +432,5 @@ __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "ad
            "schedule_free_adamw",
            # links
            "add_decayed_weights", "clip", "scale", "scale_by_adam", "scale_by_belief",
-           "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "trace"]
+           "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "scale_by_trust_ratio",
+           "trace"]

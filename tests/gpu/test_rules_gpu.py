@@ -269,13 +269,17 @@ def test_nadam_scalar_state_on_the_gpu_follows_the_cpu_path_over_two_launches():
     np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-6)
 
 
-def test_a_chain_of_links_on_the_gpu_follows_the_cpu_path():
+@pytest.mark.parametrize("kind", ["plain", "lamb"])
+def test_a_chain_of_links_on_the_gpu_follows_the_cpu_path(kind):
     """optax-style links fused into one rule (`mtapply.chain`): one launch per dtype group
-    over the big and the empty tensors alike."""
+    over the big and the empty tensors alike (LAMB's: a first pass sums the norms)."""
     from mtapply.rules import library as L
 
-    rule = mtapply.chain(L.clip(2.0), L.scale_by_adam(b1=0.8), L.add_decayed_weights(0.01),
-                         L.trace(0.5, nesterov=True), L.scale_by_learning_rate())
+    rule = (mtapply.chain(L.clip(2.0), L.scale_by_adam(b1=0.8), L.add_decayed_weights(0.01),
+                          L.trace(0.5, nesterov=True), L.scale_by_learning_rate())
+            if kind == "plain" else
+            mtapply.chain(L.scale_by_adam(eps=1e-6), L.add_decayed_weights(0.01),
+                          L.scale_by_trust_ratio(), L.scale_by_learning_rate()))
     lists = _lists(len(rule.slots), 7)
     host = _host(lists)
     for step in range(1, 5):
