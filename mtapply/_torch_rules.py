@@ -13,7 +13,6 @@ from .ops._spec import check_number
 from .rules import library
 
 
-
 class RuleBased(FusedOptimizer):
     """Optimizers run by a rule (`mtapply.rule`): each group's rule and hyperparameters, state
     tensors named after the rule's slots beside the device step counter `step`.
@@ -312,12 +311,22 @@ class ScheduleFreeAdamW(RuleBased):
             group["train_mode"] = to_train
 
 
-class Adamax(RuleBased):
+class AdamFamily(RuleBased):
+    """Rule-run optimizers of torch.optim's Adam family: `betas` as the rule's beta1 and
+    beta2, each other hyperparameter the group option of its name."""
+
+    _OPTION_NAMES = BETA_NAMES
+
+    def _rule_hyper(self, group) -> dict:
+        betas = dict(zip(("beta1", "beta2"), group["betas"]))
+        return {name: betas[name] if name in betas else group[name]
+                for name in self._rule(group).hyper}
+
+
+class Adamax(AdamFamily):
     """`torch.optim.Adamax` (same arguments and state: `exp_avg`, `exp_inf`, `step`) from
     `mtapply.rules.library.adamax`; `foreach`, `capturable` and `differentiable=False` are
     accepted for compatibility."""
-
-    _OPTION_NAMES = BETA_NAMES
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  foreach=None, *, maximize=False, differentiable=False, capturable=False,
@@ -330,20 +339,14 @@ class Adamax(RuleBased):
     def _rule(self, group):
         return library.adamax(bool(group["maximize"]))
 
-    def _rule_hyper(self, group) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"])
 
-
-class NAdam(RuleBased):
+class NAdam(AdamFamily):
     """`torch.optim.NAdam` (same arguments and state: `exp_avg`, `exp_avg_sq`, `mu_product`,
     `step`) from `mtapply.rules.library.nadam`, whose `mu_product` is scalar state, kept on
     the device for the params of a group that share a step count (see RuleBased), as their
     per-param values are equal in torch.optim. `foreach`, `capturable` and
     `differentiable=False` are accepted for compatibility."""
 
-    _OPTION_NAMES = BETA_NAMES
     _merges_groups = False  # a mu_product per group (per step count)
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -361,18 +364,11 @@ class NAdam(RuleBased):
     def _rule(self, group):
         return library.nadam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
 
-    def _rule_hyper(self, group) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], momentum_decay=group["momentum_decay"])
 
-
-class RAdam(RuleBased):
+class RAdam(AdamFamily):
     """`torch.optim.RAdam` (same arguments and state: `exp_avg`, `exp_avg_sq`, `step`) from
     `mtapply.rules.library.radam`; `foreach`, `capturable` and `differentiable=False` are
     accepted for compatibility."""
-
-    _OPTION_NAMES = BETA_NAMES
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False,
@@ -385,11 +381,6 @@ class RAdam(RuleBased):
 
     def _rule(self, group):
         return library.radam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
-
-    def _rule_hyper(self, group) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"])
 
 
 class Adadelta(RuleBased):

@@ -229,6 +229,18 @@ def adadelta(maximize: bool = False) -> Rule:
                 """)
 
 
+def _torch_adam_moments(decoupled_weight_decay: bool, maximize: bool) -> str:
+    """The lines torch.optim's Adam family shares: the grad (negated to maximize), weight decay
+    as L2 or decoupled, the first moment by torch's two-sided lerp, the second moment; each
+    line stands alone (the rule language reads lines, not their indentation)."""
+    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
+             else "g = g + weight_decay * param")
+    return "\n".join([
+        f"g = {'-grad' if maximize else 'grad'}", decay, "d = g - exp_avg",
+        "exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)",
+        "exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g"])
+
+
 @functools.lru_cache(maxsize=None)
 def nadam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     """NAdam as torch.optim.NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"):
@@ -236,22 +248,16 @@ def nadam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     of the grad and the first moment over the running product of the factors, `mu_product`,
     kept as scalar state (steps take `scalars_out=`, see `mtapply.rule`). Weight decay as L2,
     or decoupled."""
-    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
-             else "g = g + weight_decay * param")
     return rule("nadam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
                 hyper=dict(lr=(2e-3, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
                            eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
                            momentum_decay=(4e-3, NON_NEGATIVE)),
                 scalars=dict(mu_product=1.0),
                 update=f"""
-                    g = {"-grad" if maximize else "grad"}
-                    {decay}
+                    {_torch_adam_moments(decoupled_weight_decay, maximize)}
                     mu = beta1 * (1 - 0.5 * 0.96 ** (step * momentum_decay))
                     mu_next = beta1 * (1 - 0.5 * 0.96 ** ((step + 1) * momentum_decay))
                     mu_product = mu_product * mu
-                    d = g - exp_avg
-                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
-                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
                     denom = sqrt(exp_avg_sq / (1 - beta2 ** step)) + eps
                     param = param + (-lr * (1 - mu) / (1 - mu_product)) * (g / denom)
                     param = param + (-lr * mu_next / (1 - mu_product * mu_next)) * (exp_avg / denom)
@@ -264,17 +270,11 @@ def radam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     Rate and Beyond"): Adam's moments; while the variance of the adaptive step is tractable
     (rho_t > 5) the bias-corrected step is rectified, before it plain momentum SGD. Weight
     decay as L2, or decoupled (AdamW's)."""
-    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
-             else "g = g + weight_decay * param")
     return rule("radam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
                 hyper=dict(lr=(1e-3, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
                            eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
                 update=f"""
-                    g = {"-grad" if maximize else "grad"}
-                    {decay}
-                    d = g - exp_avg
-                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
-                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    {_torch_adam_moments(decoupled_weight_decay, maximize)}
                     bias2 = 1 - beta2 ** step
                     rho_inf = 2 / (1 - beta2) - 1
                     rho = rho_inf - 2 * step * beta2 ** step / bias2
@@ -313,17 +313,11 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
     """Adam / AdamW as the built-in `mtapply.AdamSpec` (torch.optim's semantics, its two-sided
     lerp for the first moment), written as a rule: the built-in op's twin, for comparing the
     generated kernel with the hand-written one."""
-    decay = ("param = param * (1 - lr * weight_decay)" if decoupled_weight_decay
-             else "g = g + weight_decay * param")
     return rule("adam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
                 hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
                            eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE)),
                 update=f"""
-                    g = {"-grad" if maximize else "grad"}
-                    {decay}
-                    d = g - exp_avg
-                    exp_avg = where(1 - beta1 < 0.5, exp_avg + (1 - beta1) * d, g - d * beta1)
-                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    {_torch_adam_moments(decoupled_weight_decay, maximize)}
                     denom = sqrt(exp_avg_sq) / sqrt(1 - beta2 ** step) + eps
                     param = param + (-lr / (1 - beta1 ** step)) * (exp_avg / denom)
                 """)
