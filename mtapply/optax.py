@@ -99,108 +99,18 @@ a schedule is evaluated at count, as optax does):
 from __future__ import annotations
 
 import inspect
-from typing import Callable, NamedTuple
+from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from ._optax_engine import Engine
-from ._optax_ops import (AdamRule, LabeledAdamRule, LambRule, LarsRule, OptaxRule, ScheduleFreeRule,
-                         SgdRule, UserRule, _rule_state, is_number)
-from ._optax_state import (FLOATS, AdamState, LambState, LarsState, SgdState, flat_state,
-                           tree_state)
-from .ops._spec import check_number
-from .rules import library
-
-
-class FusedOptimizer(NamedTuple):
-    """The fused form: `step(params, grads, state) -> (params, state)`.
-
-    `step` is pure; inside a `jax.jit` that donates params and state it updates them in place.
-    `donated_step` is `step` jitted with params and state donated (they are invalid afterwards).
-    The state keeps each moment of every param in one flat buffer per dtype (so a step passes
-    a few arrays, not one per param); `tree_state(state, params)` gives it as pytrees like
-    params, as optax keeps it (for inspection and checkpoints), and
-    `flat_state(tree_state, params)` makes such a state flat again (the module's functions of
-    the same names).
-    """
-
-    init: Callable
-    step: Callable
-    donated_step: Callable
-    tree_state: Callable
-    flat_state: Callable
-
-
-# ---------------------------------------------------------------------------------------------
-# Public constructors.
-
-
-def _transformation(rule: OptaxRule, learning_rate, flat_state: bool) -> optax.GradientTransformation:
-    """An optax.GradientTransformation whose update returns updates (new params - params),
-    written by the kernel itself: params are only read, and not at all by rules that do not
-    depend on them."""
-    engine = Engine(rule, learning_rate, flat=flat_state)
-
-    def step(updates, state, params):
-        if not rule.reads_params:  # the step from zero params is the update itself
-            return engine.apply(params, updates, state, mode="zero")
-        if params is None:
-            raise ValueError(f"mtapply.optax.{rule.name} with these options reads the params: "
-                             f"call update(grads, state, params)")
-        return engine.apply(params, updates, state, mode="delta")
-
-    jitted = jax.jit(step)
-
-    def update(updates, state, params=None, **extra_args):
-        del extra_args  # arguments for other transformations of a chain (loss, ...)
-        return jitted(updates, state, params)
-
-    transformation = _Transformation(engine.init, update)
-    transformation.mtapply = (rule, learning_rate, flat_state)
-    return transformation
-
-
-class _Transformation(optax.GradientTransformationExtraArgs):
-    """An optax transformation (its update takes optax's extra arguments, and ignores them)
-    that knows its rule (`mtapply`: rule, learning rate, flat_state), so that
-    `multi_transform` can run several as one."""
-
-
-def _fused(rule: OptaxRule, learning_rate) -> FusedOptimizer:
-    engine = Engine(rule, learning_rate, flat=True)
-    optimizer = _Fused(engine.init, jax.jit(engine.apply),
-                       jax.jit(engine.apply, donate_argnums=(0, 2)), tree_state, flat_state)
-    optimizer.mtapply = (rule, learning_rate, True)
-    return optimizer
-
-
-class _Fused(FusedOptimizer):
-    """A FusedOptimizer that knows its rule (as `_Transformation`), for
-    `fused_multi_transform`."""
-
-
-def _refuse(name: str, **options) -> None:
-    """NotImplementedError for optax options mtapply's kernels do not have (structural ones:
-    None, bools, masks)."""
-    for option, (value, default) in options.items():
-        if value is not default and value != default:
-            raise NotImplementedError(f"mtapply.optax.{name}: {option}={value!r} is not supported "
-                                      f"(only {option}={default!r}); use optax.{name} for it")
-
-
-def _state_dtype(name: str, option: str, dtype):
-    """optax's mu_dtype (and the like) as the dtype a state slot keeps: None (the params'),
-    or a floating dtype the kernels store (canonical: float32 for float64 without x64)."""
-    if dtype is None:
-        return None
-    dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(dtype))
-    if dtype.name not in FLOATS:
-        raise NotImplementedError(f"mtapply.optax.{name}: {option}={dtype.name} is not "
-                                  f"supported: mtapply keeps states in float16, bfloat16, "
-                                  f"float32 or float64; use optax.{name} for {dtype.name} states")
-    return dtype
+from ._optax_library import (adadelta, adagrad, adamax, adan, fused_adadelta, fused_adagrad,
+                             fused_adamax, fused_adan, fused_lion, fused_radam, fused_rmsprop,
+                             fused_schedule_free_adamw, lion, radam, rmsprop,
+                             schedule_free_adamw, schedule_free_eval_params)
+from ._optax_make import FusedOptimizer, _fused, _refuse, _state_dtype, _transformation
+from ._optax_ops import AdamRule, LabeledAdamRule, LambRule, LarsRule, SgdRule, UserRule, _rule_state
+from ._optax_state import AdamState, LambState, LarsState, SgdState, flat_state, tree_state
 
 
 def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0, mask=None):
@@ -384,115 +294,6 @@ def fused_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtyp
     return _fused(rule, learning_rate)
 
 
-def fused_sgd(learning_rate, momentum=None, nesterov=False,
-              accumulator_dtype=None) -> FusedOptimizer:
-    """`sgd` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_sgd_rule(momentum, nesterov, accumulator_dtype), learning_rate)
-
-
-def fused_lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
-               eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False) -> FusedOptimizer:
-    """`lars` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    _refuse("lars", nesterov=(nesterov, False))
-    rule = LarsRule(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
-                 weight_decay_mask)
-    return _fused(rule, learning_rate)
-
-
-def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0,
-               mask=None, *, adam_w_mode=True, use_nvlamb=True, grad_averaging=True,
-               bias_correction=True, max_grad_norm=0.0) -> FusedOptimizer:
-    """`lamb` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
-                             grad_averaging, bias_correction, max_grad_norm), learning_rate)
-
-
-def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> UserRule:
-    _refuse("lion", mask=(mask, None))
-    if callable(weight_decay):
-        raise TypeError("mtapply.optax.lion: weight_decay must be a number, not a schedule")
-    rule = UserRule(library.lion(), dict(beta1=b1, beta2=b2, weight_decay=weight_decay))
-    dtype = _state_dtype("lion", "mu_dtype", mu_dtype)
-    rule.slot_dtypes = {"exp_avg": dtype} if dtype is not None else {}
-    return rule
-
-
-def lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3, mask=None, *,
-         flat_state=True) -> optax.GradientTransformation:
-    """optax.lion on the rule `mtapply.rules.library.lion`: p -= lr * (sign(b1 * m + (1 - b1)
-    * g) + weight_decay * p); m = b2 * m + (1 - b2) * g. mu_dtype is the moment's dtype; mask
-    only takes its default; the state is `LionState(count, exp_avg)`."""
-    return _transformation(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate,
-                           flat_state)
-
-
-def fused_lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3,
-               mask=None) -> FusedOptimizer:
-    """`lion` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate)
-
-
-def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> UserRule:
-    _refuse("adan", mask=(mask, None))
-    if callable(weight_decay):
-        raise TypeError("mtapply.optax.adan: weight_decay must be a number, not a schedule")
-    return UserRule(library.adan(), dict(beta1=b1, beta2=b2, beta3=b3, eps=eps,
-                                          eps_root=eps_root, weight_decay=weight_decay),
-                     name="adan")
-
-
-def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0, weight_decay=0.0,
-         mask=None, *, flat_state=True) -> optax.GradientTransformation:
-    """optax.adan on the rule `mtapply.rules.library.adan` (optax's arguments; mask only takes
-    its default). The state is `AdanState(count, m, v, n, prev_grad)`."""
-    return _transformation(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask),
-                           learning_rate, flat_state)
-
-
-def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
-               weight_decay=0.0, mask=None) -> FusedOptimizer:
-    """`adan` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask), learning_rate)
-
-
-def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8, *,
-           flat_state=True) -> optax.GradientTransformation:
-    """optax.adamax on the rule `mtapply.rules.library.adamax_optax`: m = b1 m + (1 - b1) g;
-    u = max(b2 u, |g| + eps); p -= lr * m / (1 - b1^t) / u. State `AdamaxOptaxState(count, mu,
-    nu)`."""
-    return _transformation(_adamax_rule(b1, b2, eps), learning_rate, flat_state)
-
-
-def fused_adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8) -> FusedOptimizer:
-    """`adamax` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adamax_rule(b1, b2, eps), learning_rate)
-
-
-def _adamax_rule(b1, b2, eps) -> UserRule:
-    return UserRule(library.adamax_optax(), dict(beta1=b1, beta2=b2, eps=eps), name="adamax")
-
-
-def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-          nesterov=False, flat_state=True) -> optax.GradientTransformation:
-    """optax.radam on the rule `mtapply.rules.library.radam_optax`: Adam's moments; where
-    rho_t >= threshold the bias-corrected step is rectified, before it the bias-corrected
-    momentum alone. State `RadamOptaxState(count, mu, nu)`."""
-    return _transformation(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov),
-                           learning_rate, flat_state)
-
-
-def fused_radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-                nesterov=False) -> FusedOptimizer:
-    """`radam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov), learning_rate)
-
-
-def _radam_rule(b1, b2, eps, eps_root, threshold, nesterov) -> UserRule:
-    return UserRule(library.radam_optax(bool(nesterov)),
-                    dict(beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, threshold=threshold),
-                    name="radam")
-
-
 def nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
           nesterov=True, flat_state=True) -> optax.GradientTransformation:
     """optax.nadam: `adam` with nesterov=True (the same state, `AdamState`)."""
@@ -521,123 +322,27 @@ def fused_nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dty
                        nesterov=nesterov)
 
 
-def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None,
-             *, flat_state=True) -> optax.GradientTransformation:
-    """optax.adadelta on the rule `mtapply.rules.library.adadelta_optax`: g += wd p;
-    e_g = rho e_g + (1 - rho) g^2; u = sqrt(e_x + eps) / sqrt(e_g + eps) g;
-    e_x = rho e_x + (1 - rho) u^2; p -= lr u (learning_rate None: p += u, as optax's chain
-    without a learning rate). weight_decay_mask only takes its default. State
-    `AdadeltaOptaxState(count, e_g, e_x)`."""
-    return _transformation(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask,
-                                          learning_rate is None),
-                           1.0 if learning_rate is None else learning_rate, flat_state)
+def fused_sgd(learning_rate, momentum=None, nesterov=False,
+              accumulator_dtype=None) -> FusedOptimizer:
+    """`sgd` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_sgd_rule(momentum, nesterov, accumulator_dtype), learning_rate)
 
 
-def fused_adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0,
-                   weight_decay_mask=None) -> FusedOptimizer:
-    """`adadelta` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate is None),
-                  1.0 if learning_rate is None else learning_rate)
-
-
-def _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, unscaled: bool) -> UserRule:
-    _refuse("adadelta", weight_decay_mask=(weight_decay_mask, None))
-    if callable(weight_decay):
-        raise TypeError("mtapply.optax.adadelta: weight_decay must be a number, not a schedule")
-    return UserRule(library.adadelta_optax(unscaled),
-                    dict(rho=rho, eps=eps, weight_decay=weight_decay), name="adadelta")
-
-
-def _adagrad_rule(initial_accumulator_value, eps) -> UserRule:
-    if is_number(initial_accumulator_value):
-        check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
-    return UserRule(library.adagrad_optax(), dict(eps=eps), name="adagrad",
-                     initial={"sum_of_squares": initial_accumulator_value})
-
-
-def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7, *,
-            flat_state=True) -> optax.GradientTransformation:
-    """optax.adagrad on the rule `mtapply.rules.library.adagrad_optax`: s += g^2;
-    p -= lr * g / sqrt(s + eps) (no step where s is 0). State `AdagradOptaxState(count,
-    sum_of_squares)`."""
-    return _transformation(_adagrad_rule(initial_accumulator_value, eps), learning_rate,
-                           flat_state)
-
-
-def fused_adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7) -> FusedOptimizer:
-    """`adagrad` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adagrad_rule(initial_accumulator_value, eps), learning_rate)
-
-
-def _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov,
-                  bias_correction) -> UserRule:
-    _refuse("rmsprop", bias_correction=(bias_correction, False))
-    if nesterov and momentum is None:
-        raise ValueError("mtapply.optax.rmsprop: nesterov=True needs a momentum")
-    rule = library.rmsprop_optax(bool(centered), momentum is not None, bool(nesterov),
-                                 bool(eps_in_sqrt))
-    hyper = dict(decay=decay, eps=eps) | ({} if momentum is None else dict(momentum=momentum))
-    if is_number(initial_scale):
-        check_number("initial_scale", initial_scale)
-    return UserRule(rule, hyper, initial={"nu": initial_scale}, name="rmsprop")
-
-
-def rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
-            centered=False, momentum=None, nesterov=False, bias_correction=False, *,
-            flat_state=True) -> optax.GradientTransformation:
-    """optax.rmsprop on the rule `mtapply.rules.library.rmsprop_optax`, with optax's arguments
-    (bias_correction only takes its default)."""
-    return _transformation(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered,
-                                         momentum, nesterov, bias_correction),
-                           learning_rate, flat_state)
-
-
-def fused_rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
-                  centered=False, momentum=None, nesterov=False,
-                  bias_correction=False) -> FusedOptimizer:
-    """`rmsprop` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum,
-                                nesterov, bias_correction), learning_rate)
-
-
-def _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps, weight_decay,
-                        weight_lr_power, state_dtype):
-    if warmup_steps is not None:
-        learning_rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
-    dtype = _state_dtype("schedule_free_adamw", "state_dtype", state_dtype)
-    return ScheduleFreeRule(b1, b2, eps, weight_decay, weight_lr_power, dtype), learning_rate
-
-
-def schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
-                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None,
-                        flat_state=True) -> optax.GradientTransformation:
-    """optax.contrib.schedule_free_adamw on the rule `mtapply.rules.library.schedule_free_adamw`
-    (optax's arguments; state_dtype is z's dtype). The params are schedule-free's y;
-    evaluate with `schedule_free_eval_params(state, params)`. State
-    `ScheduleFreeAdamwState(count, z, nu, weight_sum, max_lr, b1)`."""
-    rule, learning_rate = _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps,
-                                              weight_decay, weight_lr_power, state_dtype)
-    return _transformation(rule, learning_rate, flat_state)
-
-
-def fused_schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999,
-                              eps=1e-8, weight_decay=0.0, weight_lr_power=2.0,
-                              state_dtype=None) -> FusedOptimizer:
-    """`schedule_free_adamw` as a fused step: `opt.step(params, grads, state)`."""
-    rule, learning_rate = _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps,
-                                              weight_decay, weight_lr_power, state_dtype)
+def fused_lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
+               eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False) -> FusedOptimizer:
+    """`lars` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    _refuse("lars", nesterov=(nesterov, False))
+    rule = LarsRule(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
+                 weight_decay_mask)
     return _fused(rule, learning_rate)
 
 
-def schedule_free_eval_params(state, params):
-    """The params to evaluate with (schedule-free's x) from a `schedule_free_adamw` state (or a
-    chain's holding one) and the trained params y: (y - (1 - b1) z) / b1."""
-    found = [node for node in jax.tree.leaves(state, is_leaf=lambda n: hasattr(n, "max_lr"))
-             if hasattr(node, "max_lr")]
-    if not found:
-        raise ValueError("schedule_free_eval_params needs the state of schedule_free_adamw")
-    z, b1 = tree_state(found[0], params).z, found[0].b1
-    return jax.tree.map(lambda y, zi: (y - (1.0 - b1) * zi) / b1, params, z)
+def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0,
+               mask=None, *, adam_w_mode=True, use_nvlamb=True, grad_averaging=True,
+               bias_correction=True, max_grad_norm=0.0) -> FusedOptimizer:
+    """`lamb` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
+                             grad_averaging, bias_correction, max_grad_norm), learning_rate)
 
 
 def transformation(rule, learning_rate, *, flat_state=True,
@@ -689,5 +394,5 @@ __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", 
 
 # The states are this module's, to users and pickles alike (pickles of rule states call
 # `_rule_state`, found here as in earlier versions).
-for _public in (AdamState, LambState, LarsState, SgdState, _rule_state):
+for _public in (AdamState, LambState, LarsState, SgdState, _rule_state, FusedOptimizer):
     _public.__module__ = __name__
