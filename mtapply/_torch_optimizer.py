@@ -1,11 +1,10 @@
 """The torch.optim.Optimizer whose param groups step through mtapply plans: what every
 `mtapply.torch` optimizer shares (binding groups to plans, repeats of unchanged steps, the
-whole-step checks, the step counters, flat grads, state), and torch.optim's argument checks."""
+whole-step checks, the step counters, flat grads, state)."""
 from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from itertools import chain, repeat
 
 import numpy as np
@@ -19,7 +18,8 @@ from ._optimizer_step import bump_versions as _bump_versions
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 from ._ranges import ANY as ANY_NUMBER
 from ._ranges import LR, Range
-from ._torch_layouts import PlanLists, Staging, dense_strides
+from ._torch_binding import Bound, LatestStep, Part, is_dtensor, local_tensor
+from ._torch_layouts import PlanLists, dense_strides
 from ._torch_state import StateKeeping
 from .scaling import zero_
 
@@ -28,130 +28,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 _NOT_NONE = functools.partial(operator.is_not, None)
 _LR = operator.itemgetter("lr")
 _PARAMS = operator.itemgetter("params")
-_DATA_PTR = torch.Tensor.data_ptr
-_STRIDE = torch.Tensor.stride
-_IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_DEREF = weakref.ref.__call__
 BETA_NAMES = {"beta1": "betas[0]", "beta2": "betas[1]", "beta3": "betas[2]"}  # the ops' names
-
-
-def data_addresses(tensors: list) -> np.ndarray:
-    return np.fromiter(map(_DATA_PTR, tensors), np.uint64, len(tensors))
-
-
-class Part:
-    """Params of a group on one device that share a step count, bound to one plan and one
-    device counter."""
-
-    def __init__(self, indices, params, plan, counter, staging=None):
-        self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
-        if plan is not None and counter is not None:
-            plan.count_steps(counter)  # each step reads it and, unless found_inf, advances it
-        self.staging = staging or None  # stand-ins copied around each step (_torch_layouts)
-        self.device = params[0].device
-        self.group_of = None  # in a merged group: each param's group index
-        self.hyper, self.hyper_at = None, 0  # a merged group's hyperparameters, at a version
-        self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
-        self.lrs = None  # in a merged group on a GPU: the groups' number lrs, on the device
-        self.float32_math = all(p.dtype not in (torch.float64, torch.complex128) for p in params)
-        self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
-        self.after_pass = None
-        self.scalars = None  # a rule's scalar state array (RuleBased)
-        if plan is not None and is_dtensor(params[0]):
-            self.sums, self.after_pass = _all_reduce_sums(plan, params[0])
-        if plan is not None:
-            plan.release("grads", watch=False)  # not this step's grads alive: followed here
-
-    def on_device(self, flag):
-        """GradScaler's scale or inf flag, on this part's device (it lives on one device)."""
-        if flag is None or flag.device == self.device:
-            return flag
-        return flag.to(self.device)
-
-
-class Bound:
-    """One param group bound to mtapply plans: its params with grads, in parts of equal step
-    count (params that missed steps, having had no grad, count fewer)."""
-
-    def __init__(self, key, options, params, grads, parts):
-        self.key, self.options, self.params, self.parts = key, options, params, parts
-        self.sharded = any(map(is_dtensor, params))
-        self.param_addresses = data_addresses(local_tensors(params))
-        self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
-        local = local_tensors(grads)  # the layouts the plans took: row-major, or these strides
-        self.grad_strides = None if all(map(_IS_CONTIGUOUS, local)) else list(map(_STRIDE, local))
-        # whether the plans take other tensors than the grads themselves (real views, stand-ins)
-        self.reshaped = any(part.staging for part in parts) or any(map(torch.is_complex, grads))
-        self.complete = False  # with flat_grads: holds every param of its group that needs a grad
-
-    def params_moved(self) -> bool:
-        """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
-        params = local_tensors(self.params) if self.sharded else self.params
-        return not np.array_equal(data_addresses(params), self.param_addresses)
-
-    def follow_grads(self, grads: list) -> bool:
-        """Points the plans at this step's grads, if any moved; False (nothing done) where a
-        grad is laid out otherwise than the one bound, so that the group is bound again."""
-        if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
-            return True
-        local = local_tensors(grads) if self.sharded else grads
-        if not (all(map(_IS_CONTIGUOUS, local)) if self.grad_strides is None
-                else list(map(_STRIDE, local)) == self.grad_strides):
-            return False
-        addresses = data_addresses(local)
-        whole = len(self.parts) == 1
-        for part in self.parts:
-            mine = local if whole else [local[i] for i in part.indices]
-            at = addresses if whole else addresses[part.indices]
-            if self.reshaped:
-                mine, at = (part.staging or Staging()).bound_grads(mine, at)
-            part.plan.rebind_addresses("grads", mine, at, keep_alive=False)
-        self.grad_refs = list(map(weakref.ref, grads))
-        return True
-
-
-class LatestStep:
-    """A flat_grads step whose groups all stepped by their bound parts, each part's plans
-    repeating what they were given. While the grads stay in their views and no GradScaler step
-    comes, a step is the parts' launches again; where only lrs were set since (a scheduler),
-    each part steps with its new lrs, written to its groups' lr slots (or taken by its plan in
-    place: new words, or new slots of its rows)."""
-
-    def __init__(self, parts: list, version: int):
-        self.parts, self.version = parts, version  # parts: (group index, Part)
-        self.repeats = [part.plan._repeat for _, part in parts]
-        self.params = [p for _, part in parts for p in part.params]  # their versions move
-
-    @classmethod
-    def of(cls, parts: list, version: int) -> LatestStep | None:
-        if any(part.plan is None or part.plan._repeat is None or part.sums is not None
-               or part.after_pass is not None or part.staging is not None
-               or not part.plan._relaunch_is_the_step() for _, part in parts):
-            return None
-        return cls(parts, version)
-
-    def repeat(self, optimizer) -> bool:
-        """The step again, or False (nothing done) where it no longer applies."""
-        changes = optimizer._group_changes
-        scheduled = changes.version != self.version
-        if ((scheduled and changes.since(self.version) != {"lr"})
-                or not optimizer._flat.intact(optimizer.param_groups)):
-            return False
-        for (_, part), step in zip(self.parts, self.repeats):
-            if part.plan._repeat is not step or not step.current(part.plan):
-                return False
-        if scheduled:
-            merged = optimizer._merged_group()
-            for index, part in self.parts:
-                group = merged if index == "merged" else optimizer.param_groups[index]
-                optimizer._step_part(part, group, None, None)
-            optimizer._latest = LatestStep.of(self.parts, changes.version)
-        else:
-            for step in self.repeats:
-                step.launch()
-            _bump_versions(self.params)
-        optimizer._flat.mark()
-        return True
 
 
 class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
@@ -741,99 +618,9 @@ def by_group(group, params) -> list:
     return [(group["groups"][k], members) for k, members in by_owner.items()]
 
 
-def check_one_element(value, name: str) -> None:
-    """torch.optim's refusal of a tensor option of several elements (an lr, in torch)."""
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise ValueError(f"Tensor {name} must be 1-element")
-
-
-def check_options(**values) -> None:
-    """torch.optim's checks of non-negative options, with its messages."""
-    check_one_element(values.get("lr"), "lr")
-    for name, value in values.items():
-        if not 0.0 <= float(value):
-            label = {"lr": "learning rate", "eps": "epsilon value"}.get(name, f"{name} value")
-            raise ValueError(f"Invalid {label}: {value}")
-
-
 def _differ(a, b) -> bool:
     """Whether two groups' options differ: tensors by their memory (no read), else by value."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                     and a.data_ptr() == b.data_ptr())
     return a != b
-
-
-def is_dtensor(tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
-
-
-def local_tensor(tensor):
-    """The writable local shard of an FSDP2 (DTensor) param, grad or state; else the tensor."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
-def local_tensors(tensors: list) -> list:
-    return list(map(local_tensor, tensors)) if any(map(is_dtensor, tensors)) else tensors
-
-
-def shard_groups(param) -> list:
-    """The process groups over which a DTensor param is sharded (its Shard mesh dimensions)."""
-    mesh = param.device_mesh
-    return [mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard()]
-
-
-def _all_reduce_sums(plan, param):
-    """For LARS and LAMB over FSDP2 shards: (the plan's per-tensor sums as a torch view, a hook
-    that sums them over the shard groups between the norms pass and the update), so every rank
-    takes the norms of the whole tensors; (None, None) for single-pass ops."""
-    if not plan.spec.n_sums:
-        return None, None
-    sums = plan.sums()
-    if sums is None:  # the CPU backend sums each tensor whole: it has no pass to hook
-        raise ValueError(f"{plan.spec.name} over FSDP2 (DTensor) shards on {param.device}: "
-                         "the per-tensor norms are all-reduced between the kernels' passes, "
-                         "which run on a GPU; put the model on CUDA devices")
-    import torch.distributed as dist
-
-    view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy
-    groups = shard_groups(param)
-
-    def all_reduce(_pass: int) -> None:
-        for group in groups:
-            dist.all_reduce(view, group=group)
-
-    return view, all_reduce
-
-
-def check_adam_args(lr, betas, eps, weight_decay) -> None:
-    """torch.optim.Adam's argument checks and messages."""
-    check_one_element(lr, "lr")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-
-
-def check_torch_adam_flags(lr, betas, foreach, fused, capturable) -> None:
-    """torch.optim.Adam's refusals of its flag combinations, with its messages (mtapply's one
-    step would take them, but code written for torch.optim never meets them)."""
-    if foreach and fused:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError("betas must be either both floats or both Tensors")
-    if foreach and not capturable:
-        if isinstance(lr, torch.Tensor):
-            raise ValueError("lr as a Tensor is not supported for capturable=False and "
-                             "foreach=True")
-        if isinstance(betas[0], torch.Tensor):
-            raise ValueError("betas[0] as a Tensor is not supported for capturable=False and "
-                             "foreach=True")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ._ranges import LR, Range
-from ._torch_optimizer import (BETA_NAMES, FusedOptimizer, check_adam_args, check_one_element,
-                               check_options)
+from ._torch_checks import check_adam_args, check_one_element, check_options
+from ._torch_optimizer import BETA_NAMES, FusedOptimizer
 from .ops._spec import check_number
 from .rules import library
 

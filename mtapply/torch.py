@@ -71,10 +71,10 @@ from . import lars as _lars
 from . import sgd as _sgd
 from ._optimizer_step import bump_versions as _bump_versions
 from ._torch_layouts import PlanLists, as_real, as_reals
-from ._torch_optimizer import (BETA_NAMES, FusedOptimizer, Part, by_group, check_adam_args,
-                               check_one_element, check_torch_adam_flags, data_addresses,
-                               group_owners, is_dtensor, laid_out_as, local_tensor, local_tensors,
-                               shard_groups)
+from ._torch_binding import (Part, data_addresses, is_dtensor, local_tensor, local_tensors,
+                             shard_groups)
+from ._torch_checks import check_adam_args, check_one_element, check_torch_adam_flags
+from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners, laid_out_as
 from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop, RuleOptimizer,
                            ScheduleFreeAdamW, optimizer)
 from ._torch_state import StateKeeping

@@ -7,7 +7,7 @@ from _torch_graphs import capture
 
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mtapply.torch")
-from mtapply import _torch_optimizer  # noqa: E402
+from mtapply import _torch_binding, _torch_optimizer  # noqa: E402
 flat_grads = pytest.importorskip("mtapply._flat_grads")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -256,8 +256,8 @@ def test_steps_that_repeat_the_latest_follow_torch_under_a_scheduler(monkeypatch
     """Between the scheduler's lr changes (every third step; it sets the same lr in between) a
     step repeats the latest one's launches, and the run follows torch.optim.AdamW."""
     repeated = []
-    repeat = _torch_optimizer.LatestStep.repeat
-    monkeypatch.setattr(_torch_optimizer.LatestStep, "repeat",
+    repeat = _torch_binding.LatestStep.repeat
+    monkeypatch.setattr(_torch_binding.LatestStep, "repeat",
                         lambda self, opt: repeated.append(repeat(self, opt)) or repeated[-1])
     batches = _batches("cuda", 12)
     models = [_model("cuda") for _ in range(2)]

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("mtapply.torch")
-from mtapply import _torch_optimizer  # noqa: E402
+from mtapply import _torch_binding  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PAIRS = [(torch.optim.Adam, mt.Adam), (torch.optim.AdamW, mt.AdamW), (torch.optim.SGD, mt.SGD)]
@@ -307,13 +307,13 @@ def test_a_cuda_graph_of_a_step_over_groups_with_lr_tensors_launches_once():
         opt.step()
 
     launches = []
-    original = _torch_optimizer.LatestStep.repeat
-    _torch_optimizer.LatestStep.repeat = lambda self, opt: launches.append(len(self.repeats)) or original(
+    original = _torch_binding.LatestStep.repeat
+    _torch_binding.LatestStep.repeat = lambda self, opt: launches.append(len(self.repeats)) or original(
         self, opt)
     try:
         graph = capture(lambda: step(b, ob))
     finally:
-        _torch_optimizer.LatestStep.repeat = original
+        _torch_binding.LatestStep.repeat = original
     assert launches[-1] == 1 and list(ob._bound) == ["merged"]
     for _ in range(3):  # the warm-up steps (a capture runs nothing)
         step(a, oa)

@@ -211,11 +211,11 @@ def test_merged_groups_follow_a_scheduler_on_the_gpu(monkeypatch):
                 for k, p in enumerate(m.parameters())]
 
     import mtapply.torch as mt
-    from mtapply import _torch_optimizer
+    from mtapply import _torch_binding
 
     repeated = []  # whether each step repeated the latest (with new lrs: in its slots)
-    original = _torch_optimizer.LatestStep.repeat
-    monkeypatch.setattr(_torch_optimizer.LatestStep, "repeat",
+    original = _torch_binding.LatestStep.repeat
+    monkeypatch.setattr(_torch_binding.LatestStep, "repeat",
                         lambda self, opt: repeated.append(original(self, opt)) or repeated[-1])
     ours = mt.AdamW(groups(model), flat_grads=True)
     theirs = torch.optim.AdamW(groups(twin), foreach=False)
