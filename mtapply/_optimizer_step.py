@@ -21,6 +21,14 @@ import torch
 _GRAD_SCALER = "torch.amp.grad_scaler"  # the module of GradScaler.step (torch.cuda's derives)
 
 
+def closure_loss(closure):
+    """The loss of torch.optim's `step(closure)`: the closure evaluated with grad enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def lean_step():
     """A `step(self, closure=None)` method calling `self._plain_step(closure)`."""
     profiler_enabled = torch._C._autograd._profiler_enabled

@@ -13,7 +13,7 @@ import torch
 from ._flat_grads import FlatGrads
 from ._group_lrs import GroupLrs, TensorCopies
 from ._launch import stream_pointer
-from ._optimizer_step import AmpScaling, lean_step
+from ._optimizer_step import AmpScaling, closure_loss, lean_step
 from ._optimizer_step import bump_versions as _bump_versions
 from ._param_groups import ANY, PARAMS, GroupChanges, tracked
 from ._ranges import ANY as ANY_NUMBER
@@ -91,10 +91,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
 
     def _plain_step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if torch.compiler.is_compiling():  # being traced: the launch stays out of the graph
             _outside_graphs(FusedOptimizer._fused_step)(self)
         else:  # (torch.compiler.disable's wrapper would cost every eager step)

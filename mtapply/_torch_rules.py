@@ -99,7 +99,7 @@ class RuleBased(FusedOptimizer):
 
     def _part_hyper(self, part, group) -> dict:
         hyper = super()._part_hyper(part, group)
-        if self._rule(group).scalars:
+        if part.scalars is not None:  # bound by `_bind` for a rule with scalar state
             hyper["scalars_out"] = part.scalars
         return hyper
 

@@ -7,7 +7,7 @@ import operator
 import torch
 
 from . import galore
-from ._optimizer_step import bump_versions, lean_step
+from ._optimizer_step import bump_versions, closure_loss, lean_step
 from ._torch_layouts import PlanLists
 from ._torch_state import StateKeeping
 from .galore import PROJECTION_TYPES, Projection, projection_side
@@ -63,10 +63,7 @@ class GaLoreAdamW(StateKeeping, torch.optim.Optimizer):
     step = lean_step()  # torch.optim's wrapper only where a profiler or a hook needs it
 
     def _plain_step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):  # before anything moves
                 _check_group(index, group)

@@ -126,9 +126,8 @@ class _Writer:
             written = " | ".join(f"(1u << {self._slot(slot.name)})"
                                  for slot in program.slots if slot.written)
             counted = 0
-            # every block computes the same values; one thread stores them, in the copy that
-            # no block of this step reads
-            # (and the latest values, at the end, for whoever reads them between steps)
+            # every block computes the same values; one thread stores them in the copy that no
+            # block of this step reads, and as the latest values (read between steps)
             for k, name in enumerate(program.scalars):
                 value = f"static_cast<float>({self.uniform_name(name)})"
                 self.setup.append(f"if (blockIdx.x == 0 && threadIdx.x == 0) {{ "
