@@ -33,7 +33,13 @@ def _lists(n, seed, positive=(), device="cuda", dtype=torch.float32):
 
 
 def _host(lists):
-    return [[x.detach().cpu().numpy().copy() for x in column] for column in lists]
+    """NumPy copies (bf16, which NumPy lacks, as its float32 values)."""
+    return [[_numpy(x) for x in column] for column in lists]
+
+
+def _numpy(x):
+    x = x.detach()
+    return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy().copy()
 
 
 # `everything` squares its slot `a` each step and adds sign(grad): a value near zero is the
@@ -234,7 +240,6 @@ def test_nadam_scalar_state_on_the_gpu_follows_the_cpu_path_over_two_launches():
     lists = _lists(len(rule.slots), 5)
     lists[0][1], lists[1][1] = lists[0][1].to(torch.bfloat16), lists[1][1].to(torch.bfloat16)
     host = _host(lists)
-    host[0][1], host[1][1] = lists[0][1].float().cpu().numpy(), lists[1][1].float().cpu().numpy()
     state = torch.tensor(rule.initial_scalars(), device="cuda")
     host_state = rule.initial_scalars()
     skip = torch.ones(1, device="cuda")
