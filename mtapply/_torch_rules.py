@@ -317,6 +317,12 @@ class AdamFamily(RuleBased):
 
     _OPTION_NAMES = BETA_NAMES
 
+    def _start(self, params, flat_grads, lr, betas, eps, weight_decay, **options) -> None:
+        """The optimizer, its defaults the family's shared arguments and `options` (the class's
+        own and torch.optim's flags), after the class checked them as torch.optim does."""
+        RuleBased.__init__(self, params, dict(lr=lr, betas=betas, eps=eps,
+                                              weight_decay=weight_decay, **options), flat_grads)
+
     def _rule_hyper(self, group) -> dict:
         betas = dict(zip(("beta1", "beta2"), group["betas"]))
         return {name: betas[name] if name in betas else group[name]
@@ -332,9 +338,8 @@ class Adamax(AdamFamily):
                  foreach=None, *, maximize=False, differentiable=False, capturable=False,
                  flat_grads=False):
         check_adam_args(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
-                        maximize=maximize, differentiable=differentiable, capturable=capturable)
-        super().__init__(params, defaults, flat_grads)
+        self._start(params, flat_grads, lr, betas, eps, weight_decay, foreach=foreach,
+                    maximize=maximize, differentiable=differentiable, capturable=capturable)
 
     def _rule(self, group):
         return library.adamax(bool(group["maximize"]))
@@ -355,11 +360,10 @@ class NAdam(AdamFamily):
         check_adam_args(lr, betas, eps, weight_decay)
         if not 0.0 <= momentum_decay:
             raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        momentum_decay=momentum_decay,
-                        decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
-                        maximize=maximize, capturable=capturable, differentiable=differentiable)
-        super().__init__(params, defaults, flat_grads)
+        self._start(params, flat_grads, lr, betas, eps, weight_decay,
+                    momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
+                    foreach=foreach, maximize=maximize, capturable=capturable,
+                    differentiable=differentiable)
 
     def _rule(self, group):
         return library.nadam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
@@ -374,10 +378,9 @@ class RAdam(AdamFamily):
                  decoupled_weight_decay=False, *, foreach=None, maximize=False,
                  capturable=False, differentiable=False, flat_grads=False):
         check_adam_args(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
-                        maximize=maximize, capturable=capturable, differentiable=differentiable)
-        super().__init__(params, defaults, flat_grads)
+        self._start(params, flat_grads, lr, betas, eps, weight_decay,
+                    decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                    maximize=maximize, capturable=capturable, differentiable=differentiable)
 
     def _rule(self, group):
         return library.radam(bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
