@@ -3,7 +3,8 @@
 // (tensor, chunk), loads every slot, calls the functor and stores the slots it writes.
 //
 // Configuration comes from the generated preamble (see mtapply/_source.py):
-//   MTA_BLOCK, MTA_CHUNK, MTA_VEC   threads per block, elements per chunk, elements per vector
+//   MTA_BLOCK, MTA_CHUNK, MTA_VEC   threads per block (or a warp: see walk), elements per
+//                                   chunk, elements per vector
 //   MTA_SLOTS                       slots per table record (an op's pass may load fewer)
 //   mta::acc_t                      math type (float, or double for float64 params)
 //   mta::SlotType<S>::type          storage type of slot S
@@ -175,7 +176,7 @@ __device__ __forceinline__ bool step_runs(const Launch<Args>& launch) {
     valid = valid && args_in_range(launch, launch.args);
   } else if (launch.checked_rows > 0) {
     bool bad = !valid;
-    for (long long r = threadIdx.x; r < launch.checked_rows; r += MTA_BLOCK)
+    for (long long r = threadIdx.x; r < launch.checked_rows; r += blockDim.x)
       bad = bad || !args_in_range(launch, launch.args_rows[r]);
     valid = !__syncthreads_or(bad);
   }
@@ -385,7 +386,13 @@ __device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
                rec + 1};
 }
 
-// Applies the op's functor to every element of the block's chunk.
+// Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
+// or one warp where the host found every chunk of the launch no longer than a warp's vectors
+// (mtapply._source.block_threads): 2,000 blocks over 100-element tensors then fit on the GPU at
+// once instead of taking four waves. The vector loop keeps MTA_BLOCK as its stride (a constant
+// lets the compiler overlap the loads of several strides); a warp's chunk ends within its first
+// stride. The scalar loop (a tail, or a chunk not 16-byte aligned) strides by the block.
+// Passes that sum over a block (block_sum) and ops that walk by themselves get whole blocks.
 template <class Op>
 __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
   constexpr int N = Op::N_SLOTS;
@@ -418,7 +425,8 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
     for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
       apply<Op, MTA_VEC>(op, grad_scale, ptr, param_copy, i, acc);
   }
-  for (long long i = scalar_from + threadIdx.x; i < end; i += MTA_BLOCK)
+#pragma unroll 4
+  for (long long i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
     apply<Op, 1>(op, grad_scale, ptr, param_copy, i, acc);
   if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.tensor, job.index, numel);
 }

@@ -13,15 +13,18 @@ List utilities: `l2_norms`, `clip_grad_norm_`, `scale_`, `unscale_` (AMP), `add_
 from .adam import adam_plan, adam_step
 from .adam8bit import Adam8bitState, adam8bit_plan, adam8bit_state, adam8bit_step
 from .galore import GaLoreState, galore_adamw_step, galore_state
-from .lamb import lamb_plan, lamb_step
-from .lars import lars_plan, lars_step
+from .lamb import LAMBSpec, lamb_plan, lamb_step
+from .lars import LARSSpec, lars_plan, lars_step
 from .norms import clip_grad_norm_, l2_norms
-from .ops import REGISTRY, AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from .ops import AdamSpec
 from .plan import Plan
 from .rules import Rule, rule
 from .rules.chain import Link, chain
 from .scaling import add_, scale_, unscale_, zero_
-from .sgd import sgd_plan, sgd_step
+from .sgd import SGDSpec, sgd_plan, sgd_step
+
+# the shipped optimizers' ops by name
+REGISTRY = {"adam": AdamSpec, "sgd": SGDSpec, "lars": LARSSpec, "lamb": LAMBSpec}
 
 __version__ = "0.1.0"
 

@@ -74,6 +74,29 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
     args, row_args, grad_scale = values
     if rows is None and spec.cpu_run(refs, args, grad_scale):
         return True
+    tensor_args = (lambda i: args) if rows is None else (lambda i: row_args[rows.row_of[i]])
+    totals = None
+    if spec.n_totals:  # whole-list sums: a first pass over every tensor
+        totals = spec.cpu_totals((i, arrays, tensor_args(i), dtype)
+                                 for i, dtype, arrays in _tensors(spec, refs, grad_scale))
+    for i, dtype, arrays in _tensors(spec, refs, grad_scale):
+        given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
+        for name, values in spec.cpu_update(dict(arrays), given, dtype, i).items():
+            if name == "params" and spec.param_mode == "delta":
+                store(refs["updates"][i], values - arrays["params"])
+                continue
+            if name == "params" and spec.stochastic_rounding:
+                store_stochastic(refs[name][i], values, given, i)
+                continue
+            store(refs[name][i], values)
+            if name == "params" and spec.master_weights:
+                store(refs["master_params"][i], values)
+    return True
+
+
+def _tensors(spec, refs: dict, grad_scale):
+    """(index, math dtype, slot name -> values) of each non-empty tensor, as the op sees it:
+    the fp32 master as the param, zero params in the zero mode, grads unscaled."""
     first = refs[spec.slots[0]]
     for i in range(len(first)):
         if first[i].numel == 0:
@@ -87,18 +110,7 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
             arrays["params"] = np.zeros_like(arrays["params"])
         if grad_scale != 1.0:
             arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        tensor_args = args if rows is None else row_args[rows.row_of[i]]
-        for name, values in spec.cpu_update(dict(arrays), tensor_args, dtype, i).items():
-            if name == "params" and spec.param_mode == "delta":
-                store(refs["updates"][i], values - arrays["params"])
-                continue
-            if name == "params" and spec.stochastic_rounding:
-                store_stochastic(refs[name][i], values, tensor_args, i)
-                continue
-            store(refs[name][i], values)
-            if name == "params" and spec.master_weights:
-                store(refs["master_params"][i], values)
-    return True
+        yield i, dtype, arrays
 
 
 def _values(spec, args: dict, rows, grad_scale):

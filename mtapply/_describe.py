@@ -58,13 +58,21 @@ def describe_torch(tensors, *, native: bool = True) -> np.ndarray | None:
 
 def _native_describer():
     """The compiled describer once built (its build starts in the background on first use)."""
+    return native_function("mta_describe_torch", [ctypes.py_object, ctypes.c_void_p,
+                                                  ctypes.py_object, ctypes.py_object])
+
+
+def native_function(name: str, argtypes: list):
+    """A function of the compiled torch library (csrc/torch_describe.cpp) returning int64, once
+    built (its build starts in the background on first use); None until then, or where it
+    cannot be built."""
     lib = _native.library("torch_describe", wait=False)
     if lib is None:
         return None
-    function = lib.mta_describe_torch
+    function = getattr(lib, name)
     if function.restype is not ctypes.c_int64:
         function.restype = ctypes.c_int64
-        function.argtypes = [ctypes.py_object, ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
+        function.argtypes = argtypes
     return function
 
 

@@ -34,14 +34,15 @@ class Launcher:
             source = spec.source(group.dtypes)
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes))
-            self.launches.append([KernelLaunch(f, _source.BLOCK_THREADS, group.n_blocks,
-                                               spec.arg_fields) for f in functions])
+            threads = spec.threads_for(group.dtypes, group.numels)
+            self.launches.append([KernelLaunch(f, threads, group.n_blocks, spec.arg_fields)
+                                  for f in functions])
             self.tables.append(None)
         # groups whose rows read scheduled values from float32 slots (see RowTables)
         self._slotted = [_source.math_type(group.dtypes) == "float" for group in self.groups]
         with _cupy_device(device_id):
             if spec.n_sums:
-                self._attach_sums(spec.n_sums, numels, stream)
+                self._attach_sums(spec.n_sums, spec.n_totals, numels, stream)
             self._attach_arrays(arrays, stream)
             self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
         self._memory.append(self.invalid)
@@ -81,9 +82,10 @@ class Launcher:
             table.before_launch(stream)
         self._keep.stream = stream
 
-    def _attach_sums(self, n_sums: int, numels: np.ndarray, stream: int) -> None:
+    def _attach_sums(self, n_sums: int, n_totals: int, numels: np.ndarray, stream: int) -> None:
         """The sums workspace: per group, block partials, arrival counts and a slice of the
-        plan's sums (groups one after another), which `positions` maps to the caller's order."""
+        plan's sums (groups one after another), which `positions` maps to the caller's order;
+        after them the `n_totals` whole-list sums (a rule's `totals`, its `totals_array`)."""
         import cupy
 
         offsets = np.cumsum([0] + [len(g.numels) for g in self.groups])
@@ -91,7 +93,8 @@ class Launcher:
         for group, offset in zip(self.groups, offsets):
             positions[group.indices] = offset + np.arange(len(group.numels))
         positions *= n_sums
-        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums, 1), np.float32), stream)
+        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums + n_totals, 1), np.float32),
+                                stream)
         mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
         finished = _device_copy(np.zeros(1, np.uint32), stream)
         self._memory += [all_sums, mapping, finished]
@@ -106,6 +109,8 @@ class Launcher:
             for launch in passes:
                 launch.set_workspace(partials.ptr, arrivals.ptr, all_sums.ptr + 4 * n_sums * int(offset),
                                      plan_sums)
+                if n_totals:
+                    launch.set_array("totals_array", all_sums.ptr + 4 * n_sums * len(numels))
 
     def _attach_arrays(self, arrays: dict, stream: int) -> None:
         """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""

@@ -1,6 +1,7 @@
 """Host-side C++ libraries, compiled on this machine on first use and cached.
 
-- `torch_describe` reads torch tensors' addresses and layouts at C speed (the one-call API).
+- `torch_describe` reads torch tensors' addresses and layouts at C speed (the one-call API, and
+  mtapply.torch's check that a group is as its plans were bound), and moves params' versions.
 - `xla_ffi` is the XLA FFI handler that launches mtapply's kernels inside `jax.jit`.
 
 Each is compiled with the system's C++ compiler (`$CXX`, else g++) against the installed
@@ -139,7 +140,8 @@ def _torch_flags() -> list:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-I{sysconfig.get_paths()['include']}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-L{root / 'lib'}", "-lc10", "-ltorch_python", f"-Wl,-rpath,{root / 'lib'}"]
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python",
+            f"-Wl,-rpath,{root / 'lib'}"]
 
 
 def _torch_version() -> str:

@@ -18,7 +18,7 @@ from . import _xla
 from ._dlpack import TensorRef, export
 from ._launch import cupy_stream
 from ._optax_ops import OptaxRule, is_array
-from ._optax_state import FLOATS, FlatLayout, flat_for, initial_slot, leaf_struct, tree_state
+from ._optax_state import FLOATS, FlatLayout, flat_for, leaf_struct, tree_state
 from .ops._spec import DeviceScalar, check_number
 from .plan import Plan
 
@@ -54,7 +54,8 @@ class Engine:
     def __init__(self, rule: OptaxRule, learning_rate, flat: bool = False):
         if not callable(learning_rate) and not hasattr(learning_rate, "dtype"):
             check_number("learning_rate", learning_rate, low=0.0)
-        self.rule, self.learning_rate, self.flat = rule, learning_rate, flat
+        self.rule, self.learning_rate = rule, learning_rate
+        self.flat = flat and not rule.tree_state  # (8-bit state: a tree, its shapes its own)
         self.runner = _Runner(rule)  # what the callbacks hold
         self._ffi_plans: dict = {}  # the FFI handler's plan ids, by call key
         self._lock = threading.Lock()
@@ -69,8 +70,7 @@ class Engine:
         else:
             _check_leaves(self.rule.name, params, "params")
             layouts = self._layouts(leaves) if flat_for(self.flat, leaves) else {}
-            slots = [initial_slot(self.rule.initial.get(field, 0.0), params, layouts.get(field),
-                                   self.rule.slot_dtypes.get(field))
+            slots = [self.rule.init_slot(field, params, layouts.get(field))
                      for field in self.rule.slots]
         return self.rule.state_type(jnp.zeros([], jnp.int32), *slots, *self.rule.scalar_init())
 

@@ -6,11 +6,22 @@ from __future__ import annotations
 import jax
 import optax
 
+from ._optax_eight_bit import with_storage
 from ._optax_make import FusedOptimizer, _fused, _refuse, _state_dtype, _transformation
 from ._optax_ops import ScheduleFreeRule, UserRule, is_number
 from ._optax_state import tree_state
 from .ops._spec import check_number
 from .rules import library
+
+
+# slots that are never negative: the unsigned 8-bit map keeps them with state_bits=8
+_UNSIGNED = {"lion": (), "adan": ("n",), "adamax": ("nu",), "radam": ("nu",),
+             "adadelta": ("e_g", "e_x"), "adagrad": ("sum_of_squares",), "rmsprop": ("nu",)}
+
+
+def _bits(made: UserRule, state_bits, min_8bit_size) -> UserRule:
+    """`made` with state_bits=8 or 16 (mtapply.optax's docstring: State layout)."""
+    return with_storage(made, state_bits, min_8bit_size, _UNSIGNED[made.name])
 
 
 def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> UserRule:
@@ -24,18 +35,19 @@ def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> UserRule:
 
 
 def lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3, mask=None, *,
-         flat_state=True) -> optax.GradientTransformation:
+         flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.lion on the rule `mtapply.rules.library.lion`: p -= lr * (sign(b1 * m + (1 - b1)
     * g) + weight_decay * p); m = b2 * m + (1 - b2) * g. mu_dtype is the moment's dtype; mask
     only takes its default; the state is `LionState(count, exp_avg)`."""
-    return _transformation(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate,
-                           flat_state)
+    rule = _lion_rule(b1, b2, mu_dtype, weight_decay, mask)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
 def fused_lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3,
-               mask=None) -> FusedOptimizer:
+               mask=None, *, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`lion` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_lion_rule(b1, b2, mu_dtype, weight_decay, mask), learning_rate)
+    rule = _lion_rule(b1, b2, mu_dtype, weight_decay, mask)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> UserRule:
@@ -48,30 +60,36 @@ def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> UserRule:
 
 
 def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0, weight_decay=0.0,
-         mask=None, *, flat_state=True) -> optax.GradientTransformation:
+         mask=None, *, flat_state=True,
+         state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adan on the rule `mtapply.rules.library.adan` (optax's arguments; mask only takes
     its default). The state is `AdanState(count, m, v, n, prev_grad)`."""
-    return _transformation(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask),
-                           learning_rate, flat_state)
+    rule = _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
 def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
-               weight_decay=0.0, mask=None) -> FusedOptimizer:
+               weight_decay=0.0, mask=None, *, state_bits=None,
+               min_8bit_size=None) -> FusedOptimizer:
     """`adan` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask), learning_rate)
+    rule = _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8, *,
-           flat_state=True) -> optax.GradientTransformation:
+           flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adamax on the rule `mtapply.rules.library.adamax_optax`: m = b1 m + (1 - b1) g;
     u = max(b2 u, |g| + eps); p -= lr * m / (1 - b1^t) / u. State `AdamaxOptaxState(count, mu,
     nu)`."""
-    return _transformation(_adamax_rule(b1, b2, eps), learning_rate, flat_state)
+    rule = _adamax_rule(b1, b2, eps)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
-def fused_adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8) -> FusedOptimizer:
+def fused_adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+                 *, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`adamax` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adamax_rule(b1, b2, eps), learning_rate)
+    rule = _adamax_rule(b1, b2, eps)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def _adamax_rule(b1, b2, eps) -> UserRule:
@@ -79,18 +97,20 @@ def _adamax_rule(b1, b2, eps) -> UserRule:
 
 
 def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-          nesterov=False, flat_state=True) -> optax.GradientTransformation:
+          nesterov=False, flat_state=True,
+          state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.radam on the rule `mtapply.rules.library.radam_optax`: Adam's moments; where
     rho_t >= threshold the bias-corrected step is rectified, before it the bias-corrected
     momentum alone. State `RadamOptaxState(count, mu, nu)`."""
-    return _transformation(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov),
-                           learning_rate, flat_state)
+    rule = _radam_rule(b1, b2, eps, eps_root, threshold, nesterov)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
 def fused_radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-                nesterov=False) -> FusedOptimizer:
+                nesterov=False, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`radam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_radam_rule(b1, b2, eps, eps_root, threshold, nesterov), learning_rate)
+    rule = _radam_rule(b1, b2, eps, eps_root, threshold, nesterov)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def _radam_rule(b1, b2, eps, eps_root, threshold, nesterov) -> UserRule:
@@ -100,21 +120,23 @@ def _radam_rule(b1, b2, eps, eps_root, threshold, nesterov) -> UserRule:
 
 
 def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None,
-             *, flat_state=True) -> optax.GradientTransformation:
+             *, flat_state=True, state_bits=None,
+             min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adadelta on the rule `mtapply.rules.library.adadelta_optax`: g += wd p;
     e_g = rho e_g + (1 - rho) g^2; u = sqrt(e_x + eps) / sqrt(e_g + eps) g;
     e_x = rho e_x + (1 - rho) u^2; p -= lr u (learning_rate None: p += u, as optax's chain
     without a learning rate). weight_decay_mask only takes its default. State
     `AdadeltaOptaxState(count, e_g, e_x)`."""
-    return _transformation(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask,
-                                          learning_rate is None),
+    rule = _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate is None)
+    return _transformation(_bits(rule, state_bits, min_8bit_size),
                            1.0 if learning_rate is None else learning_rate, flat_state)
 
 
 def fused_adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0,
-                   weight_decay_mask=None) -> FusedOptimizer:
+                   weight_decay_mask=None, *, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`adadelta` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate is None),
+    rule = _adadelta_rule(rho, eps, weight_decay, weight_decay_mask, learning_rate is None)
+    return _fused(_bits(rule, state_bits, min_8bit_size),
                   1.0 if learning_rate is None else learning_rate)
 
 
@@ -134,17 +156,19 @@ def _adagrad_rule(initial_accumulator_value, eps) -> UserRule:
 
 
 def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7, *,
-            flat_state=True) -> optax.GradientTransformation:
+            flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adagrad on the rule `mtapply.rules.library.adagrad_optax`: s += g^2;
     p -= lr * g / sqrt(s + eps) (no step where s is 0). State `AdagradOptaxState(count,
     sum_of_squares)`."""
-    return _transformation(_adagrad_rule(initial_accumulator_value, eps), learning_rate,
-                           flat_state)
+    rule = _adagrad_rule(initial_accumulator_value, eps)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
-def fused_adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7) -> FusedOptimizer:
+def fused_adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7,
+                  *, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`adagrad` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adagrad_rule(initial_accumulator_value, eps), learning_rate)
+    rule = _adagrad_rule(initial_accumulator_value, eps)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov,
@@ -162,20 +186,21 @@ def _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum, ne
 
 def rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
             centered=False, momentum=None, nesterov=False, bias_correction=False, *,
-            flat_state=True) -> optax.GradientTransformation:
+            flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.rmsprop on the rule `mtapply.rules.library.rmsprop_optax`, with optax's arguments
     (bias_correction only takes its default)."""
-    return _transformation(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered,
-                                         momentum, nesterov, bias_correction),
-                           learning_rate, flat_state)
+    rule = _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered,
+                         momentum, nesterov, bias_correction)
+    return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
 def fused_rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
                   centered=False, momentum=None, nesterov=False,
-                  bias_correction=False) -> FusedOptimizer:
+                  bias_correction=False, *, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`rmsprop` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum,
-                                nesterov, bias_correction), learning_rate)
+    rule = _rmsprop_rule(decay, eps, initial_scale, eps_in_sqrt, centered, momentum,
+                         nesterov, bias_correction)
+    return _fused(_bits(rule, state_bits, min_8bit_size), learning_rate)
 
 
 def _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps, weight_decay,

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _optax_rules
-from ._optax_state import STATES, AdamState, LambState, LarsState, SgdState
-from .ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from ._optax_state import STATES, AdamState, LambState, LarsState, SgdState, initial_slot
+from .lamb import LAMBSpec
+from .lars import LARSSpec
+from .ops import AdamSpec
 from .ops._spec import DeviceScalar, check_number
 from .rules import library
-from .rules._spec import list_name
+from .sgd import SGDSpec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,10 +48,17 @@ class OptaxRule:
     hyper: dict = {}  # op argument -> number
     dynamic: dict = {}  # op argument -> array: a scalar operand of every call
     slot_dtypes: dict = {}  # state field -> the dtype of its buffers, where not the params'
+    tree_state = False  # True: the state stays a tree like params (flat_state does not apply)
 
     def scalar_init(self) -> list:
         """The initial values of `scalar_fields`."""
         return []
+
+    def init_slot(self, field: str, params, layout):
+        """State field `field` before the first step: a tree like params, or the flat buffers
+        of `layout` (see `mtapply._optax_state.initial_slot`)."""
+        return initial_slot(self.initial.get(field, 0.0), params, layout,
+                            self.slot_dtypes.get(field))
 
     def per_step(self, learning_rate, count, state) -> tuple:
         """(extra step arguments after lr, step and the norm, new values of `scalar_fields`):
@@ -336,14 +345,14 @@ class LambRule(OptaxRule):
 
     def spec(self, statics):
         if self.as_rule:
-            return _optax_rules.lamb(trust=self.flags["use_nvlamb"], adam_w_mode=self.flags[
-                "adam_w_mode"], **self.switches).spec()
+            return _optax_rules.lamb(self.flags["adam_w_mode"], self.flags["use_nvlamb"]).spec()
         return LAMBSpec(**self.flags)
 
     def fixed_args(self, statics, lr, step, norm=None, *more) -> dict:
         args = dict(lr=lr, step=step, **self.hyper)
         if not self.as_rule:
             return dict(args, global_grad_norm=norm, **self.switches)
+        args.update((name, 1.0 if on else 0.0) for name, on in self.switches.items())
         return args if norm is None else dict(args, global_grad_norm=norm)
 
 
@@ -382,9 +391,11 @@ class UserRule(OptaxRule):
             raise NotImplementedError(f"rule {rule.name!r}: slot {read_only[0]!r} is read-only; "
                                       f"mtapply.optax keeps only read-written slots as state")
         self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
-        self.plan_slots = ("params", *map(list_name, self.slots), "grads")
-        self.reads_params = any(isinstance(node, ast.Name) and node.id == "param"
-                                for line in rule.program.lines for node in ast.walk(line.expr))
+        op_slots = dict(zip(rule.slots, rule.spec().slots))  # the op's name of each slot
+        self.plan_slots = ("params", *(op_slots[name] for name in self.slots), "grads")
+        self.reads_params = "param" in rule.program.first_pass_slots or any(
+            isinstance(node, ast.Name) and node.id == "param"
+            for line in rule.program.lines for node in ast.walk(line.expr))
         self.state_type = _rule_state_type(rule.name, self.slots, ())
 
     def spec(self, statics):

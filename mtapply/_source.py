@@ -28,7 +28,8 @@ CUDA_TYPES = {"float32": "float", "float64": "double", "float16": "mta::f16", "b
               "uint8": "unsigned char"}
 ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "uint8": 1}
 
-BLOCK_THREADS = 256
+BLOCK_THREADS = 256  # or a warp: see block_threads
+WARP_THREADS = 32
 CHUNK_ELEMENTS = 4096
 
 # fp32 math without flushing denormals, as torch's kernels do.
@@ -85,6 +86,15 @@ def inlined_sources(names: tuple[str, ...], seen: set[str]) -> list[str]:
 def vector_width(dtypes: tuple[str, ...]) -> int:
     """Elements per vector access: 16 bytes of the narrowest slot type."""
     return 16 // min(ITEMSIZES[d] for d in dtypes)
+
+
+def block_threads(numels, chunk: int, dtypes: tuple[str, ...]) -> int:
+    """Threads per CUDA block for a group of tensors of these sizes: one warp where every chunk
+    takes one vector pass of a warp, else BLOCK_THREADS (kernels/walker.cuh, walk). A block of
+    256 threads over a 100-element tensor leaves 231 idle while it holds an SM's place: 2,000
+    such blocks take four waves; blocks of a warp all fit at once (up to 32 blocks an SM)."""
+    largest = min(int(max(numels, default=0)), chunk)
+    return WARP_THREADS if largest <= WARP_THREADS * vector_width(dtypes) else BLOCK_THREADS
 
 
 def math_type(dtypes: tuple[str, ...]) -> str:

@@ -3,12 +3,15 @@ plan each), the checks that the binding still holds (params in place, grads foll
 repeat of the latest flat_grads step, and the local tensors of FSDP2's DTensor params."""
 from __future__ import annotations
 
+import ctypes
 import operator
 import weakref
 
 import numpy as np
 import torch
 
+from ._describe import ROWS, native_function
+from ._dtensor import is_dtensor, local_tensor, local_tensors
 from ._optimizer_step import bump_versions as _bump_versions
 from ._torch_layouts import Staging
 
@@ -16,6 +19,11 @@ _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DEREF = weakref.ref.__call__
+
+
+_DESCRIBE_ARGS = [ctypes.py_object, ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
+_CHECK_ARGS = [ctypes.py_object, ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p,
+               ctypes.c_int64]
 
 
 def data_addresses(tensors: list) -> np.ndarray:
@@ -63,9 +71,31 @@ class Bound:
         self.grad_refs = list(map(weakref.ref, grads))  # weak: grads are freed as torch frees them
         local = local_tensors(grads)  # the layouts the plans took: row-major, or these strides
         self.grad_strides = None if all(map(_IS_CONTIGUOUS, local)) else list(map(_STRIDE, local))
+        self.grad_addresses = data_addresses(local)
         # whether the plans take other tensors than the grads themselves (real views, stand-ins)
         self.reshaped = any(part.staging for part in parts) or any(map(torch.is_complex, grads))
         self.complete = False  # with flat_grads: holds every param of its group that needs a grad
+        self.grad_words = self._grad_words(grads)
+
+    def _grad_words(self, grads: list):
+        """The grads as the compiled check compares them (`holds`), or None where it does not
+        apply (DTensor params, plans over stand-ins, grads not contiguous) or is not built yet."""
+        describe = native_function("mta_describe_torch", _DESCRIBE_ARGS)
+        if describe is None or self.sharded or self.reshaped or self.grad_strides is not None:
+            return None  # (the check compares contiguous grads by address, size and dtype)
+        words = np.empty((len(grads), ROWS), np.int64)
+        if describe(grads, words.ctypes.data, torch.Tensor, torch.nn.Parameter) < 0:
+            return None
+        return words
+
+    def holds(self, params: list) -> bool:
+        """O(n) in compiled code (some 10 ns a param): whether `params` are the bound ones at
+        their bound addresses, each with a grad at its bound address and layout, so that the
+        plans step them as they are. False also where the check does not apply."""
+        check = native_function("mta_check_binding", _CHECK_ARGS)
+        return (check is not None and self.grad_words is not None
+                and check(params, self.params, self.param_addresses.ctypes.data,
+                          self.grad_words.ctypes.data, len(self.params)) == -1)
 
     def params_moved(self) -> bool:
         """True when a param's storage was replaced (`p.data = ...`, `model.half()`)."""
@@ -75,13 +105,18 @@ class Bound:
     def follow_grads(self, grads: list) -> bool:
         """Points the plans at this step's grads, if any moved; False (nothing done) where a
         grad is laid out otherwise than the one bound, so that the group is bound again."""
-        if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
-            return True
         local = local_tensors(grads) if self.sharded else grads
+        if not any(map(operator.is_not, grads, map(_DEREF, self.grad_refs))):
+            # the same grads; at the same addresses unless one's storage was replaced
+            # (`p.grad.data = ...`), which is rebound below
+            if np.array_equal(data_addresses(local), self.grad_addresses):
+                if self.grad_words is None:  # the compiled check was not built at the bind
+                    self.grad_words = self._grad_words(grads)
+                return True
         if not (all(map(_IS_CONTIGUOUS, local)) if self.grad_strides is None
                 else list(map(_STRIDE, local)) == self.grad_strides):
             return False
-        addresses = data_addresses(local)
+        addresses = self.grad_addresses = data_addresses(local)
         whole = len(self.parts) == 1
         for part in self.parts:
             mine = local if whole else [local[i] for i in part.indices]
@@ -90,6 +125,7 @@ class Bound:
                 mine, at = (part.staging or Staging()).bound_grads(mine, at)
             part.plan.rebind_addresses("grads", mine, at, keep_alive=False)
         self.grad_refs = list(map(weakref.ref, grads))
+        self.grad_words = self._grad_words(grads)
         return True
 
 
@@ -135,19 +171,6 @@ class LatestStep:
             _bump_versions(self.params)
         optimizer._flat.mark()
         return True
-
-
-def is_dtensor(tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
-
-
-def local_tensor(tensor):
-    """The writable local shard of an FSDP2 (DTensor) param, grad or state; else the tensor."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
-def local_tensors(tensors: list) -> list:
-    return list(map(local_tensor, tensors)) if any(map(is_dtensor, tensors)) else tensors
 
 
 def shard_groups(param) -> list:

@@ -26,6 +26,7 @@ import torch
 
 from ._dlpack import is_dense as _is_dense_ref
 from ._dlpack import row_major_strides
+from ._dtensor import shard_scales
 
 _IS_COMPLEX = torch.Tensor.is_complex
 
@@ -149,7 +150,8 @@ class PlanLists:
         out = []
         for p, form in zip(self.params, self._forms):
             entry = self._state[p]
-            local = self._local(entry[name])
+            local = shard_scales(entry[name], form) if name.endswith("_absmax") else \
+                self._local(entry[name])
             laid_out = Staging.state(local, form, f"state[{name!r}]")
             if laid_out is not local:
                 entry[name] = laid_out  # a plain tensor (a DTensor's shard is its param's layout)

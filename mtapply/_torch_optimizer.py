@@ -138,6 +138,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     def _grouped_steps(self, grad_scale, found_inf) -> None:
         """Binds every group (raising any refusal before anything is written), then steps
         them."""
+        self._held = {}  # the groups found as bound in this step (`_as_bound`)
         flat = self._flat_grads_in_place()
         merged = self._merged_group()  # params edited in place merge again, as torch sees them
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
@@ -148,7 +149,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             bound = self._bound.get(index) if flat else None
             sparse = ()
             if bound is None or not bound.complete or bound.options != self._compile_options(group):
-                dense, sparse = self._split_sparse(group, grad_scale, found_inf)
+                dense, sparse = self._split_sparse(index, group, grad_scale, found_inf)
                 bound = self._prepare_group(index, dense)
                 stepped = False
                 if self._flat is not None and index in self._bound:
@@ -156,6 +157,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                         id(p) for p in group["params"] if p.requires_grad)
                 group = dense
             prepared.append((index, group, bound, sparse))
+        self._check_prepared(prepared)
         self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
         for index, group, bound, sparse in prepared:
             for own, members in by_group(group, sparse) if sparse else ():
@@ -257,6 +259,10 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
 
     # -- binding --------------------------------------------------------------------------------
 
+    def _check_prepared(self, prepared: list) -> None:
+        """Refusals that need every group bound (index, group, bound, sparse params), raised
+        before any group steps."""
+
     def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
         flat_grads and every grad in its view, the buffers that hold all the grads."""
@@ -264,11 +270,15 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     def _prepare_group(self, index, group) -> Bound | None:
         """The group bound to plans that point at this step's grads (None where no param
         has a grad); raises where the group cannot step, before any group launches."""
-        # The common case costs C-level scans only: the same params, every one with a grad.
+        # The common case costs one compiled scan (`Bound.holds`), or C-level scans of torch's
+        # accessors: the same params, every one with a grad.
+        held = self._as_bound(index, group)
+        if held is not None:
+            return held
         params = group["params"]
-        grads = list(map(_GRAD, params))
         options = self._compile_options(group)
         bound = self._bound.get(index)
+        grads = list(map(_GRAD, params))
         same = (bound is not None and bound.options == options and len(bound.params) == len(params)
                 and all(map(operator.is_, params, bound.params))
                 and not any(map(operator.is_, grads, repeat(None))))
@@ -286,17 +296,32 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             self._bound[index] = bound
         return bound
 
+    def _as_bound(self, index, group) -> Bound | None:
+        """The group's bound plans where the group is as they were bound (its params, their
+        addresses, a dense grad each at its bound address: `Bound.holds`), else None; one
+        compiled scan a step."""
+        if index not in self._held:
+            bound = self._bound.get(index)
+            self._held[index] = bound if (bound is not None
+                                          and bound.options == self._compile_options(group)
+                                          and bound.holds(group["params"])) else None
+        return self._held[index]
+
     def _launch_group(self, index, group, bound, grad_scale, found_inf) -> None:
         """Steps a group as `_prepare_group` prepared it."""
         if bound is not None:
             for part in bound.parts:
                 self._step_part(part, group, grad_scale, found_inf)
 
-    def _split_sparse(self, group, grad_scale, found_inf) -> tuple:
+    def _split_sparse(self, index, group, grad_scale, found_inf) -> tuple:
         """(the group without its params whose grads are sparse, those params), for optimizers
-        that step them by `_sparse_step` (a C-level scan); else (the group, ())."""
+        that step them by `_sparse_step` (a C-level scan, or none where the group is as bound:
+        its grads are dense then); else (the group, ())."""
         params = group["params"]
-        if not self._sparse_grads or not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params)))):
+        if not self._sparse_grads:
+            return group, ()
+        if (self._as_bound(index, group) is not None
+                or not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params))))):
             return group, ()
         sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
         if grad_scale is not None or found_inf is not None:

@@ -1,15 +1,17 @@
 """`mtapply.torch` optimizers run by a rule (`mtapply.rule`): the built-in ones of the rule
-library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop) and any
-user-written rule."""
+library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop; those
+that estimate their step size are in `_torch_adaptive.py`) and any user-written rule."""
 from __future__ import annotations
-
 
 import torch
 
 from ._ranges import LR, Range
 from ._torch_checks import check_adam_args, check_one_element, check_options
-from ._torch_optimizer import BETA_NAMES, FusedOptimizer
-from .ops._spec import check_number
+from . import quantization
+from ._dtensor import check_scales, is_dtensor, local_tensor, sharded_like, sharded_scales
+from ._torch_layouts import as_real
+from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
+from .ops._spec import check_number, seed_words
 from .rules import library
 
 
@@ -23,6 +25,45 @@ class RuleBased(FusedOptimizer):
     scalar's name (shared, as the step counter is), saved as torch.optim saves them."""
 
     _merges_groups = True
+    _UNSIGNED_STATE: tuple = ()  # state slots that hold values >= 0 (finer 8-bit codes)
+
+    def __init__(self, params, defaults, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0):
+        if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
+            raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
+                             f"optim_bits), got {state_bits!r}")
+        if not isinstance(min_8bit_size, int) or min_8bit_size < 1:
+            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size!r} (a whole number >= 1)")
+        self.state_bits, self.min_8bit_size = state_bits, min_8bit_size
+        self._eight_bit_rules: dict = {}
+        seed_words(seed)  # (checked now; a group option, as Adam's)
+        defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding), seed=seed)
+        super().__init__(params, defaults, flat_grads)
+        for group in self.param_groups:  # a rule that cannot keep 8-bit state refuses now
+            self._stepping_rule(group)
+
+    def __getstate__(self):  # a copy keeps its state's storage
+        return dict(super().__getstate__(), state_bits=self.state_bits,
+                    min_8bit_size=self.min_8bit_size)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)  # (load_state_dict's state lacks them: they stay)
+        self.__dict__.setdefault("state_bits", 32)
+        self.__dict__.setdefault("min_8bit_size", 4096)
+        self._eight_bit_rules = {}
+
+    def _stepping_rule(self, group):
+        """The group's rule as it steps: with state_bits=8, its written state slots in 8 bits
+        (`Rule.with_state_bits`), params under min_8bit_size keeping float32 state."""
+        rule = self._rule(group)
+        if self.state_bits != 8:  # (16: the rule's kernels take bfloat16 state as it is)
+            return rule
+        made = self._eight_bit_rules.get(rule)
+        if made is None:
+            unsigned = [s for s in self._UNSIGNED_STATE if s in rule.slots]
+            made = self._eight_bit_rules[rule] = rule.with_state_bits(
+                8, unsigned=unsigned, threshold=self.min_8bit_size)
+        return made
 
     def _tensor_options(self, group) -> bool:
         return any(isinstance(v, torch.Tensor) for v in self._rule_hyper(group).values())
@@ -44,17 +85,114 @@ class RuleBased(FusedOptimizer):
         return torch.full_like(p, value, memory_format=torch.preserve_format)
 
     def _compile_options(self, group) -> tuple:
-        return (self._rule(group),)
+        return (self._stepping_rule(group), self._stochastic(group))
+
+    @staticmethod
+    def _stochastic(group) -> bool:
+        """Whether the group's bfloat16 params are rounded stochastically (random bits keyed
+        by its `seed`, the step and the param's place), as Adam's option."""
+        return bool(group.get("stochastic_rounding", False))
+
+    def _check_prepared(self, prepared: list) -> None:
+        """A rule with whole-list sums (a global norm, Prodigy's d) sums over one plan: its
+        params must step together, in one plan on one device (torch.optim's counterparts sum
+        over every param of the step)."""
+        summed = [(group, bound) for _, group, bound, _ in prepared
+                  if bound is not None and self._stepping_rule(group).program.totals]
+        parts = [part for _, bound in summed for part in bound.parts]
+        if len(parts) > 1 or any(bound.sharded for _, bound in summed):
+            name = self._stepping_rule(summed[0][0]).name
+            raise ValueError(
+                f"{type(self).__name__} ({name}) sums over all its params at each step, which "
+                f"here would step as {len(parts)} separate lists: params on several devices, "
+                f"FSDP2 shards, params that missed steps the others took (a grad of None), or "
+                f"param groups that cannot step together (a tensor lr, other compile-time "
+                f"options). Keep the params on one device, give each a grad at every step "
+                f"(zero_grad(set_to_none=False) keeps zeros), and give the groups number lrs")
 
     def _init_state(self, group, p, state) -> None:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for name in self._rule(group).slots[1:]:
-            if name != "grad" and name not in state:
-                state[name] = self._initial(group, p, name)
+        rule = self._stepping_rule(group)
+        missing = [name for name in rule.slots[1:] if name != "grad" and name not in state]
+        for name in missing:
+            if self.state_bits == 8 and name in rule.eight_bit:
+                state[name], state[f"{name}_absmax"] = self._eight_bit_state(
+                    rule, name, p, self._initial(group, p, name))
+            elif not name.endswith("_absmax"):  # (made with its slot)
+                first = self._initial(group, p, name)
+                dtype = self._state_dtype(group, name, p)
+                state[name] = first if first.dtype == dtype else first.to(dtype)
+
+    @staticmethod
+    def _eight_bit_state(rule, name: str, p, first) -> tuple:
+        """(codes, scales) of an 8-bit slot starting at `first` (its declared first value), in
+        the param's dense layout (the blocks follow memory order); float32 values and no scales
+        for a param under min_8bit_size elements. A DTensor param's are its shard's, as
+        DTensors (see mtapply._dtensor), in 8 bits as the whole param is."""
+        eight_bit = as_real(p.detach()).numel() >= rule.threshold
+        if is_dtensor(p):
+            values, scales = RuleBased._slot_state(rule, name, local_tensor(p), local_tensor(first),
+                                                  eight_bit)
+            return sharded_like(p, values), sharded_scales(p, scales, eight_bit)
+        return RuleBased._slot_state(rule, name, p, first, eight_bit)
+
+    @staticmethod
+    def _slot_state(rule, name: str, p, first, eight_bit: bool) -> tuple:
+        form = as_real(p.detach())  # as the plan steps it: complex as real
+        values = as_real(first.detach())
+        if not eight_bit:
+            return values.float(), torch.zeros(0, dtype=torch.float32, device=p.device)
+        codes = laid_out_as(torch.zeros(form.shape, dtype=torch.uint8, device=p.device), form)
+        if not values.any():  # zeros: any codes, at a scale of 0
+            return codes, torch.zeros(quantization.n_blocks(form.numel()), dtype=torch.float32,
+                                      device=p.device)
+        dense = laid_out_as(torch.zeros(form.shape, device=p.device), form).copy_(values)
+        flat = dense.as_strided((dense.numel(),), (1,))  # memory order
+        made, scales = quantization.quantize_blockwise(flat.cpu().numpy(),
+                                                       signed=name not in rule.unsigned)
+        codes.as_strided((codes.numel(),), (1,)).copy_(torch.from_numpy(made))
+        return codes, torch.from_numpy(scales).to(p.device)
+
+    def _keeps_dtype(self, key, value) -> bool:
+        return self.state_bits == 8  # uint8 codes, float32 scales and float32 small state
+
+    def _state_dtype(self, group, name: str, param):
+        """With state_bits=16 the state slots the update writes are bfloat16 (those of real
+        floating params); else the param's dtype (see StateKeeping)."""
+        if (self.state_bits == 16 and param.is_floating_point()
+                and name in self._rule(group).written_state):
+            return torch.bfloat16
+        return super()._state_dtype(group, name, param)
+
+    def _check_entry(self, group, param, entry, where) -> None:
+        rule = self._stepping_rule(group)
+        eight_bit = getattr(rule, "eight_bit", ())
+        for name in entry:
+            if name.endswith("_absmax") and name[:-len("_absmax")] not in eight_bit:
+                raise ValueError(f"{where()} holds {name!r}, 8-bit state (saved with "
+                                 f"state_bits=8); {type(self).__name__} here keeps float state: "
+                                 f"make it with state_bits=8 to load it")
+        for name in eight_bit:
+            if name in entry and f"{name}_absmax" not in entry:
+                raise ValueError(f"{where()} holds {name!r} without {name + '_absmax'!r} (float "
+                                 f"state, saved with state_bits=32); {type(self).__name__} here "
+                                 f"keeps it in 8 bits: make it with state_bits=32 to load it, or "
+                                 "give the param an empty state (optimizer.state[p] = {})")
+        super()._check_entry(group, param, entry, where)
+        for name in eight_bit:
+            if name not in entry:  # (a slot an option turns on starts at the next step)
+                continue
+            codes, scales = entry[name], entry[f"{name}_absmax"]
+            check_scales(param, scales, where(), f"{name}_absmax")
+            expected = torch.uint8 if scales.numel() else torch.float32
+            if codes.dtype != expected:
+                raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
+                                 f"{scales.numel()} scales: 8-bit state is uint8 codes with one "
+                                 "float32 scale per 256 elements, or float32 without scales")
 
     def _required_state(self, group, param) -> tuple:
-        rule = self._rule(group)  # `step` where the update reads it
+        rule = self._stepping_rule(group)  # `step` where the update reads it
         return (("step",) if rule.program.uses_step else ()) + tuple(
             name for name in rule.slots[1:] if name != "grad") + tuple(rule.scalars)
 
@@ -120,15 +258,18 @@ class RuleBased(FusedOptimizer):
         return saved
 
     def _make_plan(self, group, lists):
-        given, rule = {"param": lists.bound, "grad": lists.grads}, self._rule(group)
+        given, rule = {"param": lists.bound, "grad": lists.grads}, self._stepping_rule(group)
         return rule.plan(*(given[name] if name in given else lists.state(name)
-                           for name in rule.slots))
+                           for name in rule.slots), stochastic_rounding=self._stochastic(group))
 
     def _values(self, group) -> dict:
-        return self._rule_hyper(group)
+        hyper = self._rule_hyper(group)
+        if self._stochastic(group):
+            hyper["seed"] = group.get("seed", 0)
+        return hyper
 
     def _checking_spec(self, group):
-        return self._rule(group).spec()
+        return self._rule(group).spec(stochastic_rounding=self._stochastic(group))
 
     def _range(self, group, name: str) -> Range:
         return self._rule(group).program.ranges[name]
@@ -143,7 +284,8 @@ class RuleOptimizer(RuleBased):
     state tensor of that name, zero at first, beside the device step counter `step`.
     """
 
-    def __init__(self, rule, params, *, flat_grads=False, **hyper):
+    def __init__(self, rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0, **hyper):
         from torch.optim.optimizer import required
 
         if "lr" not in rule.hyper:
@@ -160,7 +302,8 @@ class RuleOptimizer(RuleBased):
             self._merges_groups = False  # a scalar state per group (per step count)
         defaults = {name: hyper.get(name, required if default is None else default)
                     for name, default in rule.hyper.items()}
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
+                         stochastic_rounding, seed)
 
     def __getstate__(self):
         return dict(super().__getstate__(), rule=self.rule)  # a copy steps by the same rule
@@ -177,9 +320,11 @@ class Lion(RuleBased):
     _OPTION_NAMES = BETA_NAMES
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
-                 flat_grads=False):
+                 flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0):
         check_adam_args(lr, betas, 0.0, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), flat_grads)
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), flat_grads,
+                         state_bits, min_8bit_size, stochastic_rounding, seed)
 
     def _rule(self, group):
         return library.lion()
@@ -194,16 +339,20 @@ class Adan(RuleBased):
     authors' PyTorch implementation: betas=(beta1, beta2, beta3), eps, weight_decay (decoupled:
     p -= lr * (update + weight_decay * p)). State: `m`, `v`, `n`, `prev_grad`, `step`."""
 
+    _UNSIGNED_STATE = ("n",)
+
     _OPTION_NAMES = BETA_NAMES
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
-                 *, flat_grads=False):
+                 *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay)
         for k, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {k}: {beta}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay), flat_grads)
+                                      weight_decay=weight_decay), flat_grads, state_bits,
+                         min_8bit_size, stochastic_rounding, seed)
 
     def _rule(self, group):
         return library.adan()
@@ -234,7 +383,7 @@ class ScheduleFreeAdamW(RuleBased):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps, weight_lr_power=weight_lr_power,
                         lr_max=0.0, weight_sum=0.0, k=0, train_mode=True)
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads)  # z and x swap as floats: no 8-bit state
 
     def _rule(self, group):
         return library.schedule_free_adamw()
@@ -315,13 +464,18 @@ class AdamFamily(RuleBased):
     """Rule-run optimizers of torch.optim's Adam family: `betas` as the rule's beta1 and
     beta2, each other hyperparameter the group option of its name."""
 
+    _UNSIGNED_STATE = ("exp_avg_sq", "exp_inf")
+
     _OPTION_NAMES = BETA_NAMES
 
-    def _start(self, params, flat_grads, lr, betas, eps, weight_decay, **options) -> None:
+    def _start(self, params, flat_grads, storage: tuple, lr, betas, eps, weight_decay,
+               **options) -> None:
         """The optimizer, its defaults the family's shared arguments and `options` (the class's
-        own and torch.optim's flags), after the class checked them as torch.optim does."""
+        own and torch.optim's flags), after the class checked them as torch.optim does;
+        `storage`: state_bits, min_8bit_size, stochastic_rounding and seed."""
         RuleBased.__init__(self, params, dict(lr=lr, betas=betas, eps=eps,
-                                              weight_decay=weight_decay, **options), flat_grads)
+                                              weight_decay=weight_decay, **options), flat_grads,
+                           *storage)
 
     def _rule_hyper(self, group) -> dict:
         betas = dict(zip(("beta1", "beta2"), group["betas"]))
@@ -336,10 +490,12 @@ class Adamax(AdamFamily):
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  foreach=None, *, maximize=False, differentiable=False, capturable=False,
-                 flat_grads=False):
+                 flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0):
         check_adam_args(lr, betas, eps, weight_decay)
-        self._start(params, flat_grads, lr, betas, eps, weight_decay, foreach=foreach,
-                    maximize=maximize, differentiable=differentiable, capturable=capturable)
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+                    lr, betas, eps, weight_decay, foreach=foreach, maximize=maximize,
+                    differentiable=differentiable, capturable=capturable)
 
     def _rule(self, group):
         return library.adamax(bool(group["maximize"]))
@@ -356,11 +512,13 @@ class NAdam(AdamFamily):
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  momentum_decay=4e-3, decoupled_weight_decay=False, *, foreach=None,
-                 maximize=False, capturable=False, differentiable=False, flat_grads=False):
+                 maximize=False, capturable=False, differentiable=False, flat_grads=False,
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
         check_adam_args(lr, betas, eps, weight_decay)
         if not 0.0 <= momentum_decay:
             raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
-        self._start(params, flat_grads, lr, betas, eps, weight_decay,
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+                    lr, betas, eps, weight_decay,
                     momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
                     foreach=foreach, maximize=maximize, capturable=capturable,
                     differentiable=differentiable)
@@ -376,9 +534,11 @@ class RAdam(AdamFamily):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False,
-                 capturable=False, differentiable=False, flat_grads=False):
+                 capturable=False, differentiable=False, flat_grads=False,
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
         check_adam_args(lr, betas, eps, weight_decay)
-        self._start(params, flat_grads, lr, betas, eps, weight_decay,
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+                    lr, betas, eps, weight_decay,
                     decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
                     maximize=maximize, capturable=capturable, differentiable=differentiable)
 
@@ -391,14 +551,18 @@ class Adadelta(RuleBased):
     `mtapply.rules.library.adadelta`; `foreach`, `capturable` and `differentiable=False` are
     accepted for compatibility."""
 
+    _UNSIGNED_STATE = ("square_avg", "acc_delta")
+
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach=None, *,
-                 capturable=False, maximize=False, differentiable=False, flat_grads=False):
+                 capturable=False, maximize=False, differentiable=False, flat_grads=False,
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay)
         if not 0.0 <= float(rho) <= 1.0:
             raise ValueError(f"Invalid rho value: {rho}")
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, foreach=foreach,
                         capturable=capturable, maximize=maximize, differentiable=differentiable)
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
+                         stochastic_rounding, seed)
 
     def _rule(self, group):
         return library.adadelta(bool(group["maximize"]))
@@ -410,20 +574,31 @@ class Adagrad(RuleBased):
     for compatibility. Params with sparse grads take torch.optim's own per-tensor update, as
     SGD's do."""
 
+    _UNSIGNED_STATE = ("sum",)
+
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                  initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
-                 differentiable=False, fused=None, flat_grads=False):
+                 differentiable=False, fused=None, flat_grads=False,
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
         check_options(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                        initial_accumulator_value=initial_accumulator_value, eps=eps)
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
+                         stochastic_rounding, seed)
 
     _sparse_grads = True
 
     def _rule(self, group):
         return library.adagrad(bool(group["maximize"]))
+
+    def _split_sparse(self, index, group, grad_scale, found_inf) -> tuple:
+        dense, sparse = super()._split_sparse(index, group, grad_scale, found_inf)
+        if sparse and self.state_bits == 8:  # before any group steps
+            raise ValueError("Adagrad with state_bits=8 steps dense grads only (sparse grads "
+                             "update the state row by row in float): use state_bits=32")
+        return dense, sparse
 
     def _sparse_step(self, group, params) -> None:
         from torch.optim.adagrad import adagrad
@@ -450,15 +625,19 @@ class RMSprop(RuleBased):
     and `differentiable=False` are accepted for compatibility. Turning `centered` or momentum
     on starts `grad_avg` or `momentum_buffer` at zero where torch.optim raises KeyError."""
 
+    _UNSIGNED_STATE = ("square_avg",)
+
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                  centered=False, capturable=False, foreach=None, maximize=False,
-                 differentiable=False, *, flat_grads=False):
+                 differentiable=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 stochastic_rounding=False, seed=0):
         check_options(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                        momentum=momentum)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, centered=centered, capturable=capturable,
                         foreach=foreach, maximize=maximize, differentiable=differentiable)
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
+                         stochastic_rounding, seed)
 
     def _rule(self, group):
         return library.rmsprop(bool(group["centered"]), group["momentum"] > 0,
@@ -472,12 +651,18 @@ class RMSprop(RuleBased):
         return ("step", "square_avg")  # grad_avg, momentum_buffer start when their options do
 
 
-def optimizer(rule, params, *, flat_grads=False, **hyper) -> RuleOptimizer:
+def optimizer(rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+              stochastic_rounding=False, seed=0, **hyper) -> RuleOptimizer:
     """`rule` (from `mtapply.rule`) as a torch.optim.Optimizer over `params` (params or param
     groups), with the rule's hyperparameters as options: param groups, state_dict, LR
     schedulers, GradScaler and `flat_grads` as the built-in optimizers have them.
+    `state_bits=8` keeps the state slots the rule writes in 8 bits (`Rule.with_state_bits`;
+    signed codes: a rule with a slot of values >= 0 may pass `rule.with_state_bits(...)` itself
+    for finer ones), params under `min_8bit_size` elements in float32.
 
     Example:
         >>> opt = mtapply.torch.optimizer(lion, model.parameters(), lr=1e-4, weight_decay=0.1)
     """
-    return RuleOptimizer(rule, params, flat_grads=flat_grads, **hyper)
+    return RuleOptimizer(rule, params, flat_grads=flat_grads, state_bits=state_bits,
+                         min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
+                         seed=seed, **hyper)

@@ -175,8 +175,12 @@ class StateKeeping:
         return ()
 
     def _keeps_dtype(self, key, value) -> bool:
-        """Whether a loaded state tensor keeps its dtype rather than take the param's."""
+        """Whether a loaded state tensor keeps its dtype rather than take `_state_dtype`'s."""
         return False
+
+    def _state_dtype(self, group, name: str, param):
+        """The dtype of a param's floating state entry `name`: the param's, as torch.optim's."""
+        return param.dtype
 
     def _check_entry(self, group, param, entry, where) -> None:
         """Raises where a param's non-empty state lacks what the optimizer keeps, or holds a
@@ -307,7 +311,7 @@ class StateKeeping:
                     return value.to(dtype=torch.float32, device=param.device)
                 return value
             if param.is_floating_point() and not self._keeps_dtype(key, value):
-                return value.to(dtype=param.dtype, device=param.device)
+                return value.to(dtype=self._state_dtype(group, key, param), device=param.device)
             return value.to(device=param.device)
         if isinstance(value, dict):
             return {k: self._loaded(param, v, group, k) for k, v in value.items()}

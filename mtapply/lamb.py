@@ -1,9 +1,61 @@
-"""The public LAMB entry points."""
+"""LAMB: its op, the `lamb` rule of mtapply.rules.library with Apex FusedLAMB's checks, and
+the public entry points."""
 from __future__ import annotations
 
 from . import _calls
+from .ops._spec import check_number
 from .plan import Plan
-from .ops.lamb import LAMBSpec
+from .rules import library
+from .rules._spec import RuleSpec
+
+
+class LAMBSpec(RuleSpec):
+    """LAMB as Apex's FusedLAMB defines it: the rule `mtapply.rules.library.lamb`, per tensor
+    (t the 1-based step):
+        g = grad / clip   (clip = global_grad_norm / max_grad_norm when that exceeds 1)
+        g += weight_decay * p                         (L2 mode, adam_w_mode=False)
+        m = beta1 * m + (1 - beta1) * g  (or + g without grad_averaging)
+        v = beta2 * v + (1 - beta2) * g^2
+        u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)  (+ weight_decay * p, AdamW mode)
+        p -= lr * ratio * u,  ratio = ||p|| / ||u|| if weight_decay != 0 or use_nvlamb, else 1
+             (1 when either norm is zero)
+    Two launches whatever the number of tensors: moments (stored where they are float32) and
+    both norms, then the update. Differences from Apex: the global gradient norm is an input (a
+    number or a device scalar) rather than computed inside the step; grads are left as they are
+    (Apex overwrites them with the update). The norms are float32 sums.
+    """
+
+    def __init__(self, *, adam_w_mode: bool = True, use_nvlamb: bool = False,
+                 master_weights: bool = False):
+        self.adam_w_mode = bool(adam_w_mode)
+        self.use_nvlamb = bool(use_nvlamb)
+        rule = library.lamb(self.adam_w_mode, self.use_nvlamb)
+        super().__init__("lamb", rule.program, master_weights=master_weights)
+        self.name = "lamb"
+        self.device_scalars = ("lr", "step", "global_grad_norm")
+
+    @property
+    def options(self) -> tuple:
+        variants = (("adamw", self.adam_w_mode), ("nvlamb", self.use_nvlamb))
+        return tuple(name for name, on in variants if on) + super().options
+
+    def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
+                  grad_averaging=True, bias_correction=True, max_grad_norm=0.0,
+                  global_grad_norm=None) -> dict:
+        """Checked hyperparameters; clipping (max_grad_norm > 0) needs global_grad_norm."""
+        numbers = {"beta1": check_number("beta1", beta1, low=0.0, high=1.0, high_open=True),
+                   "beta2": check_number("beta2", beta2, low=0.0, high=1.0, high_open=True),
+                   "eps": check_number("eps", eps, low=0.0),
+                   "weight_decay": check_number("weight_decay", weight_decay, low=0.0),
+                   "max_grad_norm": check_number("max_grad_norm", max_grad_norm, low=0.0)}
+        if numbers["max_grad_norm"] > 0 and global_grad_norm is None:
+            raise TypeError("max_grad_norm > 0 clips by the global gradient norm: pass "
+                            "global_grad_norm (a number or a one-element device array)")
+        return super().arguments(lr=lr, step=step, **numbers,
+                                 grad_averaging=1.0 if grad_averaging else 0.0,
+                                 bias_correction=1.0 if bias_correction else 0.0,
+                                 global_grad_norm=0.0 if global_grad_norm is None
+                                 else global_grad_norm)
 
 
 def lamb_plan(params, grads, exp_avgs, exp_avg_sqs, *, master_params=None, adam_w_mode=True,
@@ -53,3 +105,6 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, beta1=0.9, beta
                "master_params": master_params}
     _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,
                 found_inf=found_inf, **hyper)
+
+
+__all__ = ["LAMBSpec", "lamb_plan", "lamb_step"]

@@ -1,9 +1,53 @@
-"""The public LARS entry points."""
+"""LARS: its op, the `lars` rule of mtapply.rules.library with an `exclude` list, and the
+public entry points."""
 from __future__ import annotations
 
 from . import _calls
+from .ops._spec import check_number
 from .plan import Plan
-from .ops.lars import LARSSpec
+from .rules import library
+from .rules._spec import RuleSpec
+
+
+class LARSSpec(RuleSpec):
+    """LARS as Paddle's lars_momentum and You et al. define it: the rule
+    `mtapply.rules.library.lars`, per tensor:
+        local_lr = lr * trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps)
+                   (lr when a norm is zero)
+        v = momentum * v + local_lr * (g + weight_decay * p);   p = p - v
+    Tensors listed in `exclude` (biases, norm layers) take plain momentum steps with lr and no
+    weight decay: the rule's `adapt` and `decay_on`, 0 for them, are fixed with the plan. Two
+    launches per step whatever the number of tensors: one sums ||p||^2 and ||g||^2 of every
+    tensor on the device, the next updates. The sums are float32 (float64 params included), on
+    the CPU as on the GPU.
+    """
+
+    def __init__(self, *, exclude=None, master_weights: bool = False):
+        self.exclude = None if exclude is None else [bool(e) for e in exclude]
+        values = None
+        if self.exclude is not None:
+            kept = [0.0 if e else 1.0 for e in self.exclude]
+            values = {"adapt": kept, "decay_on": kept}
+        super().__init__("lars", library.lars().program, master_weights=master_weights,
+                         tensor_values=values)
+        self.name = "lars"
+        self.device_scalars = ("lr",)  # the others are numbers, as the peers take them
+
+    def tensor_arrays(self, n_tensors: int) -> dict:
+        if self.exclude is not None and len(self.exclude) != n_tensors:
+            raise ValueError(f"exclude has {len(self.exclude)} entries but params has "
+                             f"{n_tensors}: pass one flag per param")
+        return super().tensor_arrays(n_tensors)
+
+    def arguments(self, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
+                  eps=0.0, step=None) -> dict:
+        """Checked hyperparameters. `step` is accepted for a uniform interface and unused."""
+        numbers = {name: check_number(name, value, low=0.0) for name, value in (
+            ("momentum", momentum), ("weight_decay", weight_decay),
+            ("trust_coefficient", trust_coefficient), ("eps", eps))}
+        if self.exclude is None:  # the rule's own: every tensor adapted and decayed
+            numbers.update(adapt=1.0, decay_on=1.0)
+        return super().arguments(lr=lr, **numbers)
 
 
 def lars_plan(params, grads, momentum_buffers, *, exclude=None, master_params=None,
@@ -50,3 +94,6 @@ def lars_step(params, grads, momentum_buffers, *, lr, momentum=0.9, weight_decay
                "master_params": master_params}
     _calls.step(spec, tensors, table_mode=table_mode, stream=stream, grad_scale=grad_scale,
                 found_inf=found_inf, **hyper)
+
+
+__all__ = ["LARSSpec", "lars_plan", "lars_step"]

@@ -49,6 +49,15 @@ A slot may keep its own dtype (mu_dtype, accumulator_dtype, state_dtype): one bu
 dtype. `optax.tree_map_params` maps a function over each flat buffer (the slot holds optax's
 params placeholder after `init` of one); a map that pairs the slots with other trees like the
 params (building sharding specs from the params' ones) needs flat_state=False.
+`state_bits=8` (adam, adamw, nadam, nadamw, sgd with momentum, the library's transformations,
+`transformation` and their fused forms) keeps every slot the update writes as uint8 codes of
+256-element blocks with a float32 scale each (`<slot>_absmax`), second moments on the map of
+values >= 0, as bitsandbytes' 8-bit optimizers; leaves under `min_8bit_size` elements (4096)
+keep float32. The state is then the rule's, named as its slots (`exp_avg`, `exp_avg_sq`, ...;
+8-bit fields are trees like the params). `state_bits=16` keeps those slots in bfloat16. Either refuses mu_dtype
+(both choose the state's dtype) and adamw's mask. Their defaults are None (32 bits, 4096), which
+optax.inject_hyperparams leaves alone; a number given through it needs
+`static_args=("state_bits",)`, as it would become an array.
 
 JAX's transformations. `update` takes optax's extra arguments (GradientTransformationExtraArgs)
 and ignores them; jax.vmap runs the step once per element (an ensemble); jax.grad through an
@@ -109,19 +118,32 @@ from ._optax_library import (adadelta, adagrad, adamax, adan, fused_adadelta, fu
                              fused_schedule_free_adamw, lion, radam, rmsprop,
                              schedule_free_adamw, schedule_free_eval_params)
 from ._optax_make import FusedOptimizer, _fused, _refuse, _state_dtype, _transformation
-from ._optax_ops import AdamRule, LabeledAdamRule, LambRule, LarsRule, SgdRule, UserRule, _rule_state
+from ._optax_muon import muon, scale_by_muon
+from . import _optax_rules
+from ._optax_eight_bit import storage, user_rule, with_storage
+from ._optax_ops import (AdamRule, LabeledAdamRule, LambRule, LarsRule, SgdRule, UserRule,
+                         _rule_state, is_number)
 from ._optax_state import AdamState, LambState, LarsState, SgdState, flat_state, tree_state
 
 
-def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0, mask=None):
+def _adam_rule(name, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay=0.0, mask=None,
+               state_bits=None, min_8bit_size=None):
     if callable(weight_decay):
         raise TypeError(f"mtapply.optax.{name}: weight_decay must be a number, not a schedule")
-    return AdamRule(b1, b2, eps, weight_decay, mask, eps_root=eps_root, nesterov=nesterov,
-                 mu_dtype=_state_dtype(name, "mu_dtype", mu_dtype), name=name)
+    state_bits, min_8bit_size = storage(state_bits, min_8bit_size)
+    if state_bits == 32:
+        return AdamRule(b1, b2, eps, weight_decay, mask, eps_root=eps_root, nesterov=nesterov,
+                        mu_dtype=_state_dtype(name, "mu_dtype", mu_dtype), name=name)
+    _refuse(name, mask=(mask, None), mu_dtype=(mu_dtype, None))
+    made = UserRule(_optax_rules.adam(bool(nesterov)),
+                    dict(beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay),
+                    name=name)
+    return with_storage(made, state_bits, min_8bit_size, unsigned=("exp_avg_sq",))
 
 
 def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-         nesterov=False, flat_state=True) -> optax.GradientTransformation:
+         nesterov=False, flat_state=True, state_bits=None,
+         min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adam on mtapply's fused kernel (update: -lr * m_hat / (sqrt(v_hat) + eps)).
 
     Args:
@@ -140,13 +162,14 @@ def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
     Example:
         >>> tx = optax.chain(optax.clip_by_global_norm(1.0), mtapply.optax.adam(1e-3))
     """
-    return _transformation(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov),
+    return _transformation(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov,
+                                      state_bits=state_bits, min_8bit_size=min_8bit_size),
                            learning_rate, flat_state)
 
 
 def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-          weight_decay=1e-4, mask=None, *, nesterov=False,
-          flat_state=True) -> optax.GradientTransformation:
+          weight_decay=1e-4, mask=None, *, nesterov=False, flat_state=True, state_bits=None,
+          min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adamw on mtapply's fused kernel: p -= lr * (u + weight_decay * p), u as in `adam`.
 
     Args as optax.adamw (numbers or arrays, as in `adam`); weight_decay is not a schedule;
@@ -155,7 +178,8 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None
     kernel per tensor, so the whole tree stays one call; flat_state as in `adam`. Params are
     required by update.
     """
-    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
+    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask,
+                      state_bits, min_8bit_size)
     return _transformation(rule, learning_rate, flat_state)
 
 
@@ -215,7 +239,7 @@ def _labeled(transforms: dict, param_labels):
 
 
 def sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
-        flat_state=True) -> optax.GradientTransformation:
+        flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.sgd on mtapply's fused kernel: t = g + momentum * t; p -= lr * t (Nesterov:
     p -= lr * (g + momentum * t)). momentum None or 0 keeps no trace. flat_state as in `adam`.
 
@@ -225,12 +249,21 @@ def sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
     Returns:
         An optax.GradientTransformation with state `SgdState(count, trace)`.
     """
-    return _transformation(_sgd_rule(momentum, nesterov, accumulator_dtype), learning_rate,
-                           flat_state)
+    return _transformation(_sgd_rule(momentum, nesterov, accumulator_dtype, state_bits,
+                                     min_8bit_size), learning_rate, flat_state)
 
 
-def _sgd_rule(momentum, nesterov, accumulator_dtype) -> SgdRule:
-    return SgdRule(momentum, nesterov, _state_dtype("sgd", "accumulator_dtype", accumulator_dtype))
+def _sgd_rule(momentum, nesterov, accumulator_dtype, state_bits=None, min_8bit_size=None):
+    state_bits, min_8bit_size = storage(state_bits, min_8bit_size)
+    if state_bits == 32:
+        return SgdRule(momentum, nesterov,
+                       _state_dtype("sgd", "accumulator_dtype", accumulator_dtype))
+    if momentum is None or (is_number(momentum) and momentum == 0):
+        raise ValueError(f"mtapply.optax.sgd without momentum keeps no state: state_bits="
+                         f"{state_bits} has nothing to store (leave it at 32)")
+    _refuse("sgd", accumulator_dtype=(accumulator_dtype, None))
+    made = UserRule(_optax_rules.sgd(bool(nesterov)), dict(momentum=momentum), name="sgd")
+    return with_storage(made, state_bits, min_8bit_size)
 
 
 def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
@@ -282,50 +315,58 @@ def _lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlam
 
 
 def fused_adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-               nesterov=False) -> FusedOptimizer:
+               nesterov=False, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`adam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov), learning_rate)
+    return _fused(_adam_rule("adam", b1, b2, eps, eps_root, mu_dtype, nesterov,
+                             state_bits=state_bits, min_8bit_size=min_8bit_size), learning_rate)
 
 
 def fused_adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-                weight_decay=1e-4, mask=None, *, nesterov=False) -> FusedOptimizer:
+                weight_decay=1e-4, mask=None, *, nesterov=False, state_bits=None,
+                min_8bit_size=None) -> FusedOptimizer:
     """`adamw` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask)
+    rule = _adam_rule("adamw", b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay, mask,
+                      state_bits, min_8bit_size)
     return _fused(rule, learning_rate)
 
 
 def nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-          nesterov=True, flat_state=True) -> optax.GradientTransformation:
+          nesterov=True, flat_state=True, state_bits=None,
+          min_8bit_size=None) -> optax.GradientTransformation:
     """optax.nadam: `adam` with nesterov=True (the same state, `AdamState`)."""
     return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                flat_state=flat_state)
+                flat_state=flat_state, state_bits=state_bits, min_8bit_size=min_8bit_size)
 
 
 def nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-           weight_decay=1e-4, mask=None, *, nesterov=True,
-           flat_state=True) -> optax.GradientTransformation:
+           weight_decay=1e-4, mask=None, *, nesterov=True, flat_state=True, state_bits=None,
+           min_8bit_size=None) -> optax.GradientTransformation:
     """optax.nadamw: `adamw` with nesterov=True."""
     return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-                 nesterov=nesterov, flat_state=flat_state)
+                 nesterov=nesterov, flat_state=flat_state, state_bits=state_bits,
+                 min_8bit_size=min_8bit_size)
 
 
 def fused_nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-                nesterov=True) -> FusedOptimizer:
+                nesterov=True, state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`nadam` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return fused_adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+    return fused_adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                      state_bits=state_bits, min_8bit_size=min_8bit_size)
 
 
 def fused_nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-                 weight_decay=1e-4, mask=None, *, nesterov=True) -> FusedOptimizer:
+                 weight_decay=1e-4, mask=None, *, nesterov=True, state_bits=None,
+                 min_8bit_size=None) -> FusedOptimizer:
     """`nadamw` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
     return fused_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-                       nesterov=nesterov)
+                       nesterov=nesterov, state_bits=state_bits, min_8bit_size=min_8bit_size)
 
 
-def fused_sgd(learning_rate, momentum=None, nesterov=False,
-              accumulator_dtype=None) -> FusedOptimizer:
+def fused_sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=None, *,
+              state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`sgd` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    return _fused(_sgd_rule(momentum, nesterov, accumulator_dtype), learning_rate)
+    return _fused(_sgd_rule(momentum, nesterov, accumulator_dtype, state_bits, min_8bit_size),
+                  learning_rate)
 
 
 def fused_lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
@@ -345,13 +386,17 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
                              grad_averaging, bias_correction, max_grad_norm), learning_rate)
 
 
-def transformation(rule, learning_rate, *, flat_state=True,
-                   **hyper) -> optax.GradientTransformation:
+def transformation(rule, learning_rate, *, flat_state=True, state_bits=None, min_8bit_size=None,
+                   unsigned=(), slots=None, **hyper) -> optax.GradientTransformation:
     """A user-written rule (`mtapply.rule`) as an optax transformation, like `adam`:
     learning_rate (a number, array or schedule) is the rule's `lr`; the other hyperparameters
     are numbers (the rule's defaults where not given). The state holds `count` and each
-    read-written slot besides param, zero at first."""
-    return _transformation(UserRule(rule, hyper), learning_rate, flat_state)
+    read-written slot besides param, at its declared first value. `state_bits=8` keeps the
+    slots the update writes (or those in `slots`) in 8 bits (`rule.with_state_bits(8,
+    slots=slots, unsigned=unsigned, threshold=min_8bit_size)`: name second-moment-like slots in
+    `unsigned`), 16 in bfloat16."""
+    return _transformation(user_rule(rule, hyper, state_bits, min_8bit_size, unsigned, slots),
+                           learning_rate, flat_state)
 
 
 def alias(rule) -> Callable:
@@ -378,9 +423,12 @@ def alias(rule) -> Callable:
     return factory
 
 
-def fused(rule, learning_rate, **hyper) -> FusedOptimizer:
-    """A user-written rule as a fused step, like `fused_adam`."""
-    return _fused(UserRule(rule, hyper), learning_rate)
+def fused(rule, learning_rate, *, state_bits=None, min_8bit_size=None, unsigned=(), slots=None,
+          **hyper) -> FusedOptimizer:
+    """A user-written rule as a fused step, like `fused_adam` (`state_bits` as in
+    `transformation`)."""
+    return _fused(user_rule(rule, hyper, state_bits, min_8bit_size, unsigned, slots),
+                  learning_rate)
 
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
@@ -389,8 +437,9 @@ __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", 
            "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
            "fused_nadam", "fused_nadamw", "fused_radam", "fused_rmsprop",
            "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",
-           "nadam", "nadamw", "radam", "rmsprop", "schedule_free_adamw",
-           "schedule_free_eval_params", "sgd", "transformation", "tree_state"]
+           "muon", "nadam", "nadamw", "radam", "rmsprop", "schedule_free_adamw",
+           "schedule_free_eval_params", "scale_by_muon", "sgd", "transformation",
+           "tree_state"]
 
 # The states are this module's, to users and pickles alike (pickles of rule states call
 # `_rule_state`, found here as in earlier versions).

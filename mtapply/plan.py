@@ -156,7 +156,7 @@ class Plan:
         group per combination over the slots, in slot order) and the table mode, e.g.
         `<mtapply Plan adam (decoupled): 148 tensors on cuda:0, float32 x148,
         table_mode=memcpy>`."""
-        options = [name.lower() for name, value in self.spec.flags if value is True]
+        options = self.spec.options
         slots = [self._refs[name] for name in self.spec.slots]
         devices = dict.fromkeys(_device_label(ref.device) for ref in slots[0])
         groups: dict = {}
@@ -284,7 +284,7 @@ class Plan:
         by identity: the kernel reads them); on the CPU a device value is read when checked."""
         rows = rows_for(self.spec, hyper, self._n, self._scalar,
                         self._latest_rows if self._cuda is not None else None)
-        if rows is not None and self.spec.single_device:
+        if rows is not None and self.spec.uniform_hyper:
             raise ValueError(f"{self.spec.name} takes each hyperparameter for all tensors: give one "
                              f"number, not one per tensor")
         self._latest_rows = rows

@@ -152,3 +152,107 @@ def lamb(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, 
         if p_norm != 0 and u_norm != 0:
             ratio = p_norm / u_norm
     return p - c(lr * ratio) * u, m, v
+
+
+def prodigy(params, grads, state, *, step, lr=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8,
+            weight_decay=0.0, decouple=True, use_bias_correction=False, safeguard_warmup=False,
+            d0=1e-6, d_coef=1.0, growth_rate=float("inf")):
+    """One Prodigy step over a whole list (Mishchenko and Defazio 2023, "Prodigy: An
+    Expeditiously Adaptive Parameter-Free Learner", the algorithm with Adam's moments), in
+    float64. `state`: a dict, empty before step 1, of the lists exp_avg, exp_avg_sq, s and p0
+    and the numbers d, d_max and d_numerator; updated in place. Returns the new params.
+
+    With d the current estimate and dlr = d * lr (times Adam's bias correction, if used), each
+    tensor's g (plus weight_decay * p unless decoupled) moves m = b1 m + d (1 - b1) g,
+    v = b2 v + d^2 (1 - b2) g^2 and s = b3 s + (d / d0) dlr g (d / d0 * d g with the safeguard);
+    over the whole list, numerator = b3 numerator + sum((d / d0) dlr <g, p0 - p>) and
+    denominator = sum(|s|) give d_hat = d_coef numerator / denominator; d rises to d_hat the
+    first time (while d is d0), d_max = max(d_max, d_hat), d = min(d_max, d growth_rate).
+    Then p -= decay dlr p (decoupled) and p -= dlr m / (sqrt(v) + d eps), with the new d in the
+    denominator. A zero denominator leaves params and d unchanged."""
+    beta1, beta2 = betas
+    beta3 = math.sqrt(beta2) if beta3 is None else beta3
+    params = [np.asarray(p, np.float64) for p in params]
+    grads = [np.asarray(g, np.float64) for g in grads]
+    if not state:
+        state.update(exp_avg=[np.zeros_like(p) for p in params],
+                     exp_avg_sq=[np.zeros_like(p) for p in params],
+                     s=[np.zeros_like(p) for p in params], p0=[p.copy() for p in params],
+                     d=d0, d_max=d0, d_numerator=0.0)
+    d, d_max = state["d"], state["d_max"]
+    correction = (math.sqrt(1 - beta2**step) / (1 - beta1**step)) if use_bias_correction else 1.0
+    dlr = d * lr * correction
+    numerator, denominator = beta3 * state["d_numerator"], 0.0
+    for k, (p, g) in enumerate(zip(params, grads)):
+        if not decouple:
+            g = g + weight_decay * p
+        numerator += d / d0 * dlr * float(np.sum(g * (state["p0"][k] - p)))
+        state["exp_avg"][k] = beta1 * state["exp_avg"][k] + d * (1 - beta1) * g
+        state["exp_avg_sq"][k] = beta2 * state["exp_avg_sq"][k] + d * d * (1 - beta2) * g * g
+        rate = d / d0 * (d if safeguard_warmup else dlr)
+        state["s"][k] = beta3 * state["s"][k] + rate * g
+        denominator += float(np.sum(np.abs(state["s"][k])))
+    if denominator == 0:
+        return params
+    d_hat = d_coef * numerator / denominator
+    if d == d0:
+        d = max(d, d_hat)
+    d_max = max(d_max, d_hat)
+    d = min(d_max, d * growth_rate)
+    state.update(d=d, d_max=d_max, d_numerator=numerator)
+    out = []
+    for k, p in enumerate(params):
+        if decouple:
+            p = p - weight_decay * dlr * p
+        out.append(p - dlr * state["exp_avg"][k] / (np.sqrt(state["exp_avg_sq"][k]) + d * eps))
+    return out
+
+
+def dadapt_adam(params, grads, state, *, step, lr=1.0, betas=(0.9, 0.999), eps=1e-8,
+                weight_decay=0.0, decouple=False, use_bias_correction=False, d0=1e-6,
+                growth_rate=float("inf"), layer_scale=1.0):
+    """One D-Adaptation Adam step over a whole list (Defazio and Mishchenko 2023, "Learning-Rate-
+    Free Learning by D-Adaptation", its Adam variant), in float64. `state`: a dict, empty
+    before step 1, of the lists exp_avg, exp_avg_sq and s and the numbers d and
+    numerator_weighted; updated in place. Returns the new params.
+
+    With d the estimate, r the layer scale and dlr = d * lr (times Adam's bias correction), each
+    tensor's g (plus weight_decay * p unless decoupled) adds r dlr <g, s / (sqrt(v) + eps)> to
+    the numerator (the s and v before this step), then m = b1 m + r dlr (1 - b1) g,
+    v = b2 v + (1 - b2) g^2, s = sqrt(b2) s + dlr (1 - sqrt(b2)) g; over the whole list,
+    numerator_weighted = sqrt(b2) numerator_weighted + (1 - sqrt(b2)) numerator and
+    d_hat = numerator_weighted / ((1 - sqrt(b2)) sum(r |s|)), d = max(d, min(d_hat, d
+    growth_rate)). Then p -= decay dlr p (decoupled) and p -= m / (sqrt(v) + eps). A zero sum
+    of |s| leaves params and d unchanged."""
+    beta1, beta2 = betas
+    root = math.sqrt(beta2)
+    params = [np.asarray(p, np.float64) for p in params]
+    grads = [np.asarray(g, np.float64) for g in grads]
+    if not state:
+        state.update(exp_avg=[np.zeros_like(p) for p in params],
+                     exp_avg_sq=[np.zeros_like(p) for p in params],
+                     s=[np.zeros_like(p) for p in params], d=d0, numerator_weighted=0.0)
+    d = state["d"]
+    correction = (math.sqrt(1 - beta2**step) / (1 - beta1**step)) if use_bias_correction else 1.0
+    dlr = d * lr * correction
+    numerator, s_l1 = 0.0, 0.0
+    for k, (p, g) in enumerate(zip(params, grads)):
+        if not decouple:
+            g = g + weight_decay * p
+        denom = np.sqrt(state["exp_avg_sq"][k]) + eps
+        numerator += layer_scale * dlr * float(np.sum(g * state["s"][k] / denom))
+        state["exp_avg"][k] = beta1 * state["exp_avg"][k] + layer_scale * dlr * (1 - beta1) * g
+        state["exp_avg_sq"][k] = beta2 * state["exp_avg_sq"][k] + (1 - beta2) * g * g
+        state["s"][k] = root * state["s"][k] + dlr * (1 - root) * g
+        s_l1 += layer_scale * float(np.sum(np.abs(state["s"][k])))
+    if s_l1 == 0:
+        return params
+    weighted = root * state["numerator_weighted"] + (1 - root) * numerator
+    d_hat = weighted / ((1 - root) * s_l1)
+    state.update(d=max(d, min(d_hat, d * growth_rate)), numerator_weighted=weighted)
+    out = []
+    for k, p in enumerate(params):
+        if decouple:
+            p = p - weight_decay * dlr * p
+        out.append(p - state["exp_avg"][k] / (np.sqrt(state["exp_avg_sq"][k]) + eps))
+    return out

@@ -71,32 +71,67 @@ from . import lars as _lars
 from . import sgd as _sgd
 from ._optimizer_step import bump_versions as _bump_versions
 from ._torch_layouts import PlanLists, as_real, as_reals
+from ._dtensor import check_scales, sharded_like, sharded_scales
 from ._torch_binding import (Part, data_addresses, is_dtensor, local_tensor, local_tensors,
                              shard_groups)
 from ._torch_checks import check_adam_args, check_one_element, check_torch_adam_flags
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners, laid_out_as
-from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop, RuleOptimizer,
-                           ScheduleFreeAdamW, optimizer)
-from ._torch_state import StateKeeping
+from ._torch_adaptive import DAdaptAdam, Prodigy
+from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop,
+                           RuleOptimizer, ScheduleFreeAdamW, optimizer)
+from ._torch_state import _NOT_DIFFERENTIABLE, StateKeeping
 from .ops.norms import L2NormSpec
 from .plan import Plan
 from .torch_galore import GaLoreAdamW
+from .torch_muon import Muon
 
 __all__ = ["LAMB", "LARS", "SGD", "Adadelta", "Adagrad", "Adam", "Adam8bit", "Adamax", "AdamW",
-           "AdamW8bit", "Adan",
-           "GaLoreAdamW", "Lion", "NAdam", "RAdam", "RMSprop",
+           "AdamW8bit", "Adan", "DAdaptAdam",
+           "GaLoreAdamW", "Lion", "Muon", "NAdam", "Prodigy", "RAdam", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
 _GRAD = operator.attrgetter("grad")
 _DEREF = weakref.ref.__call__
 
 # The rule-run optimizers are this module's, to users, reprs and pickles alike.
-for _public in (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop, RuleOptimizer,
-                ScheduleFreeAdamW, optimizer):
+for _public in (Adadelta, Adagrad, Adamax, Adan, DAdaptAdam, Lion, NAdam, Prodigy, RAdam, RMSprop,
+                RuleOptimizer, ScheduleFreeAdamW, optimizer):
     _public.__module__ = __name__
 
 
-class Adam(FusedOptimizer):
+class BFloat16State:
+    """`state_bits=16`: the state slots named in `_MOMENTS` (of real floating params) are kept
+    in bfloat16; a step reads them as float32 and stores them rounded, and a checkpoint loads
+    into that dtype. 32 (the default): the param's dtype, as torch.optim keeps them."""
+
+    _MOMENTS: tuple = ()
+    state_bits = 32
+
+    def _take_state_bits(self, state_bits) -> None:
+        if state_bits not in (16, 32) or isinstance(state_bits, bool):
+            raise ValueError(f"{type(self).__name__} keeps its state in float32 or bfloat16: "
+                             f"state_bits=32 or 16, got {state_bits!r}")
+        self.state_bits = state_bits
+
+    def __getstate__(self):  # a copy keeps its state's dtypes
+        return dict(super().__getstate__(), state_bits=self.state_bits)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)  # (load_state_dict's state lacks it: it stays)
+        self.__dict__.setdefault("state_bits", 32)
+
+    def _state_dtype(self, group, name: str, param):
+        if self.state_bits == 16 and param.is_floating_point() and name in self._MOMENTS:
+            return torch.bfloat16
+        return super()._state_dtype(group, name, param)
+
+    def _moment(self, group, name: str, p):
+        """A new state slot `name` of param `p`: zeros in its dtype and p's layout."""
+        return torch.zeros_like(p, dtype=self._state_dtype(group, name, p),
+                                memory_format=torch.preserve_format)
+
+
+class Adam(BFloat16State, FusedOptimizer):
     """`torch.optim.Adam` (and, with decoupled_weight_decay=True, AdamW) on mtapply's fused
     kernel. Same arguments; `foreach`, `fused` and `capturable` are accepted for compatibility
     (the step is always fused and capturable), `differentiable=True` is refused. Turning amsgrad
@@ -104,10 +139,29 @@ class Adam(FusedOptimizer):
     `stochastic_rounding=True` stores bfloat16 params rounded stochastically (no master
     weights needed), the random bits keyed by `seed`, the step and the param's place."""
 
+    def __new__(cls, *args, state_bits=32, **kwargs):
+        """`state_bits=8` (bitsandbytes' optim_bits) makes the 8-bit class: Adam8bit, or
+        AdamW8bit for AdamW, which take Adam's arguments too."""
+        if state_bits == 8 and not issubclass(cls, Adam8bit):
+            if cls not in (Adam, AdamW):  # a user's subclass keeps its own methods
+                raise ValueError(f"{cls.__name__}(state_bits=8): a subclass of Adam or AdamW "
+                                 f"keeps float moments; subclass mtapply.torch.Adam8bit or "
+                                 f"AdamW8bit for 8-bit ones")
+            eight = AdamW8bit if cls is AdamW else Adam8bit
+            if not issubclass(eight, cls):  # (AdamW8bit is no AdamW): Python will not init it
+                made = super().__new__(eight)
+                made.__init__(*args, state_bits=8, **kwargs)
+                return made
+            cls = eight
+        elif state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
+            raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
+                             f"optim_bits), got {state_bits!r}")
+        return super().__new__(cls)
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 flat_grads=False, stochastic_rounding=False, seed=0):
+                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32):
         check_adam_args(lr, betas, eps, weight_decay)
         check_torch_adam_flags(lr, betas, foreach, fused, capturable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -115,10 +169,12 @@ class Adam(FusedOptimizer):
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         stochastic_rounding=stochastic_rounding, seed=seed)
+        self.state_bits = state_bits  # 16: bfloat16 moments (real params), made at first steps
         super().__init__(params, defaults, flat_grads)
 
     _merges_groups = True
     _OPTION_NAMES = BETA_NAMES
+    _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), bool(group.get("decoupled_weight_decay", False)),
@@ -127,10 +183,10 @@ class Adam(FusedOptimizer):
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for name in self._MOMENTS[:2]:
+                state[name] = self._moment(group, name, p)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = self._moment(group, "max_exp_avg_sq", p)
 
     def _required_state(self, group, param) -> tuple:
         return ("step", "exp_avg", "exp_avg_sq")  # max_exp_avg_sq starts when amsgrad does
@@ -168,12 +224,13 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, flat_grads=False, stochastic_rounding=False,
-                 seed=0):
+                 seed=0, state_bits=32):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, flat_grads=flat_grads,
-                         stochastic_rounding=stochastic_rounding, seed=seed)
+                         stochastic_rounding=stochastic_rounding, seed=seed,
+                         state_bits=state_bits)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), True, bool(group["maximize"]),
@@ -188,9 +245,26 @@ class Adam8bit(Adam):
     per param instead of 8. Params are float32 or 16-bit; `stochastic_rounding=True` rounds
     bfloat16 params stochastically (see `Adam`)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 maximize=False, decoupled_weight_decay=False, min_8bit_size=_adam8bit.THRESHOLD,
-                 flat_grads=False, stochastic_rounding=False, seed=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
+                 min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False, stochastic_rounding=False,
+                 seed=0, state_bits=8, **torch_flags):
+        # Adam's flags, for Adam(..., state_bits=8): foreach, capturable, differentiable, fused
+        unknown = sorted(set(torch_flags) - {"foreach", "capturable", "differentiable", "fused"})
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument "
+                            f"{unknown[0]!r}")
+        if state_bits != 8:
+            raise ValueError(f"{type(self).__name__} keeps 8-bit moments: for state_bits="
+                             f"{state_bits!r} use mtapply.torch."
+                             f"{type(self).__name__.replace('8bit', '')}")
+        if amsgrad:
+            raise ValueError("amsgrad=True with 8-bit moments is not supported: use "
+                             "state_bits=32 for amsgrad")
+        if torch_flags.get("differentiable"):
+            raise ValueError(_NOT_DIFFERENTIABLE.format(type(self).__name__))
+        check_torch_adam_flags(lr, betas, torch_flags.get("foreach"), torch_flags.get("fused"),
+                               torch_flags.get("capturable", False))
         check_adam_args(lr, betas, eps, weight_decay)
         if min_8bit_size < 1:
             raise ValueError(f"Invalid min_8bit_size: {min_8bit_size} (at least 1)")
@@ -198,15 +272,24 @@ class Adam8bit(Adam):
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
                         min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
                         seed=seed)
+        self.state_bits = 8
         FusedOptimizer.__init__(self, params, defaults, flat_grads)
 
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             form = as_real(p.detach())  # as the plan steps it: complex as real
-            made = _adam8bit.adam8bit_state([form], threshold=group["min_8bit_size"])
+            # a DTensor's shard (see mtapply._dtensor), in 8 bits where the whole param is
+            shard = as_real(local_tensor(p).detach())
+            eight_bit = form.numel() >= group["min_8bit_size"]
+            made = _adam8bit.adam8bit_state([shard],
+                                            threshold=0 if eight_bit else shard.numel() + 1)
             for name, column in zip(_8BIT_STATE, made.lists()):
-                state[name] = laid_out_as(column[0], form)
+                scales = name.endswith("_absmax")
+                value = column[0] if scales else laid_out_as(column[0], shard)
+                if is_dtensor(p):
+                    value = sharded_scales(p, value, eight_bit) if scales else sharded_like(p, value)
+                state[name] = value
 
     def _required_state(self, group, param) -> tuple:
         return ("step",) + _8BIT_STATE
@@ -226,6 +309,7 @@ class Adam8bit(Adam):
             if not (isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor)):
                 raise ValueError(f"{where()} holds {name!r} or {name + '_absmax'!r} as a "
                                  f"{type(codes).__name__}, not a tensor")
+            check_scales(param, scales, where(), name + "_absmax")
             expected = torch.uint8 if scales.numel() else torch.float32
             if codes.dtype != expected:
                 raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
@@ -246,24 +330,29 @@ _8BIT_STATE = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 class AdamW8bit(Adam8bit):
     """AdamW (decoupled weight decay, default 1e-2) with 8-bit moments: see `Adam8bit`."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 maximize=False, min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False,
-                 stochastic_rounding=False, seed=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, min_8bit_size=_adam8bit.THRESHOLD,
+                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=8,
+                 **torch_flags):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         maximize=maximize, decoupled_weight_decay=True,
+                         amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=True,
                          min_8bit_size=min_8bit_size, flat_grads=flat_grads,
-                         stochastic_rounding=stochastic_rounding, seed=seed)
+                         stochastic_rounding=stochastic_rounding, seed=seed,
+                         state_bits=state_bits, **torch_flags)
 
     def _compile_options(self, group) -> tuple:
         return (False, True, bool(group["maximize"]), bool(group.get("stochastic_rounding", False)))
 
 
-class SGD(FusedOptimizer):
+class SGD(BFloat16State, FusedOptimizer):
     """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum. Params
     with sparse grads take torch.optim's own per-tensor update (on the same stream; GradScaler
     is not taken there), the others the fused step; `differentiable=True` is refused.
     `stochastic_rounding=True` rounds bfloat16 params stochastically (see `Adam`); each param's
-    state then also counts its steps (`step`), which key the random bits with `seed`."""
+    state then also counts its steps (`step`), which key the random bits with `seed`.
+    `state_bits=16` keeps the momentum buffers in bfloat16 (see `BFloat16State`)."""
+
+    _MOMENTS = ("momentum_buffer",)
 
     _counts_steps = False
     _merges_groups = True
@@ -272,7 +361,8 @@ class SGD(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-                 flat_grads=False, stochastic_rounding=False, seed=0):
+                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32):
+        self._take_state_bits(state_bits)
         check_one_element(lr, "lr")
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -300,7 +390,8 @@ class SGD(FusedOptimizer):
         # torch's first step copies the grad into a new buffer: params without one take a
         # one-off step=1 launch, and join the group's plan from the next step on
         fresh = []
-        if group["momentum"] != 0:
+        # as bound with momentum, every param has its buffer
+        if group["momentum"] != 0 and self._as_bound(index, group) is None:
             fresh = [p for p in group["params"]
                      if p.grad is not None and self.state[p].get("momentum_buffer") is None]
             if fresh:
@@ -316,8 +407,7 @@ class SGD(FusedOptimizer):
         super()._launch_group(index, group, bound, grad_scale, found_inf)
 
     def _first_step(self, group, params, grad_scale, found_inf) -> None:
-        fresh = {p: {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
-                 for p in params}
+        fresh = {p: {"momentum_buffer": self._moment(group, "momentum_buffer", p)} for p in params}
         by_device: dict = {}
         for p in params:
             by_device.setdefault(p.device, []).append(p)
@@ -339,12 +429,21 @@ class SGD(FusedOptimizer):
             if self._counts(group):
                 self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
 
+    def _split_sparse(self, index, group, grad_scale, found_inf) -> tuple:
+        dense, sparse = super()._split_sparse(index, group, grad_scale, found_inf)
+        # refused while the step is prepared: before any group has launched
+        if sparse and self._counts(group):
+            raise RuntimeError("SGD(stochastic_rounding=True) does not take sparse grads: give "
+                               "the params dense grads")
+        if sparse and self.state_bits == 16:
+            raise RuntimeError("SGD(state_bits=16) does not take sparse grads (torch.optim's "
+                               "sparse step keeps its buffers in the param's dtype): give the "
+                               "params dense grads, or use state_bits=32")
+        return dense, sparse
+
     def _sparse_step(self, group, params) -> None:
         from torch.optim.sgd import sgd
 
-        if self._counts(group):
-            raise RuntimeError("SGD(stochastic_rounding=True) does not take sparse grads: give "
-                               "the params dense grads")
         momentum = group["momentum"]
         buffers = [self.state[p].get("momentum_buffer") for p in params] if momentum else []
         sgd(params, [p.grad for p in params], buffers, has_sparse_grad=True, foreach=False,
@@ -361,7 +460,7 @@ class SGD(FusedOptimizer):
     def _init_state(self, group, p, state) -> None:
         buffer = state.get("momentum_buffer")
         if group["momentum"] != 0 and buffer is None:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = self._moment(group, "momentum_buffer", p)
         elif buffer is not None and buffer.is_sparse:  # made by sparse steps: the same values
             state["momentum_buffer"] = buffer.to_dense()
         if self._counts(group) and "step" not in state:
@@ -379,16 +478,19 @@ class SGD(FusedOptimizer):
         return _sgd.SGDSpec(nesterov=bool(group["nesterov"]))
 
 
-class LARS(FusedOptimizer):
+class LARS(BFloat16State, FusedOptimizer):
     """LARS (You et al. 2017; see `mtapply.lars_step`) as a torch optimizer. A param group
     with `exclude=True` (biases, norm layers) takes plain momentum steps without adaptation or
-    weight decay. State per param: `momentum_buffer`."""
+    weight decay. State per param: `momentum_buffer` (bfloat16 with `state_bits=16`)."""
 
     _counts_steps = False
     _merges_groups = True
 
+    _MOMENTS = ("momentum_buffer",)
+
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-                 eps=0.0, exclude=False, *, flat_grads=False):
+                 eps=0.0, exclude=False, *, flat_grads=False, state_bits=32):
+        self._take_state_bits(state_bits)
         check_one_element(lr, "lr")
         for name, value in (("learning rate", lr), ("momentum", momentum),
                             ("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
@@ -409,7 +511,7 @@ class LARS(FusedOptimizer):
 
     def _init_state(self, group, p, state) -> None:
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = self._moment(group, "momentum_buffer", p)
 
     def _required_state(self, group, param) -> tuple:
         return ("momentum_buffer",)
@@ -430,18 +532,21 @@ class LARS(FusedOptimizer):
         return _lars.LARSSpec()
 
 
-class LAMB(FusedOptimizer):
+class LAMB(BFloat16State, FusedOptimizer):
     """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device (one launch per device and dtype, with a plan bound once, like the step's).
-    State per param: `step`, `exp_avg`, `exp_avg_sq`."""
+    State per param: `step`, `exp_avg`, `exp_avg_sq` (the moments bfloat16 with `state_bits=16`)."""
 
     _OPTION_NAMES = BETA_NAMES
     _merges_groups = True
 
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
+
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
-                 use_nvlamb=False, *, flat_grads=False):
+                 use_nvlamb=False, *, flat_grads=False, state_bits=32):
+        self._take_state_bits(state_bits)
         check_adam_args(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
@@ -473,8 +578,8 @@ class LAMB(FusedOptimizer):
     def _init_state(self, group, p, state) -> None:
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for name in self._MOMENTS:
+                state[name] = self._moment(group, name, p)
 
     def _required_state(self, group, param) -> tuple:
         return ("step", "exp_avg", "exp_avg_sq")

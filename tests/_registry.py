@@ -12,7 +12,10 @@ import numpy as np
 
 import mtapply
 from mtapply import reference
-from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from mtapply.lamb import LAMBSpec
+from mtapply.lars import LARSSpec
+from mtapply.ops import AdamSpec
+from mtapply.sgd import SGDSpec
 
 # (rtol, atol) per storage dtype: the defaults of torch.testing.assert_close.
 TOLERANCES = {
@@ -228,6 +231,8 @@ OPS = {
         hyper_sets=_LARS_HYPER,
         reference=_lars_reference,
         init_state=_lars_state,
+        # the norms are float32 sums, on the CPU as in the kernel (float64 params included)
+        norm_dtype="float32",
         torch_optimizer=None,
         torch_state={},
         bad_hyper=_LARS_BAD_HYPER,
@@ -240,6 +245,8 @@ OPS = {
         hyper_sets=_LAMB_HYPER,
         reference=_lamb_reference,
         init_state=_adam_state,
+        # the norms are float32 sums, on the CPU as in the kernel (float64 params included)
+        norm_dtype="float32",
         torch_optimizer=None,
         torch_state={},
         bad_hyper=_LAMB_BAD_HYPER,

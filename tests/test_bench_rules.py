@@ -23,6 +23,62 @@ def test_lion_competitors_agree_on_the_cpu():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_lion8bit_rows_step_one_8_bit_update_and_follow_fp32_lion_on_the_cpu():
+    from mtapply.bench import lion8bit
+
+    shapes = [(10,), (5000,), (0,), (4097,)]
+    results = {}
+    for name in ("mtapply", "mtapply-torch", "mtapply-fp32"):
+        data = lion8bit.make_data(shapes, torch.device("cpu"), seed=0)
+        stepper = lion8bit.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[name] = [t.detach().clone() for t in data.params]
+    for got, want in zip(results["mtapply-torch"], results["mtapply"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(results["mtapply"], results["mtapply-fp32"]):  # signs of 8-bit moments
+        assert got.numel() == 0 or (got != want).float().mean() < 0.02
+
+
+def test_clipped_adamw_rows_step_alike_on_the_cpu():
+    from mtapply.bench import clipped
+
+    shapes = [(10,), (3, 4), (0,), (257,)]
+    results = {}
+    for name in ("mtapply", "mtapply-torch", "torch-clip-fused"):
+        data = clipped.make_data(shapes, torch.device("cpu"), seed=0)
+        stepper = clipped.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[name] = [t.detach().clone() for t in data.params]
+    for got, want in zip(results["mtapply-torch"], results["mtapply"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(results["mtapply"], results["torch-clip-fused"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_prodigy_rows_step_alike_on_the_cpu():
+    from mtapply.bench import prodigy
+
+    shapes = [(10,), (3, 4), (0,), (257,)]
+    results = {}
+    names = ["mtapply", "mtapply-torch"]
+    try:
+        import prodigyopt  # noqa: F401
+        names.append("prodigyopt")
+    except ImportError:
+        pass
+    for name in names:
+        data = prodigy.make_data(shapes, torch.device("cpu"), seed=0)
+        stepper = prodigy.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[name] = [t.detach().clone() for t in data.params]
+    for name in names[1:]:
+        for got, want in zip(results[name], results["mtapply"]):
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6, msg=name)
+
+
 def test_adam_rule_row_steps_like_the_built_in_row():
     from mtapply.bench import adam
 

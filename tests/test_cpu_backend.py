@@ -24,6 +24,7 @@ SHAPES = [(0,), (1,), (17,), (3, 5), (0, 4), (1000,), (), (257,), (0,)]  # empti
 # Loose (rtol, atol) of a 10-step run against an unrounded float64 chain.
 DRIFT = {"float32": (1e-5, 5e-5), "float64": (1e-12, 1e-12), "float16": (1e-2, 2e-3),
          "bfloat16": (5e-2, 2e-2)}
+FLOAT32_NORMS_DRIFT = (1e-7, 1e-9)
 DTYPE_LIBS = [("float32", "numpy"), ("float32", "torch"), ("float64", "numpy"),
               ("float16", "numpy"), ("bfloat16", "torch")]
 
@@ -98,6 +99,8 @@ def test_plan_matches_reference_each_step(op, flags, hyper, dtype, lib, request)
             for name, values in new.items():
                 chain[name][i] = values
     rtol, atol = DRIFT[dtype]
+    if dtype == "float64" and OPS[op].get("norm_dtype") == "float32":
+        rtol, atol = FLOAT32_NORMS_DRIFT  # a float32 trust ratio steers float64 params
     for name in written_slots(op, flags):
         for i, t in enumerate(slots[name]):
             # rounding drift scales with the magnitudes that flowed through (momentum grows them)

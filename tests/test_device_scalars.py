@@ -14,7 +14,10 @@ import torch
 
 import mtapply
 from mtapply.plan import Plan
-from mtapply.ops import AdamSpec, LAMBSpec, LARSSpec, SGDSpec
+from mtapply.lamb import LAMBSpec
+from mtapply.lars import LARSSpec
+from mtapply.ops import AdamSpec
+from mtapply.sgd import SGDSpec
 from mtapply._ranges import ANY, FACTOR, GRAD_SCALE, LR, NORM, STEP, Range
 from mtapply.ops.adam8bit import Adam8bitSpec
 from mtapply.ops.scaling import AddSpec, ScaleSpec

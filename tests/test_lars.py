@@ -46,7 +46,26 @@ def test_exclude_must_have_one_flag_per_param():
         np.testing.assert_array_equal(a, b)
 
 
-def test_spec_declares_two_passes_sharing_one_table():
+def test_spec_is_the_library_rule_in_two_passes_sharing_one_table():
+    from mtapply.rules import library
+
     spec = mtapply.LARSSpec()
-    assert spec.functors == ("mta::LarsNorms", "mta::Lars") and spec.n_sums == 2
-    assert spec.tensor_arrays(3)["adapt_array"].tolist() == [1.0, 1.0, 1.0]
+    assert spec.program is library.lars().program
+    assert len(spec.functors) == 2 and spec.functors[0].endswith("Sums") and spec.n_sums == 2
+    assert spec.tensor_arrays(3) == {} and spec.arguments(lr=0.1)["adapt"] == 1.0
+    excluding = mtapply.LARSSpec(exclude=[False, True, False])
+    arrays = excluding.tensor_arrays(3)
+    assert arrays["adapt_array"].tolist() == arrays["decay_on_array"].tolist() == [1.0, 0.0, 1.0]
+    assert "adapt" not in excluding.arguments(lr=0.1)
+    with pytest.raises(ValueError, match="exclude has 3 entries but params has 2"):
+        excluding.tensor_arrays(2)
+
+
+def test_rule_values_given_per_tensor_are_checked_against_their_range():
+    from mtapply.rules import library
+    from mtapply.rules._spec import RuleSpec
+
+    with pytest.raises(ValueError, match=r"adapt\[1\] must be"):
+        RuleSpec("lars", library.lars().program, tensor_values={"adapt": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="no hyperparameter 'nope'"):
+        RuleSpec("lars", library.lars().program, tensor_values={"nope": [1.0]})

@@ -187,3 +187,20 @@ def test_schedule_free_adamw_follows_optax_contrib(fused, hyper):
     for got, expected in zip(jax.tree.leaves(evaluated), jax.tree.leaves(their_eval)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(float(state.weight_sum), float(their_state.weight_sum), rtol=1e-6)
+
+
+def test_a_rule_that_reads_the_params_only_in_its_sums_reads_them():
+    """The update is taken as new - old params (not from zero params) where only a sum reads
+    them: its norms are the params'. (This rule's update sets the params afresh.)"""
+    rule = mtapply.rule("normed", slots="param:rw grad:r", hyper=dict(lr=None),
+                        sums=dict(p2="param * param"),
+                        update="param = 0 - lr * grad * sqrt(p2)")
+    rng = np.random.default_rng(7)
+    params, grads = _tree(rng), _tree(rng)
+    updates, _ = mtx.transformation(rule, 0.1).update(grads, mtx.transformation(rule, 0.1)
+                                                      .init(params), params)
+    for k in ("w", "b"):
+        norm = np.sqrt(np.sum(np.asarray(params[k], np.float64) ** 2))
+        new = -0.1 * np.asarray(grads[k]) * norm
+        np.testing.assert_allclose(np.asarray(updates[k]), new - np.asarray(params[k]),
+                                   rtol=1e-5, atol=1e-6)

@@ -176,6 +176,38 @@ def test_100000_tensors_plan_into_one_launch():
     np.testing.assert_array_equal(got_pointers, pointers)
 
 
+@given(numels=st.lists(st.integers(0, 3 * CHUNK), max_size=30),
+       dtypes=st.sampled_from([("float32",) * 4, ("bfloat16",) * 4, ("float64",) * 4,
+                               ("bfloat16", "bfloat16", "float32", "float32")]))
+def test_a_block_is_one_warp_exactly_where_every_chunk_takes_one_vector_pass_of_it(numels, dtypes):
+    threads = _source.block_threads(numels, CHUNK, dtypes)
+    fits = max(numels, default=0) <= 32 * _source.vector_width(dtypes)
+    assert threads == (32 if fits else _source.BLOCK_THREADS)
+
+
+def test_small_tensors_get_narrow_blocks_unless_a_pass_sums_over_the_block():
+    from mtapply import REGISTRY
+    from mtapply.ops import Adam8bitSpec
+
+    fp32, tiny, mixed = ("float32",) * 4, np.full(2000, 100), np.array([100, 50_000])
+    adam = REGISTRY["adam"]()
+    assert adam.threads_for(fp32, tiny) == 32  # 100 elements: 25 threads of 4
+    assert adam.threads_for(fp32, np.array([128])) == 32
+    assert adam.threads_for(fp32, np.array([129])) == _source.BLOCK_THREADS
+    assert adam.threads_for(("bfloat16",) * 4, np.array([256])) == 32  # vectors of 8
+    assert adam.threads_for(fp32, mixed) == _source.BLOCK_THREADS
+    assert adam.threads_for(fp32, np.array([], np.int64)) == 32
+    for name in ("lars", "lamb"):  # per-tensor norms: block sums over whole blocks
+        assert REGISTRY[name]().threads_for(fp32, tiny) == _source.BLOCK_THREADS
+    quantized = ("float32", "float32", "uint8", "uint8", "float32", "float32")
+    assert Adam8bitSpec().threads_for(quantized, tiny) == _source.BLOCK_THREADS
+    assert Adam8bitSpec().threads_for(("float32",) * 6, tiny) == 32
+    from mtapply.rules import library  # an 8-bit rule's groups of codes, however small
+    eight = library.lion().with_state_bits(8, threshold=1).spec()
+    assert eight.threads_for(("float32", "float32", "uint8", "float32"), tiny) == _source.BLOCK_THREADS
+    assert eight.threads_for(("float32",) * 4, tiny) == 32
+
+
 def test_adam_decay_mask_scales_weight_decay_per_tensor_and_is_checked():
     """AdamSpec(decay_mask=...) (mtapply.optax.adamw's mask): no weight decay where a tensor's
     flag is False, as the float64 reference with weight_decay 0; a mask of another length is

@@ -96,7 +96,7 @@ def test_steps_without_the_state_array_or_with_a_wrong_one_are_refused_before_wr
     (dict(scalars=dict(total="one")), TypeError, "must be a finite number"),
     (dict(scalars=dict(total=float("inf"))), TypeError, "must be a finite number"),
     (dict(scalars=[1.0]), TypeError, "scalars must be a dict"),
-    (dict(sums={"g2": "grad * grad"}), ValueError, "scalars and sums cannot be combined"),
+    (dict(sums={"g2": "grad * grad"}), ValueError, "scalars cannot be combined with per-tensor sums"),
 ])
 def test_bad_scalar_declarations_are_refused_when_the_rule_is_made(change, error, message):
     with pytest.raises(error, match=message):

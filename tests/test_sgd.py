@@ -81,3 +81,41 @@ def test_plan_reuses_buffers_across_steps_like_torch():
         optimizer.step()
         plan.step(lr=0.1, step=step, momentum=0.9, dampening=0.1)
     torch.testing.assert_close(params[0], theirs[0].detach(), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("buffers,nesterov,maximize", [(False, False, False), (False, False, True),
+                                                       (True, False, False), (True, True, True)])
+def test_sgd_is_the_library_rule(buffers, nesterov, maximize):
+    """sgd_step runs the declaration mtapply.rules.library.sgd: the rule's own step gives the
+    same bits."""
+    from mtapply.rules import library
+
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(s).astype(np.float32) for s in ((40,), (3, 5))]
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
+    moms = [rng.standard_normal(p.shape).astype(np.float32) for p in params] if buffers else None
+    ours_p = [p.copy() for p in params]
+    ours_b = [b.copy() for b in moms] if buffers else None
+    hyper = dict(lr=0.05, weight_decay=0.01)
+    if buffers:
+        hyper.update(momentum=0.9, dampening=0.0 if nesterov else 0.2)
+    for step in (1, 2, 3):
+        mtapply.sgd_step(ours_p, grads, ours_b, step=step, nesterov=nesterov, maximize=maximize,
+                         **hyper)
+        library.sgd(buffers, nesterov, maximize).step(params, grads, *([moms] if buffers else []),
+                                                      step=step, **hyper)
+    for a, b in zip(ours_p + (ours_b or []), params + (moms or [])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_zero_weight_decay_leaves_an_infinite_param_as_torch(momentum):
+    """weight_decay=0 adds nothing (torch skips it): an infinite param stays infinite, not NaN."""
+    params = [torch.tensor([float("inf"), 1.0, -float("inf")])]
+    theirs = [torch.nn.Parameter(params[0].clone())]
+    grads = [torch.tensor([0.5, -0.5, 0.25])]
+    theirs[0].grad = grads[0].clone()
+    torch.optim.SGD(theirs, lr=0.1, momentum=momentum, foreach=False).step()
+    buffers = [torch.zeros(3)] if momentum else None
+    mtapply.sgd_step(params, grads, buffers, lr=0.1, step=1, momentum=momentum)
+    torch.testing.assert_close(params[0], theirs[0].detach())

@@ -3,6 +3,7 @@ import copy
 import warnings
 
 import pytest
+from _one_rank import one_rank_mesh
 from _torch_graphs import capture
 
 torch = pytest.importorskip("torch")
@@ -191,19 +192,13 @@ def test_new_groups_deep_copies_and_checkpoints_keep_flat_grads():
 
 
 def test_dtensor_params_are_refused_with_their_index():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    from torch.distributed.tensor import distribute_tensor, init_device_mesh
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with one_rank_mesh() as mesh:
+        from torch.distributed.tensor import distribute_tensor
+
         sharded = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh))
         with pytest.raises(ValueError, match="DTensor params \\(param 0 of param group 1\\)"):
             mt.SGD([{"params": [torch.nn.Parameter(torch.randn(3))]}, {"params": [sharded]}],
                    lr=0.1, flat_grads=True)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .common import Competitor, Stepper, TensorLists, generator, randn_list
+from .common import (Competitor, Stepper, TensorLists, generator, params_with_grads,
+                     randn_list)
 
 NAME = "adam8bit"
 DESCRIPTION = ("adamw with 8-bit blockwise moments (mtapply.adam8bit_plan), fp32 params and "
@@ -87,17 +88,12 @@ def mtapply_fp32(data: Adam8bitData) -> Stepper:
     return Stepper(step, plan, data, moves=FP32_BYTES, note="fp32 moments, 8 B/param")
 
 
-def _with_grads(data: Adam8bitData) -> list:
-    for p, g in zip(data.params, data.grads):
-        p.requires_grad_(True)
-        p.grad = g
-    return data.params
-
 
 def torch_fused(data: Adam8bitData) -> Stepper:
     import torch
 
-    opt = torch.optim.AdamW(_with_grads(data), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    opt = torch.optim.AdamW(params_with_grads(data), lr=LR, weight_decay=WEIGHT_DECAY,
+                            fused=True)
     for p, m, v in zip(data.params, data.exp_avgs, data.exp_avg_sqs):
         opt.state[p].update(step=torch.tensor(0.0, device=p.device), exp_avg=m, exp_avg_sq=v)
     return Stepper(opt.step, opt, data, moves=FP32_BYTES, note="fp32 moments, 8 B/param")
@@ -118,7 +114,7 @@ def _optimizer_state_bytes(opt) -> int:
 
 def _peer(make) -> object:
     def build(data: Adam8bitData) -> Stepper:
-        opt = make(_with_grads(data))
+        opt = make(params_with_grads(data))
         opt.step()  # creates the state (zero moments, quantized as each peer stores them)
         note = state_note(_optimizer_state_bytes(opt), data.params)
         return Stepper(opt.step, opt, data, note=note)

@@ -47,6 +47,14 @@ class Competitor:
     fp32_only: bool = False  # it runs fp32 copies of the data only
 
 
+def params_with_grads(data) -> list:
+    """The data's params, each with its grad attached (for torch.optim-style optimizers)."""
+    for p, g in zip(data.params, data.grads):
+        p.requires_grad_(True)
+        p.grad = g
+    return data.params
+
+
 def generator(device, seed: int):
     """A seeded generator on `device`, so every op draws the same numbers for a given seed."""
     import torch

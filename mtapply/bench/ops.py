@@ -10,10 +10,11 @@ fp32 workloads only. A new op adds such a module and one entry here.
 """
 from __future__ import annotations
 
-from . import adam, adam8bit, adam_groups, lars, lion, sgd
+from . import adam, adam8bit, adam_groups, clipped, lars, lion, lion8bit, muon, prodigy, sgd
 from .workloads import FP32, dtypes
 
-OPS = {op.NAME: op for op in (adam, sgd, lars, lion, adam8bit, adam_groups)}
+OPS = {op.NAME: op for op in (adam, sgd, lars, lion, adam8bit, adam_groups, lion8bit,
+                                clipped, prodigy, muon)}
 
 
 def all_competitors() -> list:

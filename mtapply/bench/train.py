@@ -10,6 +10,8 @@ as a ratio to the model's reference variant (torch's fused optimizer; optax in J
 - gpt2: GPT-2 124M from a `transformers` config, AdamW, bf16 autocast, batch 8 x 512 tokens;
 - gpt2-groups: the same with a param group per tensor (layer-wise lr decay, no weight decay on
   1-D params) and a scheduler setting every group's lr each step;
+- gpt2-muon: the same model with the usual hybrid, Muon for the blocks' matrices and AdamW for
+  the rest: torch.optim.Muon + fused AdamW against mtapply.torch.Muon's one optimizer;
 - resnet50: torchvision's ResNet-50, SGD with momentum and LARS, bf16 autocast, batch 32;
 - mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW, fp32;
 - jax-mlp: an MLP in JAX (flax if installed, else plain JAX), optax.adamw against
@@ -174,6 +176,54 @@ def gpt2_groups(batch: int = 8, tokens: int = 512) -> Model:
                  _torch_variants(optimizers, build, loss, schedule=lambda t: 1.0 / (1 + t / 100)))
 
 
+def gpt2_muon(batch: int = 8, tokens: int = 512) -> Model:
+    build, loss = _gpt2(batch, tokens)
+    return Model("gpt2-muon", f"GPT-2 124M, Muon (lr 0.02) for the blocks' 48 matrices and AdamW "
+                              f"(lr 3e-4) for the rest, bf16 autocast, batch {batch} x {tokens}",
+                 "torch", _torch_variants(_muon_optimizers(), build, loss))
+
+
+class _Optimizers:
+    """Several optimizers stepped as one (torch.optim.Muon takes matrices only)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def _muon_optimizers() -> dict:
+    import torch
+
+    import mtapply.torch as mt
+
+    def split(model):
+        named = list(model.named_parameters())
+        hidden = [p for name, p in named if p.dim() == 2 and ".h." in name]
+        chosen = set(map(id, hidden))
+        return hidden, [p for _, p in named if id(p) not in chosen]
+
+    adamw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def torch_pair(model):
+        hidden, others = split(model)
+        return _Optimizers(torch.optim.Muon(hidden, lr=0.02),
+                           torch.optim.AdamW(others, **adamw, fused=True))
+
+    def mtapply_one(model):
+        hidden, others = split(model)
+        return mt.Muon([{"params": hidden}, {"params": others, "use_muon": False, **adamw}],
+                       lr=0.02)
+
+    return {"torch": torch_pair, "mtapply": mtapply_one}
+
+
 def _layerwise_groups(model, decay: float = 0.9, weight_decay: float = 0.1) -> list:
     """One group per tensor: lr scaled by decay ** (layers above), no weight decay on 1-D."""
     depth = model.config.n_layer + 1
@@ -330,8 +380,8 @@ def _jax_mlp(jax, depth: int, width: int, batch: int):
     return apply, params, "plain JAX"
 
 
-MODELS = {"gpt2": gpt2, "gpt2-groups": gpt2_groups, "resnet50": resnet50, "mlp": mlp,
-          "jax-mlp": jax_mlp}
+MODELS = {"gpt2": gpt2, "gpt2-groups": gpt2_groups, "gpt2-muon": gpt2_muon, "resnet50": resnet50,
+          "mlp": mlp, "jax-mlp": jax_mlp}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ EXPECTED = {
     "tiny2k": (2_000, 200_000),
     "resnet50": (161, 25_557_032),
     "resnet152": (467, 60_192_808),
+    "gpt2-hidden": (48, 84_934_656),
+    "matrices400": (400, 328_499_200),
 }
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element, by torch dtype name
@@ -74,6 +76,22 @@ def gpt2_124m() -> list:
 def gpt2_bf16() -> list:
     """GPT-2 small's shapes again, for mixed precision (dtypes in `WORKLOAD_DTYPES`)."""
     return _checked("gpt2-bf16", gpt2_124m())
+
+
+def gpt2_hidden() -> list:
+    """GPT-2 small's hidden matrices, those Muon steps: 12 blocks of c_attn, attn.c_proj,
+    mlp.c_fc and mlp.c_proj weights (4 shapes)."""
+    d_model = 768
+    block = [(d_model, 3 * d_model), (d_model, d_model), (d_model, 4 * d_model),
+             (4 * d_model, d_model)]
+    return _checked("gpt2-hidden", block * 12)
+
+
+def matrices400() -> list:
+    """400 matrices of 10 shapes, 64x64 to 1024x4096 (square, wide and tall), 40 of each."""
+    shapes = [(64, 64), (128, 128), (256, 256), (512, 512), (1024, 1024), (256, 1024),
+              (1024, 256), (512, 2048), (2048, 512), (1024, 4096)]
+    return _checked("matrices400", shapes * 40)
 
 
 def small10k() -> list:
@@ -131,6 +149,8 @@ WORKLOADS = {
     "tiny2k": tiny2k,
     "resnet50": resnet50,
     "resnet152": resnet152,
+    "gpt2-hidden": gpt2_hidden,
+    "matrices400": matrices400,
 }
 
 

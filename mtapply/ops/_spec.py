@@ -55,12 +55,19 @@ class OpSpec:
     # are patched into per-tensor rows, checked at their extremes
     scheduled: tuple = ("lr", "step")
     n_sums: int = 0  # per-tensor sums a pass accumulates for a later one (e.g. LARS norms)
+    n_totals: int = 0  # of them, the whole-list sums the plan keeps after them (rules' totals)
     master_weights: bool = False  # a `master_params` slot of fp32 copies of 16-bit params
     # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
     # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
     slot_formats: dict = {}
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
+    uniform_hyper: bool = False  # one value per hyperparameter for the list (no per-tensor rows)
     ranges: dict = {}  # device scalar -> its Range, where RANGES does not give it (else ANY)
+
+    @property
+    def options(self) -> tuple:
+        """The compile-time options that are on, by name (a Plan's repr lists them)."""
+        return tuple(name.lower() for name, value in self.flags if value is True)
 
     def _use_master_weights(self, enabled: bool) -> None:
         """Adds the `master_params` slot: the kernel updates the fp32 master (read in place of
@@ -136,6 +143,19 @@ class OpSpec:
     def chunk_for(self, dtypes: tuple) -> int:
         """Elements per CUDA block in a group whose slots have these storage dtypes."""
         return _source.CHUNK_ELEMENTS
+
+    def walks_itself(self, dtypes: tuple) -> bool:
+        """Whether a group of these slot dtypes runs a functor with its own walk (OWN_WALK:
+        8-bit states) rather than the chunk walker."""
+        return False
+
+    def threads_for(self, dtypes: tuple, numels) -> int:
+        """Threads per CUDA block of a group: fewer where all its chunks are small, unless a pass
+        sums over the block (block_sum takes whole blocks of BLOCK_THREADS) or the group walks by
+        itself (in warps of whole blocks)."""
+        if self.n_sums or self.walks_itself(dtypes):
+            return _source.BLOCK_THREADS
+        return _source.block_threads(numels, self.chunk_for(dtypes), dtypes)
 
     def compile_options(self, dtypes: tuple) -> tuple:
         """NVRTC options of a group whose slots have these storage dtypes."""

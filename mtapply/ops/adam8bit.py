@@ -32,6 +32,22 @@ def dynamic_maps_source() -> str:
     return "\n".join(lines + ["}  // namespace mta"]) + "\n"
 
 
+def check_eight_bit(i: int, param, grad, quantized: bool, scales, what: str, maker: str) -> None:
+    """The checks of the i-th tensor of an 8-bit step: params and grads 8-bit states take, and
+    each (name, scale ref) in `scales` holding one float32 per block (none for float32 state)."""
+    if quantized and (param.dtype not in PARAM_DTYPES or grad.dtype not in (param.dtype, "float32")):
+        raise TypeError(f"params[{i}] and grads[{i}] are {param.dtype} and {grad.dtype}: 8-bit "
+                        f"{what} take params of {', '.join(PARAM_DTYPES)}, with grads of the "
+                        f"param's dtype or float32")
+    blocks = quantization.n_blocks(param.numel) if quantized else 0
+    for name, scale in scales:
+        if scale.numel != blocks or (scale.numel > 1 and not scale.row_major):
+            size = (f"{blocks} elements (ceil({param.numel} / {quantization.BLOCK})) for uint8 "
+                    f"{what}" if quantized else f"0 elements for float32 {what}")
+            raise ValueError(f"{name}[{i}] has shape {scale.shape}, but it must be a contiguous "
+                             f"float32 array of {size}; {maker} makes them")
+
+
 class Adam8bitSpec(AdamSpec):
     """Adam/AdamW (AdamSpec's update and arguments) on moments kept as 8-bit codes with one
     float32 scale (absmax) per block of `quantization.BLOCK` elements: each step dequantizes a
@@ -64,6 +80,9 @@ class Adam8bitSpec(AdamSpec):
     def chunk_for(self, dtypes: tuple) -> int:
         return QUANTIZED_CHUNK if dtypes[2] == "uint8" else super().chunk_for(dtypes)
 
+    def walks_itself(self, dtypes: tuple) -> bool:
+        return dtypes[2] == "uint8"
+
     def compile_options(self, dtypes: tuple) -> tuple:
         # a division or square root off by an ulp or two moves a code only where the value
         # lies on a midpoint; the error of the 8-bit codes is some ten thousand times larger
@@ -77,20 +96,9 @@ class Adam8bitSpec(AdamSpec):
             if m.dtype != v.dtype:
                 raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}: "
                                 f"a param's moments are both uint8 codes or both float32")
-            quantized = m.dtype == "uint8"
-            if quantized and (param.dtype not in PARAM_DTYPES
-                              or grad.dtype not in (param.dtype, "float32")):
-                raise TypeError(f"params[{i}] and grads[{i}] are {param.dtype} and {grad.dtype}: "
-                                f"8-bit moments take params of {', '.join(PARAM_DTYPES)}, with "
-                                f"grads of the param's dtype or float32")
-            blocks = quantization.n_blocks(param.numel) if quantized else 0
-            for name, scale in ((SCALES[0], m_scale), (SCALES[1], v_scale)):
-                if scale.numel != blocks or (scale.numel > 1 and not scale.row_major):
-                    what = (f"{blocks} elements (ceil({param.numel} / {quantization.BLOCK})) for "
-                            f"uint8 moments" if quantized else "0 elements for float32 moments")
-                    raise ValueError(f"{name}[{i}] has shape {scale.shape}, but it must be a "
-                                     f"contiguous float32 array of {what}; "
-                                     f"mtapply.adam8bit_state makes them")
+            check_eight_bit(i, param, grad, m.dtype == "uint8",
+                            ((SCALES[0], m_scale), (SCALES[1], v_scale)), "moments",
+                            "mtapply.adam8bit_state")
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         options = dict(lr=args["lr"], step=args["step"], beta1=args["beta1"], beta2=args["beta2"],
@@ -107,4 +115,4 @@ class Adam8bitSpec(AdamSpec):
                 "exp_avg_sq_absmax": v_scale}
 
 
-__all__ = ["Adam8bitSpec", "MOMENTS", "SCALES"]
+__all__ = ["Adam8bitSpec", "MOMENTS", "SCALES", "check_eight_bit"]

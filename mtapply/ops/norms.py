@@ -21,6 +21,7 @@ class L2NormSpec(OpSpec):
     flags = ()
     arg_fields = ("norms_out", "total_out", "max_norm", "eps")
     single_device = True
+    uniform_hyper = True
 
     def output_numel(self, name: str, n_tensors: int) -> int:
         return n_tensors if name == "norms_out" else 1

@@ -28,6 +28,7 @@ import textwrap
 from .. import _calls
 from ..plan import Plan
 from ._language import check_hyper, parse, parse_slots
+from ._quantized import QuantizedRule
 from ._spec import RuleSpec
 
 
@@ -35,17 +36,18 @@ class Rule:
     """A user-written optimizer: `step` and `plan` over lists in slot order."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = "", scalars=None):
+                 finish: str = "", scalars=None, totals=None):
         if not isinstance(name, str) or not name:
             raise TypeError("name must be a non-empty string")
         self.name = name
         self._source = (name, slots, dict(hyper), update,  # how pickle makes it again
                         dict(sums) if isinstance(sums, dict) else sums, finish,
-                        dict(scalars) if isinstance(scalars, dict) else scalars)
+                        dict(scalars) if isinstance(scalars, dict) else scalars,
+                        dict(totals) if isinstance(totals, dict) else totals)
         parsed = parse_slots(slots)
         defaults, ranges = check_hyper(hyper, parsed)
         self.program = parse(parsed, defaults, textwrap.dedent(update), sums,
-                             textwrap.dedent(finish or ""), ranges, scalars)
+                             textwrap.dedent(finish or ""), ranges, scalars, totals)
         self._specs: dict = {}
 
     @property
@@ -64,6 +66,11 @@ class Rule:
         declared in `slots` (0 where not). mtapply.torch and mtapply.optax make state so; the
         functional `step` and `plan` take the lists as given."""
         return {s.name: s.initial for s in self.program.slots[1:] if s.name != "grad"}
+
+    @property
+    def written_state(self) -> tuple:
+        """The state slots the update writes (what `with_state_bits` may keep in 8 bits)."""
+        return tuple(s.name for s in self.program.slots[1:] if s.written and s.name != "grad")
 
     @property
     def scalars(self) -> dict:
@@ -88,32 +95,73 @@ class Rule:
         "finite" where none was declared."""
         return {name: accepted.describe() for name, accepted in self.program.ranges.items()}
 
-    def spec(self, master_weights: bool = False):
+    def spec(self, master_weights: bool = False, stochastic_rounding: bool = False):
         """The rule's op (`mtapply.rules._spec.RuleSpec`), for the engine and the adapters."""
-
-        spec = self._specs.get(master_weights)
+        key = (bool(master_weights), bool(stochastic_rounding))
+        spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[master_weights] = RuleSpec(self.name, self.program,
-                                                          master_weights=master_weights)
+            spec = self._specs[key] = RuleSpec(self.name, self.program,
+                                               master_weights=master_weights,
+                                               stochastic_rounding=stochastic_rounding)
         return spec
+
+    def with_state_bits(self, bits: int = 8, *, slots=None, unsigned=(),
+                        threshold: int = 4096):
+        """This rule with state slots kept in 8 bits (bitsandbytes' `optim_bits=8`): each of
+        `slots` (default: every state slot the update writes) as uint8 codes of the blockwise
+        dynamic format of `mtapply.quantization`, with one float32 scale per 256 elements; those
+        in `unsigned` hold values >= 0 (second moments) on the finer unsigned map. Params of
+        fewer than `threshold` elements keep float32 state. Returns a rule whose `step` and
+        `plan` take the rule's lists then the scales of each 8-bit slot, and whose
+        `state(params)` makes the state lists. `bits=32` returns this rule."""
+        if bits == 32:
+            return self
+        if bits != 8:
+            raise ValueError(f"bits must be 8 (or 32: float32 state), got {bits!r}")
+        writable = self.written_state
+        named = writable if slots is None else ((slots,) if isinstance(slots, str) else slots)
+        for name in named:
+            if name not in writable:
+                raise ValueError(f"rule {self.name!r}: slots names {name!r}, but 8-bit state is "
+                                 f"for the state slots the update writes ({', '.join(writable)})")
+        # in slot order: the kernel finds each 8-bit slot's scales by its place among them
+        chosen = tuple(name for name in writable if name in named)
+        unsigned = (unsigned,) if isinstance(unsigned, str) else tuple(unsigned)
+        for name in unsigned:
+            if name not in chosen:
+                raise ValueError(f"rule {self.name!r}: unsigned names {name!r}, which is not "
+                                 f"among the 8-bit slots {chosen}")
+        if not chosen:
+            raise ValueError(f"rule {self.name!r} writes no state slot: nothing to keep in 8 bits")
+        summed = [name for name in chosen if name in self.program.first_pass_slots]
+        if summed:
+            raise ValueError(f"rule {self.name!r} reads {summed[0]!r} in its sums (a first pass "
+                             f"over the list, before the 8-bit walk): keep it in float32, "
+                             f"naming the other slots in slots=")
+        return QuantizedRule(self, chosen, unsigned, int(threshold))
 
     def cuda_source(self) -> str:
         """The CUDA functor the rule generates (compiled after mtapply's chunk walker)."""
         return self.spec().functor_text
 
-    def plan(self, *lists, master_params=None, table_mode=None, stream=None):
-        """Binds the lists (one per slot, in order) once; `plan.step(**hyper)` then steps them."""
+    def plan(self, *lists, master_params=None, stochastic_rounding=False, table_mode=None,
+             stream=None):
+        """Binds the lists (one per slot, in order) once; `plan.step(**hyper)` then steps them.
+        `stochastic_rounding=True`: bfloat16 params are stored rounded stochastically, with
+        random bits keyed by the step argument `seed`, the step and the param's place (the
+        step then takes `step` whether or not the update reads it)."""
 
-        spec = self.spec(master_params is not None)
+        spec = self.spec(master_params is not None, stochastic_rounding)
         return Plan(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,
                     stream=stream)
 
-    def step(self, *lists, master_params=None, grad_scale=None, found_inf=None, stream=None,
-             table_mode=None, **hyper) -> None:
-        """One step over whole lists (one per slot, in order), in place."""
+    def step(self, *lists, master_params=None, stochastic_rounding=False, grad_scale=None,
+             found_inf=None, stream=None, table_mode=None, **hyper) -> None:
+        """One step over whole lists (one per slot, in order), in place (`stochastic_rounding`
+        as in `plan`). A hyperparameter may be one value per tensor (a sequence), as a plan's."""
 
-        spec = self.spec(master_params is not None)
-        spec.arguments(**hyper)
+        spec = self.spec(master_params is not None, stochastic_rounding)
+        spec.check_arguments(len(lists[0]) if lists else 0, **hyper)
         _calls.step(spec, self._tensors(spec, lists, master_params), table_mode=table_mode,
                     stream=stream, grad_scale=grad_scale, found_inf=found_inf, **hyper)
 
@@ -133,7 +181,10 @@ class Rule:
                          + (f"={s.initial:g}" if isinstance(s.initial, float) and s.initial
                             else f"={s.initial}" if isinstance(s.initial, str) else "")
                          for s in self.program.slots)
-        named = f", sums={[s.name for s in self.program.sums]!r}" if self.program.sums else ""
+        per_tensor = [s.name for s in self.program.sums if not s.whole]
+        named = f", sums={per_tensor!r}" if per_tensor else ""
+        if self.program.totals:
+            named += f", totals={[t.name for t in self.program.totals]!r}"
         if self.program.scalars:
             named += f", scalars={self.scalars!r}"
         return f"mtapply.rule({self.name!r}, slots={slots!r}, hyper={self.hyper!r}{named})"
@@ -146,7 +197,7 @@ class Rule:
 
 
 def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: str = "",
-         scalars=None) -> Rule:
+         scalars=None, totals=None) -> Rule:
     """A fused multi-tensor optimizer from a few lines (see the module docstring).
 
     Args:
@@ -167,6 +218,11 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             and LAMB trust ratios are written). Deterministic: fixed summation order.
         finish: lines of per-tensor values computed from the sums (no slots), run before the
             update's first line that reads a sum or a finish value.
+        totals: name -> expression of sums over every element of the whole list (a global
+            gradient norm: {"g2": "grad * grad"}), computed in the first pass as `sums` are and
+            added up over the tensors in a fixed order (deterministic, no host
+            synchronisation); each is then one number for every tensor. The tensors must be on
+            one device.
         scalars: name -> initial value of numbers kept between steps for the whole list (NAdam's
             running product of momentum factors): in the update a name reads the value the
             previous step left, and a line assigning it (from numbers, hyperparameters, step
@@ -181,7 +237,7 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
         read-only slot, an rw slot never written, a comparison used as a number, a call
         outside the rule functions, division by a literal 0.
     """
-    return Rule(name, slots, hyper, update, sums, finish, scalars)
+    return Rule(name, slots, hyper, update, sums, finish, scalars, totals)
 
 
 __all__ = ["Rule", "rule"]

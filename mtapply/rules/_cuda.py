@@ -1,6 +1,6 @@
 """A rule's update as a CUDA functor on the chunk walker.
 
-The functor has the shape of the hand-written ones (kernels/sgd.cuh): an Args struct of 8-byte
+The functor has the shape of the hand-written ones (kernels/adam.cuh): an Args struct of 8-byte
 words (each hyperparameter and the step as a number and a device pointer, read by scalar_arg),
 every name of the rule prefixed in C++ (hv_, hp_, h_, t_, s_, q_: a rule's names are Python
 identifiers, which may be C++ keywords such as `int` or `default`),
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from ._language import STEP, Program
+from ._language import STEP, Program, names_read
 
 HELPERS = """
 template <class T> __device__ __forceinline__ T rule_rsqrt(T x) { return T(1) / sqrt(x); }
@@ -26,18 +26,39 @@ _BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 
 
-def functor_source(program: Program, struct: str) -> str:
+def functor_source(program: Program, struct: str, stochastic: bool = False,
+                   arrays: tuple = (), store_first: bool = True) -> str:
     """C++ of the rule's functors (`functor_names`) and their Args, in namespace mta, for
-    kernels that include walker.cuh first."""
-    fields = [f"  {ctype} {field};" for name in (*program.hyper, STEP)
+    kernels that include walker.cuh first. `stochastic`: the update holds the random bits
+    of stochastic rounding (`rounding`, kernels/rounding.cuh), keyed by the words
+    `STOCHASTIC_WORDS` at the end of Args. `arrays`: the hyperparameters given per tensor by
+    arrays fixed with the plan (`array_field`), each read as its tensor's value. `store_first`:
+    for a rule with sums whose first pass can store `Program.stored_first`, a second pair of
+    functors (`stored_functor_names`) that does, the update reading what it stored."""
+    fields = [f"  {ctype} {field};" for name in (*program.hyper, STEP) if name not in arrays
               for ctype, field in zip(("double", "const float*"), c_fields(name))]
+    fields += [f"  const float* {array_member(name)};" for name in arrays]
     if program.scalars:
         fields.append(f"  float* {SCALARS};  // copies of the scalar state (Rule.initial_scalars)")
+    if program.totals:
+        fields.append(f"  float* {TOTALS};  // the whole-list sums, which the first pass writes")
+    if stochastic:
+        fields += ["  double seed_lo, seed_hi;  // the 64-bit seed's words",
+                   "  const int* sr_tensor_array;  // the caller's index of each tensor"]
     parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
-    if program.sums:
-        parts.append(_Writer(program, f"{struct}Sums", f"{struct}Args", first_pass=True).functor())
-    parts.append(_Writer(program, struct, f"{struct}Args", first_pass=False).functor())
+    pairs = [("", frozenset())]
+    if store_first and program.stored_first:
+        pairs.append((STORED, program.stored_first))
+    for suffix, stored in pairs:
+        if program.sums:
+            parts.append(_Writer(program, f"{struct}{suffix}Sums", f"{struct}Args",
+                                 first_pass=True, arrays=arrays, stored=stored).functor())
+        parts.append(_Writer(program, f"{struct}{suffix}", f"{struct}Args", first_pass=False,
+                             stochastic=stochastic, arrays=arrays, stored=stored).functor())
     return "\n".join(parts + ["}  // namespace mta"]) + "\n"
+
+
+STOCHASTIC_WORDS = ("seed_lo", "seed_hi", "sr_tensor_array")  # (OpSpec._use_stochastic_rounding)
 
 
 def functor_names(program: Program, struct: str) -> tuple:
@@ -45,25 +66,48 @@ def functor_names(program: Program, struct: str) -> tuple:
     return ((f"mta::{struct}Sums",) if program.sums else ()) + (f"mta::{struct}",)
 
 
-def arg_fields(program: Program) -> tuple:
+STORED = "Stored"  # the suffix of the functors whose first pass stores (functor_source)
+
+
+def stored_functor_names(program: Program, struct: str) -> tuple:
+    """The functors of the passes whose first stores `Program.stored_first` (none where it is
+    empty): for slots kept in the math type, so that the update reads the values it would
+    compute again."""
+    return functor_names(program, f"{struct}{STORED}") if program.stored_first else ()
+
+
+def arg_fields(program: Program, arrays: tuple = ()) -> tuple:
     """The Args words in order, as the host names them: each hyperparameter and the step (by
-    `field_name`), then its device pointer (the same, plus "_ptr"); then, with scalar state,
-    the address of its array."""
-    return tuple(f for name in (*program.hyper, STEP)
-                 for f in (field_name(name), f"{field_name(name)}_ptr")) + _scalar_words(program)
+    `field_name`), then its device pointer (the same, plus "_ptr"); the address of each
+    per-tensor array (`array_field`); then, with scalar state, the address of its array."""
+    return (tuple(f for name in (*program.hyper, STEP) if name not in arrays
+                  for f in (field_name(name), f"{field_name(name)}_ptr"))
+            + tuple(array_field(name) for name in arrays) + _scalar_words(program))
 
 
-def arg_members(program: Program) -> tuple:
+def arg_members(program: Program, arrays: tuple = ()) -> tuple:
     """The C++ names of the Args words, in the order of `arg_fields`."""
-    return tuple(c for name in (*program.hyper, STEP) for c in c_fields(name)) + _scalar_words(
-        program)
+    return (tuple(c for name in (*program.hyper, STEP) if name not in arrays
+                  for c in c_fields(name))
+            + tuple(array_member(name) for name in arrays) + _scalar_words(program))
+
+
+def array_field(name: str) -> str:
+    """The host's name of the word holding the address of hyperparameter `name`'s per-tensor
+    array (an `*_array` argument: the engine cuts it to each launch's tensors)."""
+    return f"{name}_array"
+
+
+def array_member(name: str) -> str:
+    return f"ha_{name}"
 
 
 SCALARS = "scalars_out"  # the argument (and Args member) of a rule's scalar state array
+TOTALS = "totals_array"  # the address of the plan's whole-list sums (mtapply._launcher)
 
 
 def _scalar_words(program: Program) -> tuple:
-    return (SCALARS,) if program.scalars else ()
+    return ((SCALARS,) if program.scalars else ()) + ((TOTALS,) if program.totals else ())
 
 
 # The host names a kernel argument word by a suffix where it carries an address (`_ptr`,
@@ -88,8 +132,10 @@ class _Writer:
     """One functor: the update, or (first_pass) the lines before the first use of a sum and
     the sums themselves, with nothing stored."""
 
-    def __init__(self, program: Program, struct: str, args: str, first_pass: bool):
+    def __init__(self, program: Program, struct: str, args: str, first_pass: bool,
+                 stochastic: bool = False, arrays: tuple = (), stored: frozenset = frozenset()):
         self.program, self.struct, self.args, self.first_pass = program, struct, args, first_pass
+        self.stochastic, self.arrays, self.stored = stochastic, arrays, stored
         self.slot_index = {s.name: k for k, s in enumerate(program.slots)}
         self.members: list = []  # (C type, name)
         self.setup: list = []  # constructor statements
@@ -100,6 +146,8 @@ class _Writer:
     def functor(self) -> str:
         program, n_sums = self.program, len(self.program.sums)
         reads = [f"    const double h_{name} = scalar_arg(a.{c_fields(name)[1]}, a.{c_fields(name)[0]});"
+                 if name not in self.arrays else
+                 f"    const double h_{name} = static_cast<double>(a.{array_member(name)}[tensor]);"
                  for name in (*program.hyper, STEP)]
         n_scalars = len(program.scalars)
         if n_scalars:  # the copy of the step before (odd steps read copy 0), see Rule
@@ -114,20 +162,31 @@ class _Writer:
                           f"// {total.name} = sum({total.text})"
                           for k, total in enumerate(program.sums)]
             call = "operator()(acc_t (&x)[N_SLOTS], float (&sums)[N_SUMS]) const {"
-            written, counted = "0u", n_sums
+            written, counted = self._mask(self.stored) or "0u", n_sums
         else:
+            whole = 0
             for k, total in enumerate(program.sums):
                 self.names[total.name] = f"q_{total.name}"
-                reads.append(f"    const double q_{total.name} = "
-                             f"static_cast<double>(sums[{n_sums} * tensor + {k}]);")
-            for line in program.lines:
+                where = (f"a.{TOTALS}[{whole}]" if total.whole
+                         else f"sums[{n_sums} * tensor + {k}]")
+                whole += total.whole
+                reads.append(f"    const double q_{total.name} = static_cast<double>({where});")
+            lines = self._update_lines()
+            for line in lines:
                 self._line(line)
             call = "operator()(acc_t (&x)[N_SLOTS]) const {"
-            written = " | ".join(f"(1u << {self._slot(slot.name)})"
-                                 for slot in program.slots if slot.written)
+            # slots the first pass stored are written again only where later lines assign them
+            again = {line.target for line in program.lines[program.prefix:]}
+            written = self._mask(slot.name for slot in program.slots
+                                 if slot.written and (slot.name not in self.stored
+                                                      or slot.name in again))
             counted = 0
             # every block computes the same values; one thread stores them in the copy that no
             # block of this step reads, and as the latest values (read between steps)
+            if self.stochastic:
+                self.members.append(("StochasticRounding", "rounding"))
+                self.setup.append(f"rounding.init(a.seed_lo, a.seed_hi, h_{STEP}, "
+                                  f"a.sr_tensor_array, tensor);")
             for k, name in enumerate(program.scalars):
                 value = f"static_cast<float>({self.uniform_name(name)})"
                 self.setup.append(f"if (blockIdx.x == 0 && threadIdx.x == 0) {{ "
@@ -135,16 +194,60 @@ class _Writer:
                                   f"a.{SCALARS}[{2 * n_scalars + k}] = {value}; }}")
         enum = ", ".join(self._slot(slot.name) for slot in program.slots)
         s = self.struct
+        # the first pass loads only the slots it reads (8-bit codes of the others stay unread);
+        # an update after stores of the first pass, only those its lines read (and the param)
+        read = None
+        if self.first_pass:
+            read = self._mask(program.first_pass_slots) or "0u"
+        elif self.stored:
+            names = set().union(*(names_read(line.expr) for line in lines))
+            read = self._mask(slot.name for k, slot in enumerate(program.slots)
+                              if k == 0 or slot.name in names)
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
+                 *((f"  static constexpr unsigned READ = {read};",) if read else ()),
                  f"  using Args = {self.args};",
+                 *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
                  f"  __device__ {s}(const Args& a, int tensor, const float* sums) {{",
                  "    (void)tensor; (void)sums;", *reads, *(f"    {line}" for line in self.setup),
                  "  }", "", f"  __device__ __forceinline__ void {call}",
                  *(f"    {line}" for line in self.body), "  }", "};", ""]
         return "\n".join(lines)
+
+    def _update_lines(self) -> list:
+        """The lines the update runs: all, or, after stores of the first pass, the prefix lines
+        still needed and every line after the prefix."""
+        program = self.program
+        if not self.stored:
+            return list(program.lines)
+        kept = program.update_prefix_lines(self.stored)
+        return [program.lines[k] for k in kept] + list(program.lines[program.prefix:])
+
+    def _mask(self, names) -> str:
+        """The bit mask of these slots, as C++ (empty where none)."""
+        wanted = set(names)
+        return " | ".join(f"(1u << {self._slot(slot.name)})" for slot in self.program.slots
+                          if slot.name in wanted)
+
+    def _finish_totals(self) -> list:
+        """The first pass's global finish (kernels/walker.cuh): each whole-list sum, the sum
+        of every tensor's (in the plan's order, so deterministically), into the totals."""
+        lines = ["  static constexpr bool GLOBAL = true;",
+                 "  __device__ static void finish(const Args& a, const float* all_sums, "
+                 "const int* positions, long long n) {"]
+        whole = 0
+        for k, total in enumerate(self.program.sums):
+            if not total.whole:
+                continue
+            lines += ["    {", "      float part = 0.0f;",
+                      "      for (long long i = threadIdx.x; i < n; i += MTA_BLOCK)",
+                      f"        part += __ldcg(&all_sums[positions[i] + {k}]);  // {total.name}",
+                      "      const float total = block_sum(part);",
+                      f"      if (threadIdx.x == 0) a.{TOTALS}[{whole}] = total;", "    }"]
+            whole += 1
+        return lines + ["  }"]
 
     @staticmethod
     def _slot(name: str) -> str:

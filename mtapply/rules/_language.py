@@ -27,6 +27,7 @@ step accepts, as `(default, "RANGE")`: ">= 0", "> 0", "<= 1", "< 1", or an inter
 from __future__ import annotations
 
 import ast
+import functools
 import keyword
 import math
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"
 COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
            ast.NotEq: "!="}
 STEP = "step"
+# step arguments that are not hyperparameters: stochastic rounding's seed and its kernel words
+STEP_OPTIONS = frozenset({"seed", "seed_lo", "seed_hi", "sr_tensor_array"})
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,13 @@ class Kind:
 
 @dataclass(frozen=True)
 class Sum:
-    """A per-tensor reduction: the sum over a tensor's elements of `expr`."""
+    """A reduction: the sum over a tensor's elements of `expr`, or (whole) over every element
+    of the list."""
 
     name: str
     expr: ast.expr
     text: str
+    whole: bool = False
 
 
 @dataclass
@@ -82,7 +87,8 @@ class Program:
     With sums, a first pass runs the first `prefix` lines (those before the first line that
     uses a sum; nothing is stored) and adds up each sum's expression per tensor on the values
     they leave; the second pass runs every line, the finish lines among them (per-tensor
-    values of the sums, placed after the prefix), with each sum a per-tensor number."""
+    values of the sums, placed after the prefix), with each sum a per-tensor number, and each
+    whole-list sum (`totals`, after the per-tensor ones in `sums`) the list's."""
 
     slots: tuple
     hyper: dict
@@ -96,7 +102,55 @@ class Program:
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
 
+    @functools.cached_property
+    def first_pass_slots(self) -> frozenset:
+        """The slots a rule with sums reads in its first pass (the prefix lines and the sums'
+        expressions): their values as they were before the step."""
+        exprs = [line.expr for line in self.lines[:self.prefix]] + [s.expr for s in self.sums]
+        names = {node.id for expr in exprs for node in ast.walk(expr) if isinstance(node, ast.Name)}
+        return frozenset(s.name for s in self.slots if s.name in names)
+
+    @functools.cached_property
+    def stored_first(self) -> frozenset:
+        """The state slots the first pass of a rule with sums may store, so that the update
+        pass reads them rather than compute them again (LAMB's moments: the update pass then
+        reads neither the grad nor the old moments). Those its prefix lines assign, each once,
+        where every prefix line the update still needs reads them only after they are assigned;
+        empty where that does not hold, or where the prefix assigns the param."""
+        if not self.sums:
+            return frozenset()
+        slots = {s.name for s in self.slots}
+        prefix, assigned = self.lines[:self.prefix], {}
+        for k, line in enumerate(prefix):
+            if line.target in slots:
+                if line.target in assigned or line.target == self.slots[0].name:
+                    return frozenset()
+                assigned[line.target] = k
+        for k in self.update_prefix_lines(frozenset(assigned)):
+            if any(assigned.get(name, -1) >= k for name in names_read(prefix[k].expr)):
+                return frozenset()  # it reads an old value, which the update pass no longer has
+        return frozenset(assigned)
+
+    def update_prefix_lines(self, stored: frozenset) -> list:
+        """Indices of the prefix lines the update pass runs again where the first pass stores
+        `stored`: those whose values the later lines need, and those of scalar state, which
+        the update keeps (the stored slots' own lines not)."""
+        needed = set(self.scalars).union(*(names_read(line.expr)
+                                           for line in self.lines[self.prefix:]))
+        kept = []
+        for k in range(self.prefix - 1, -1, -1):
+            line = self.lines[k]
+            if line.target in needed and line.target not in stored:
+                kept.append(k)
+                needed |= names_read(line.expr)
+        return kept[::-1]
+
     @property
+    def totals(self) -> tuple:
+        """The whole-list sums, in order."""
+        return tuple(total for total in self.sums if total.whole)
+
+    @functools.cached_property
     def uses_step(self) -> bool:
         """Whether a step needs the step count: the lines read it, or scalar state is kept
         (copies picked by the step's parity)."""
@@ -160,7 +214,7 @@ def check_hyper(hyper: dict, slots: tuple) -> tuple:
     for name, declared in hyper.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"hyper: {name!r} is not a valid name")
-        if name in taken or name in FUNCTIONS or name == STEP:
+        if name in taken or name in FUNCTIONS or name == STEP or name in STEP_OPTIONS:
             raise ValueError(f"hyper: {name!r} is already a slot or a reserved name")
         default, ranges[name] = declared, FINITE
         if isinstance(declared, tuple):
@@ -185,16 +239,22 @@ def _check_default(name: str, value: float, accepted: Range) -> None:
 
 
 def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
-          ranges: dict | None = None, scalars=None) -> Program:
+          ranges: dict | None = None, scalars=None, totals=None) -> Program:
     """The checked program of an update text (with its sums and finish lines, see Program);
     ValueError or TypeError naming the line. `ranges`: name -> Range (FINITE where absent);
-    `scalars`: scalar state name -> its value before the first step."""
+    `scalars`: scalar state name -> its value before the first step; `totals`: name ->
+    expression of the whole-list sums."""
     if not isinstance(update, str) or not isinstance(finish or "", str):
         raise TypeError("update and finish must be strings of assignments")
-    sums = _check_sums(sums, slots, hyper)
+    per_tensor = _check_sums(sums, slots, hyper, "sums")
+    whole = _check_sums(totals, slots, hyper, "totals")
+    both = sorted(set(per_tensor) & set(whole))
+    if both:
+        raise ValueError(f"totals: {both[0]!r} is a per-tensor sum already")
+    sums = {**per_tensor, **whole}
     program = Program(slots, hyper, (), ranges={name: (ranges or {}).get(name, FINITE)
                                                  for name in hyper},
-                      scalars=_check_scalars(scalars, slots, hyper, sums))
+                      scalars=_check_scalars(scalars, slots, hyper, per_tensor, whole))
     checker = _Checker(program, set(sums))
     texts = _texts(update, "update")
     if not texts:
@@ -202,9 +262,10 @@ def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
     finish_texts = _texts(finish or "", "finish")
     prefix = _prefix(texts, set(sums) | {_target(t) for _, t, _ in finish_texts})
     if finish_texts and not sums:
-        raise ValueError("finish lines compute per-tensor values of sums: give sums too")
+        raise ValueError("finish lines compute per-tensor values of sums: give sums or totals "
+                         "too")
     lines = [checker.line(number, text, where) for number, text, where in texts[:prefix]]
-    program.sums = tuple(checker.sum(name, text) for name, text in sums.items())
+    program.sums = tuple(checker.sum(name, text, name in whole) for name, text in sums.items())
     checker.defined_sums = True
     lines += [checker.line(number, text, where, per_tensor=True)
               for number, text, where in finish_texts]
@@ -218,34 +279,36 @@ def parse(slots: tuple, hyper: dict, update: str, sums=None, finish: str = "",
     return program
 
 
-def _check_sums(sums, slots: tuple, hyper: dict) -> dict:
-    """name -> expression text of each sum."""
+def _check_sums(sums, slots: tuple, hyper: dict, what: str) -> dict:
+    """name -> expression text of each sum (`what`: sums or totals)."""
     if sums is None:
         return {}
     if not isinstance(sums, dict):
-        raise TypeError(f"sums must be a dict of name -> expression, got {type(sums).__name__}")
+        raise TypeError(f"{what} must be a dict of name -> expression, got {type(sums).__name__}")
     taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP}
     for name, text in sums.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-            raise ValueError(f"sums: {name!r} is not a valid name")
+            raise ValueError(f"{what}: {name!r} is not a valid name")
         if name in taken:
-            raise ValueError(f"sums: {name!r} is already a slot, a hyperparameter or reserved")
+            raise ValueError(f"{what}: {name!r} is already a slot, a hyperparameter or reserved")
         if not isinstance(text, str):
-            raise TypeError(f"sums: the expression of {name!r} must be a string")
+            raise TypeError(f"{what}: the expression of {name!r} must be a string")
     return dict(sums)
 
 
-def _check_scalars(scalars, slots: tuple, hyper: dict, sums: dict) -> dict:
-    """name -> initial value (a float) of each scalar state."""
+def _check_scalars(scalars, slots: tuple, hyper: dict, sums: dict, totals: dict) -> dict:
+    """name -> initial value (a float) of each scalar state (which may be computed from
+    whole-list sums, not from per-tensor ones)."""
     if scalars is None:
         return {}
     if not isinstance(scalars, dict):
         raise TypeError(f"scalars must be a dict of name -> initial value, got "
                         f"{type(scalars).__name__}")
     if scalars and sums:
-        raise ValueError("scalars and sums cannot be combined: a scalar state holds one value "
-                         "for the whole list, and sums are per tensor")
-    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP}
+        raise ValueError("scalars cannot be combined with per-tensor sums: a scalar holds one "
+                         "value for the whole list (sums over the whole list, `totals`, may "
+                         "feed it)")
+    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP} | set(totals)
     checked = {}
     for name, value in scalars.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -296,7 +359,7 @@ class _Checker:
         self.assigned: set = set()
         self.sum_names, self.defined_sums, self.per_tensor = set(sum_names), False, False
 
-    def sum(self, name: str, text: str) -> Sum:
+    def sum(self, name: str, text: str, whole: bool = False) -> Sum:
         self.where, self.text = f"sum {name!r} ({text!r})", text
         try:
             expr = ast.parse(text, mode="eval").body
@@ -305,7 +368,7 @@ class _Checker:
         kind = self.expr(expr)
         if kind.boolean:
             raise TypeError(f"{self.where}: a sum adds numbers, not a comparison")
-        return Sum(name, expr, text)
+        return Sum(name, expr, text, whole)
 
     def line(self, number: int, text: str, what: str = "update", per_tensor=False) -> Line:
         self.where, self.text = f"{what} line {number} ({text!r})", text
@@ -424,3 +487,8 @@ class _Checker:
 def _is_zero(node) -> bool:
     return (isinstance(node, ast.Constant) and not isinstance(node.value, bool)
             and isinstance(node.value, (int, float)) and node.value == 0)
+
+
+def names_read(expr) -> set:
+    """The names an expression reads."""
+    return {node.id for node in ast.walk(expr) if isinstance(node, ast.Name)}

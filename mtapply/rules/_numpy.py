@@ -4,6 +4,9 @@ It follows the CUDA functor's arithmetic: every maximal uniform subexpression is
 float64 (as the functor's constructor does, once per launch) and rounded to the math type where
 element values use it; element values are computed in the math type (float32, or float64 for
 float64 params). x**2 is x*x and x**0.5 is sqrt(x) in both.
+
+Each program is translated once into Python functions of NumPy calls (`compiled`), so that a
+step costs the NumPy operations themselves rather than a walk of the expression trees.
 """
 from __future__ import annotations
 
@@ -17,98 +20,153 @@ _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np
                       "log": np.log, "min": np.fmin, "max": np.fmax}
 
 
-def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None) -> dict:
+def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
+             totals=None) -> dict:
     """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
     `scalars`: hyperparameter (and step) name -> float; `state`: the float32 array of the
-    rule's scalar state (see `Rule.initial_scalars`), updated here."""
+    rule's scalar state (see `Rule.initial_scalars`), updated here; `totals`: the whole-list
+    sums, in `program.totals` order (`whole_sums`)."""
     shape = next(iter(arrays.values())).shape
-    env = {name: np.float64(value) for name, value in scalars.items()}
-    n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
-    env.update({name: np.float64(state[(1 - parity) * n_state + k])
-                for k, name in enumerate(program.scalars)})
-    env.update(arrays)
+    env = _environment(program, arrays, scalars, state)
     with np.errstate(all="ignore"):
-        if program.sums:  # the first pass: its lines on copies, then each tensor's sums
-            first = dict(env)
-            evaluator = _Evaluator(program, first, dtype)
-            for line in program.lines[:program.prefix]:
-                first[line.target] = evaluator.value(line.expr)
-            for total in program.sums:
-                value = evaluator.element(total.expr)
-                # the kernel adds in float32 in a fixed order; here in float64, rounded once
-                env[total.name] = np.float64(np.float32(
-                    np.sum(np.broadcast_to(np.asarray(value, np.float64), shape))))
-        evaluator = _Evaluator(program, env, dtype)
-        for line in program.lines:
-            env[line.target] = evaluator.value(line.expr)
+        if program.sums:  # each tensor's sums, and the list's
+            env.update(zip((s.name for s in program.sums), tensor_sums(program, arrays, scalars,
+                                                                       dtype, state)))
+            if program.totals:
+                env.update(zip((t.name for t in program.totals), map(np.float64, totals)))
+        compiled(program).lines(env, dtype)
+    n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
     for k, name in enumerate(program.scalars):
         state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
     return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()
             for s in program.slots if s.written}
 
 
-class _Evaluator:
-    def __init__(self, program: Program, env: dict, dtype):
-        self.program, self.env, self.dtype = program, env, dtype
+def _environment(program: Program, arrays: dict, scalars: dict, state) -> dict:
+    """The names a tensor's lines read: hyperparameters, step, scalar state, slots."""
+    env = {name: np.float64(value) for name, value in scalars.items()}
+    n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
+    env.update({name: np.float64(state[(1 - parity) * n_state + k])
+                for k, name in enumerate(program.scalars)})
+    env.update(arrays)
+    return env
 
-    def value(self, node):
-        """The node's value: a float64 scalar when uniform, else an array in the math type."""
-        return self.uniform(node) if self.program.kind(node).uniform else self.element(node)
 
-    def element(self, node):
-        if self.program.kind(node).uniform:  # hoisted: computed in float64, then rounded
-            value = self.uniform(node)
-            return value if isinstance(value, (bool, np.bool_)) else self.dtype(value)
+def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None) -> list:
+    """The first pass over one tensor: its lines before the first use of a sum, on copies, then
+    each sum of `program.sums` over the tensor's elements, as a float64 of a float32 (the
+    kernel adds in float32 in a fixed order; here in float64, rounded once)."""
+    shape = next(iter(arrays.values())).shape
+    first = _environment(program, arrays, scalars, state)
+    with np.errstate(all="ignore"):
+        return [np.float64(np.float32(np.sum(np.broadcast_to(np.asarray(value, np.float64),
+                                                             shape))))
+                for value in compiled(program).sums(first, dtype)]
+
+
+def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
+    """The whole-list sums (float32, in `program.totals` order) from each tensor's
+    `tensor_sums`: the kernel adds the tensors' float32 sums in float32, here in float64."""
+    whole = [k for k, total in enumerate(program.sums) if total.whole]
+    totals = np.zeros(len(whole), np.float64)
+    for sums in per_tensor:
+        totals += [sums[k] for k in whole]
+    return totals.astype(np.float32)
+
+
+class Compiled:
+    """A program as two Python functions of (env, dtype): `lines` runs every line into env;
+    `sums` runs the prefix lines into env and returns each sum's element values."""
+
+    def __init__(self, program: Program):
+        self._program, self._constants = program, []
+        body = [f"    env[{line.target!r}] = {self._value(line.expr)}" for line in program.lines]
+        prefix = body[:program.prefix]
+        sums = ", ".join(self._element(total.expr) for total in program.sums)
+        source = "\n".join(["def lines(env, dtype):", *body, "    return None",
+                            "def sums(env, dtype):", *prefix, f"    return [{sums}]"])
+        namespace = {"np": np, "C": self._constants, "F": _ELEMENT_FUNCTIONS, "CMP": _COMPARE,
+                     "hoist": _hoist, "square": _square, "mod": _mod, "pick": _pick}
+        exec(compile(source, f"<rule {id(program):x}>", "exec"), namespace)  # noqa: S102
+        self.lines, self.sums = namespace["lines"], namespace["sums"]
+
+    def _value(self, node) -> str:
+        """A float64 scalar when uniform, else an array in the math type."""
+        return self._uniform(node) if self._program.kind(node).uniform else self._element(node)
+
+    def _element(self, node) -> str:
+        if self._program.kind(node).uniform:  # hoisted: computed in float64, then rounded
+            return f"hoist({self._uniform(node)}, dtype)"
         if isinstance(node, ast.Name):  # a slot, or a temporary of element values
-            return self.env[node.id]
-        return self._apply(node, self.element)
+            return f"env[{node.id!r}]"
+        return self._apply(node, self._element, "dtype(1)")
 
-    def uniform(self, node):
+    def _uniform(self, node) -> str:
         if isinstance(node, ast.Constant):
-            return np.float64(node.value)
+            self._constants.append(np.float64(node.value))
+            return f"C[{len(self._constants) - 1}]"
         if isinstance(node, ast.Name):
-            return np.float64(self.env[node.id]) if node.id == STEP else self.env[node.id]
-        return self._apply(node, self.uniform)
+            return f"np.float64(env[{node.id!r}])" if node.id == STEP else f"env[{node.id!r}]"
+        return self._apply(node, self._uniform, "np.float64(1)")
 
-    def _apply(self, node, sub):
-        one = self.dtype(1) if sub == self.element else np.float64(1)
+    def _apply(self, node, sub, one: str) -> str:
         if isinstance(node, ast.UnaryOp):
             operand = sub(node.operand)
-            return -operand if isinstance(node.op, ast.USub) else operand
+            return f"(-{operand})" if isinstance(node.op, ast.USub) else operand
         if isinstance(node, ast.BinOp):
-            return _binary(node, sub)
+            return self._binary(node, sub)
         if isinstance(node, ast.Compare):
-            left, right = sub(node.left), sub(node.comparators[0])
-            return _COMPARE[type(node.ops[0])](left, right)
-        name = node.func.id
-        args = [sub(arg) for arg in node.args]
+            return (f"CMP[{type(node.ops[0]).__name__!r}]({sub(node.left)}, "
+                    f"{sub(node.comparators[0])})")
+        name, args = node.func.id, [sub(arg) for arg in node.args]
+        if name == "where" and sub == self._element and self._program.kind(node.args[0]).uniform:
+            # the same for every element: the branch it picks, the other never computed
+            return f"({args[1]} if {self._uniform(node.args[0])} else {args[2]})"
         if name == "where":
-            return np.where(*args) if sub == self.element else (args[1] if args[0] else args[2])
+            return f"{'np.where' if sub == self._element else 'pick'}({', '.join(args)})"
         if name == "rsqrt":
-            return one / np.sqrt(args[0])
-        return _ELEMENT_FUNCTIONS[name](*args)
+            return f"({one} / np.sqrt({args[0]}))"
+        return f"F[{name!r}]({', '.join(args)})"
+
+    @staticmethod
+    def _binary(node: ast.BinOp, sub) -> str:
+        left = sub(node.left)
+        if isinstance(node.op, ast.Pow) and isinstance(node.right, ast.Constant):
+            if node.right.value == 2:
+                return f"square({left})"
+            if node.right.value == 0.5:
+                return f"np.sqrt({left})"
+        right = sub(node.right)
+        if isinstance(node.op, ast.Mod):  # as the kernel computes it (Python's sign convention)
+            return f"mod({left}, {right})"
+        operator = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(node.op))
+        return f"({left} {operator} {right})" if operator else f"np.power({left}, {right})"
 
 
-def _binary(node: ast.BinOp, sub):
-    left = sub(node.left)
-    if isinstance(node.op, ast.Pow) and isinstance(node.right, ast.Constant):
-        if node.right.value == 2:
-            return left * left
-        if node.right.value == 0.5:
-            return np.sqrt(left)
-    right = sub(node.right)
-    if isinstance(node.op, ast.Add):
-        return left + right
-    if isinstance(node.op, ast.Sub):
-        return left - right
-    if isinstance(node.op, ast.Mult):
-        return left * right
-    if isinstance(node.op, ast.Div):
-        return left / right
-    if isinstance(node.op, ast.Mod):  # as the kernel computes it (Python's sign convention)
-        return left - right * np.floor(left / right)
-    return np.power(left, right)
+def compiled(program: Program) -> Compiled:
+    """The program's NumPy functions, made on first use and kept with the program."""
+    functions = program.__dict__.get("_numpy")
+    if functions is None:
+        functions = program.__dict__["_numpy"] = Compiled(program)
+    return functions
 
 
-_COMPARE = {ast.Lt: np.less, ast.LtE: np.less_equal, ast.Gt: np.greater,
-            ast.GtE: np.greater_equal, ast.Eq: np.equal, ast.NotEq: np.not_equal}
+def _hoist(value, dtype):
+    return value if isinstance(value, (bool, np.bool_)) else dtype(value)
+
+
+def _square(x):
+    return x * x
+
+
+def _mod(a, b):
+    return a - b * np.floor(a / b)
+
+
+def _pick(condition, if_true, if_false):
+    """A uniform where: every argument evaluated, as the kernel's constructor does."""
+    return if_true if condition else if_false
+
+
+_COMPARE = {"Lt": np.less, "LtE": np.less_equal, "Gt": np.greater, "GtE": np.greater_equal,
+            "Eq": np.equal, "NotEq": np.not_equal}

@@ -3,9 +3,13 @@ rule's checked program."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+
+import numpy as np
 
 from .. import _cpu, _source
-from ..ops._spec import OpSpec, number_or_device_scalar
+from .._ranges import ANY
+from ..ops._spec import OpSpec, number_or_device_scalar, seed_words
 from . import _cuda, _numpy
 from ._language import STEP, Program
 
@@ -15,35 +19,52 @@ class RuleSpec(OpSpec):
 
     flags = ()
 
-    def __init__(self, name: str, program: Program, *, master_weights: bool = False):
-        if master_weights and not program.slots[0].written:
-            raise ValueError(f"rule {name!r} keeps state only (param:r): master_params are "
-                             f"for rules that update the params")
+    def __init__(self, name: str, program: Program, *, master_weights: bool = False,
+                 stochastic_rounding: bool = False, tensor_values: dict | None = None,
+                 store_first: bool = True):
+        if (master_weights or stochastic_rounding) and not program.slots[0].written:
+            raise ValueError(f"rule {name!r} keeps state only (param:r): master_params and "
+                             f"stochastic_rounding are for rules that update the params")
         self.program = program
         self.rule_name = name
-        digest = hashlib.sha256(_cuda.functor_source(program, "Rule").encode()).hexdigest()[:16]
-        struct = f"Rule_{digest}"
-        self.name = f"rule:{name}:{digest}"
-        self.kernel_file = f"rule_{digest}.cuh"
-        self.functor_text = _cuda.functor_source(program, struct)
-        _source.register_generated(self.kernel_file,
-                                   '#include "walker.cuh"\n' + self.functor_text)
-        self.functor = f"mta::{struct}"
-        self._functors = _cuda.functor_names(program, struct)
+        # hyperparameters fixed with the plan, one value per tensor (kernel arrays)
+        self.tensor_values = _tensor_values(name, program, tensor_values or {})
+        stochastic = bool(stochastic_rounding)
+        # (store_first: the first pass of a rule with sums stores what the update then reads)
+        made = _made(program, stochastic, tuple(self.tensor_values), store_first)
+        self.digest = made.digest
+        self.name = f"rule:{name}:{made.digest}"
+        self.kernel_file, self.functor_text = made.kernel_file, made.text
+        _source.register_generated(self.kernel_file, '#include "walker.cuh"\n' + self.functor_text)
+        self.functor, self._functors, self._stored_functors = (made.functor, made.functors,
+                                                               made.stored_functors)
         self.n_sums = len(program.sums)
-        self.slots = tuple(list_name(s.name) for s in program.slots)
-        self.written = frozenset(list_name(s.name) for s in program.slots if s.written)
-        self.arg_fields = _cuda.arg_fields(program)
-        self._members = _cuda.arg_members(program)
-        self.device_scalars = (*program.hyper, STEP)
+        self.n_totals = len(program.totals)
+        self.slots, self.written = made.slots, made.written
+        self.arg_fields, self._members = made.arg_fields, made.members
+        self.device_scalars = made.device_scalars
         self._names = frozenset(self.device_scalars) | frozenset(self.outputs)
-        # one array of scalar state for the whole list: one device, one value per hyperparameter
-        self.single_device = bool(program.scalars)
-        self._fields = {name: _cuda.field_name(name) for name in self.device_scalars}
+        # one array of scalar state, or whole-list sums: one device; scalar state also takes one
+        # value per hyperparameter (its lines read them once for the list)
+        self.single_device = bool(program.scalars or program.totals)
+        self.uniform_hyper = bool(program.scalars)
+        self._fields = made.fields
         # a rule that never reads the step does not need one
-        self._defaults = (*program.hyper.items(), (STEP, None if program.uses_step else 1.0))
+        hyper = tuple((h, v) for h, v in program.hyper.items() if h not in self.tensor_values)
+        self._defaults = (*hyper, (STEP, None if program.uses_step else 1.0))
         self.ranges = dict(program.ranges)  # as declared (steps count from 1, as every op's)
         self._use_master_weights(master_weights)
+        self._use_stochastic_rounding(stochastic)  # (adds _cuda.STOCHASTIC_WORDS to arg_fields)
+        if stochastic:  # the random bits differ from step to step: the step is always given
+            self._members += _cuda.STOCHASTIC_WORDS
+            self._defaults = (*hyper, (STEP, None))
+            self._names = self._names | {"seed"}
+
+    @property
+    def key(self) -> tuple:
+        """The functors' digest tells the variants of a rule apart, whatever name a subclass
+        shows (SGD with and without Nesterov share the name `sgd`)."""
+        return (self.name, self.digest, self.flags)
 
     @property
     def arg_members(self) -> tuple:
@@ -57,6 +78,17 @@ class RuleSpec(OpSpec):
         """With sums, the summing pass, then the update."""
         return self._functors
 
+    def functors_for(self, dtypes: tuple) -> tuple:
+        """Where the first pass can store the slots the update would compute again, and those
+        slots are kept in the math type (rounding them to a narrower storage would change the
+        update), the pair whose first pass stores them."""
+        if self._stored_functors:
+            math = "float64" if dtypes[0] == "float64" else "float32"
+            if all(dtypes[self.slots.index(list_name(name))] == math
+                   for name in self.program.stored_first):
+                return self._stored_functors
+        return self._functors
+
     def arguments(self, **hyper) -> dict:
         """Each hyperparameter (its default where it has one) and the step, checked."""
         if not hyper.keys() <= self._names:
@@ -67,10 +99,14 @@ class RuleSpec(OpSpec):
         for name, default in self._defaults:
             value = hyper.get(name, default)
             if value is None:
+                why = (" (stochastic_rounding draws other bits at each step)"
+                       if name == STEP and self.stochastic_rounding else "")
                 raise TypeError(f"rule {self.rule_name!r} needs {name}=...: a number or a "
-                                f"one-element float32 device array")
+                                f"one-element float32 device array{why}")
             args[self._fields[name]] = number_or_device_scalar(name, value,
                                                                self.scalar_range(name))
+        if self.stochastic_rounding:
+            args.update(seed_words(hyper.get("seed", 0)))
         if self.outputs:
             state = hyper.get(_cuda.SCALARS)
             if state is None:
@@ -85,12 +121,95 @@ class RuleSpec(OpSpec):
         """Three copies of the scalar state (see `Rule.initial_scalars`)."""
         return 3 * len(self.program.scalars)
 
+    def tensor_arrays(self, n_tensors: int) -> dict:
+        arrays = super().tensor_arrays(n_tensors)
+        for name, values in self.tensor_values.items():
+            if len(values) != n_tensors:
+                raise ValueError(f"{name} has {len(values)} values but the lists have {n_tensors} "
+                                 f"tensors: give one value per tensor")
+            arrays[_cuda.array_field(name)] = values
+        return arrays
+
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}
-        scalars = {name: float(args[field]) for name, field in self._fields.items()}
         state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
-        new = _numpy.evaluate(self.program, rule_arrays, scalars, dtype, state)
+        new = _numpy.evaluate(self.program, rule_arrays, self._scalars(args, index), dtype, state,
+                              args.get(_cuda.TOTALS))
         return {list_name(name): values for name, values in new.items()}
+
+    def cpu_totals(self, tensors):
+        """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
+        tensor."""
+        return _numpy.whole_sums(self.program, [
+            _numpy.tensor_sums(self.program, {s.name: arrays[list_name(s.name)]
+                                              for s in self.program.slots},
+                               self._scalars(args, index), dtype,
+                               _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None)
+            for index, arrays, args, dtype in tensors])
+
+    def _scalars(self, args: dict, index: int) -> dict:
+        """Each hyperparameter's (and the step's) value for tensor `index`."""
+        scalars = {name: float(args[field]) for name, field in self._fields.items()}
+        scalars.update((name, float(values[index])) for name, values in self.tensor_values.items())
+        return scalars
+
+
+_STRUCT = "MTA_RULE_STRUCT"  # the functors' name in the text a digest is taken of
+
+
+@dataclass(frozen=True)
+class _Made:
+    """What a spec takes from its program and options: its functors' C++ and names, its lists
+    and its argument words."""
+
+    digest: str
+    text: str
+    kernel_file: str
+    functor: str
+    functors: tuple
+    stored_functors: tuple
+    slots: tuple
+    written: frozenset
+    arg_fields: tuple
+    members: tuple
+    device_scalars: tuple
+    fields: dict
+
+
+def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) -> _Made:
+    """Made once per program and options and kept with the program: specs are made at every
+    one-call step (and by the adapters' checks)."""
+    made = program.__dict__.setdefault("_specs", {})
+    key = (stochastic, arrays, store_first)
+    if key not in made:
+        text = _cuda.functor_source(program, _STRUCT, stochastic, arrays, store_first)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        struct = f"Rule_{digest}"
+        scalars = (*(h for h in program.hyper if h not in arrays), STEP)
+        made[key] = _Made(
+            digest, text.replace(_STRUCT, struct), f"rule_{digest}.cuh", f"mta::{struct}",
+            _cuda.functor_names(program, struct),
+            _cuda.stored_functor_names(program, struct) if store_first else (),
+            tuple(list_name(s.name) for s in program.slots),
+            frozenset(list_name(s.name) for s in program.slots if s.written),
+            _cuda.arg_fields(program, arrays), _cuda.arg_members(program, arrays), scalars,
+            {name: _cuda.field_name(name) for name in scalars})
+    return made[key]
+
+
+def _tensor_values(rule: str, program: Program, given: dict) -> dict:
+    """name -> float32 array of one value per tensor, each checked against the range the rule
+    declares for hyperparameter `name`."""
+    values = {}
+    for name, column in given.items():
+        if name not in program.hyper:
+            raise ValueError(f"rule {rule!r} has no hyperparameter {name!r} to give per tensor "
+                             f"(it takes {', '.join(program.hyper)})")
+        column = np.asarray(column, dtype=np.float64).reshape(-1)
+        for i, value in enumerate(column):
+            program.ranges.get(name, ANY).check(f"{name}[{i}]", float(value))
+        values[name] = column.astype(np.float32)
+    return values
 
 
 def list_name(slot: str) -> str:

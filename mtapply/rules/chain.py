@@ -27,19 +27,21 @@ INPUT, OUTPUT = "grad", "update"
 
 class Link:
     """One gradient transformation: `slots` (its state, "NAME:rw" or "NAME:rw=FIRST"),
-    `hyper` (as a rule's) and `update` lines that end by assigning `update`; `sums` and
-    `finish` as a rule's (per-tensor norms: a chain holds at most one link with sums)."""
+    `hyper` (as a rule's) and `update` lines that end by assigning `update`; `sums`, `totals`
+    and `finish` as a rule's (per-tensor norms, a global norm: a chain holds at most one link
+    with sums or totals)."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = ""):
+                 finish: str = "", totals=None):
         self.name, self.slots_text, self.hyper = name, slots, dict(hyper)
         self.update, self.finish = textwrap.dedent(update), textwrap.dedent(finish)
-        self.sums = dict(sums or {})
+        self.sums, self.totals = dict(sums or {}), dict(totals or {})
         if not any(line.partition("=")[0].strip() == OUTPUT for line in _lines(self.update)):
             raise ValueError(f"link {name!r} never assigns {OUTPUT!r} (its output)")
         # checked as the rule it would be alone: names, ranges, reads and writes
         alone = Rule(name, f"param:rw grad:r {slots}", hyper,
-                     f"{self.update}\nparam = param + {OUTPUT}", self.sums or None, self.finish)
+                     f"{self.update}\nparam = param + {OUTPUT}", self.sums or None, self.finish,
+                     totals=self.totals or None)
         self.state = alone.program.slots[2:]
 
     def __repr__(self) -> str:
@@ -50,11 +52,12 @@ def chain(*links: Link, name: str | None = None) -> Rule:
     """One rule of `links` in order (see the module docstring)."""
     if not links or not all(isinstance(link, Link) for link in links):
         raise TypeError("chain takes one or more links (mtapply.rules.chain.Link)")
-    if sum(bool(link.sums) for link in links) > 1:
-        raise ValueError("a chain holds at most one link with sums (its first pass sums the "
-                         "values the links before it leave)")
+    if sum(bool(link.sums or link.totals) for link in links) > 1:
+        raise ValueError("a chain holds at most one link with sums or totals (its first pass "
+                         "sums the values the links before it leave)")
     taken = _taken(links)
     slots, hyper, lines, sums, finish = ["param:rw", "grad:r"], {}, [], {}, []
+    totals: dict = {}
     for k, link in enumerate(links, 1):
         names = {INPUT: INPUT if k == 1 else f"update_{k - 1}", OUTPUT: f"update_{k}"}
         for slot in link.state:
@@ -64,14 +67,15 @@ def chain(*links: Link, name: str | None = None) -> Rule:
         for hyper_name, declared in link.hyper.items():
             names[hyper_name] = _unique(hyper_name, k, taken)
             hyper[names[hyper_name]] = declared
-        for total, text in link.sums.items():
-            names[total] = f"link{k}_{total}"
-            sums[names[total]] = _renamed(text, names, k)
+        for given, into in ((link.sums, sums), (link.totals, totals)):
+            for total, text in given.items():
+                names[total] = f"link{k}_{total}"
+                into[names[total]] = _renamed(text, names, k)
         finish += [_renamed(line, names, k) for line in _lines(link.finish)]
         lines += [_renamed(line, names, k) for line in _lines(link.update)]
     lines.append(f"param = param + update_{len(links)}")
     return Rule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
-                "\n".join(lines), sums or None, "\n".join(finish))
+                "\n".join(lines), sums or None, "\n".join(finish), totals=totals or None)
 
 
 def _taken(links) -> dict:

@@ -36,6 +36,88 @@ def lion() -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def sgd(momentum_buffers: bool = False, nesterov: bool = False, maximize: bool = False) -> Rule:
+    """SGD as torch.optim.SGD (mtapply.sgd_step runs it): weight decay added to the gradient;
+    with `momentum_buffers`, a momentum other than 0 blends the gradient into the buffer, which
+    step 1 sets to the gradient itself; `nesterov` steps along the gradient plus the momentum
+    times the buffer. A zero weight decay or momentum leaves the gradient as it is (an infinite
+    param times 0 would be NaN)."""
+    lines = [f"g = {'-grad' if maximize else 'grad'}",
+             "g = where(weight_decay != 0, g + weight_decay * param, g)"]
+    slots, hyper = "param:rw grad:r", dict(lr=(None, LR), weight_decay=(0.0, NON_NEGATIVE))
+    if momentum_buffers:
+        slots += " momentum_buffer:rw"
+        hyper.update(momentum=(0.0, NON_NEGATIVE), dampening=(0.0, "[0, 1]"))
+        blended = "momentum_buffer * momentum + (1 - dampening) * g"
+        lines += [f"momentum_buffer = where(momentum == 0, momentum_buffer, "
+                  f"where(step == 1, g, {blended}))",
+                  f"g = where(momentum == 0, g, "
+                  f"{'g + momentum * momentum_buffer' if nesterov else 'momentum_buffer'})"]
+    return rule("sgd", slots=slots, hyper=hyper, update="\n".join(lines + ["param = param - lr * g"]))
+
+
+@functools.lru_cache(maxsize=None)
+def lars() -> Rule:
+    """LARS (You et al. 2017, as Paddle's lars_momentum; mtapply.lars_step runs it), per tensor:
+    local_lr = lr * trust_coefficient * ||p|| / (||g|| + wd ||p|| + eps), lr where a norm is 0
+    or where `adapt` is 0; v = momentum v + local_lr (g + wd p); p -= v, with wd 0 where
+    `decay_on` is 0. The norms are sums of a first pass over the list."""
+    return rule("lars", slots="param:rw grad:r momentum_buffer:rw",
+                hyper=dict(lr=(None, LR), momentum=(0.9, NON_NEGATIVE),
+                           weight_decay=(0.0, NON_NEGATIVE), trust_coefficient=(0.001, NON_NEGATIVE),
+                           eps=(0.0, NON_NEGATIVE), adapt=(1.0, "[0, 1]"), decay_on=(1.0, "[0, 1]")),
+                sums={"p2": "param * param", "g2": "grad * grad"},
+                finish="""
+                    decay = where(decay_on > 0, weight_decay, 0)
+                    p_norm = sqrt(p2)
+                    g_norm = sqrt(g2)
+                    ratio = trust_coefficient * p_norm / (g_norm + decay * p_norm + eps)
+                    trusted = where(p_norm > 0, where(g_norm > 0, lr * ratio, lr), lr)
+                    local_lr = where(adapt > 0, trusted, lr)
+                """,
+                update="""
+                    momentum_buffer = momentum * momentum_buffer + local_lr * (grad + decay * param)
+                    param = param - momentum_buffer
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def lamb(adam_w_mode: bool = True, use_nvlamb: bool = False) -> Rule:
+    """LAMB (You et al. 2019) as Apex's FusedLAMB (mtapply.lamb_step runs it), per tensor:
+    g = grad / clip (clip = global_grad_norm / max_grad_norm where that exceeds 1, and
+    max_grad_norm > 0); g += wd p (L2, without adam_w_mode); m = beta1 m + (1 - beta1) g (+ g
+    without grad_averaging); v = beta2 v + (1 - beta2) g^2; u = m_hat / (sqrt(v_hat +
+    eps_root) + eps) (+ wd p with adam_w_mode), bias corrections where bias_correction is 1;
+    p -= lr * ratio * u with ratio = ||p|| / ||u|| (1 where a norm is 0) where the weight decay
+    is not 0, or always with `use_nvlamb`. The norms are sums of a first pass, which also
+    stores the moments (float32 ones) for the update to read."""
+    decay_in_grad = "" if adam_w_mode else "g = g + weight_decay * param"
+    decay_in_update = "u = u + weight_decay * param" if adam_w_mode else ""
+    applies = "1" if use_nvlamb else "where(weight_decay != 0, 1, 0)"
+    return rule("lamb", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw",
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-6, NON_NEGATIVE), eps_root=(0.0, NON_NEGATIVE),
+                           weight_decay=(0.01, NON_NEGATIVE), grad_averaging=(1.0, "[0, 1]"),
+                           bias_correction=(1.0, "[0, 1]"), max_grad_norm=(0.0, NON_NEGATIVE),
+                           global_grad_norm=(0.0, NON_NEGATIVE)),
+                sums={"p2": "param * param", "u2": "u * u"},
+                update=f"""
+                    clip = global_grad_norm / max_grad_norm
+                    g = grad * (1 / where(max_grad_norm > 0, where(clip > 1, clip, 1), 1))
+                    {decay_in_grad}
+                    exp_avg = exp_avg * beta1 + where(grad_averaging > 0, 1 - beta1, 1) * g
+                    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+                    bc1 = where(bias_correction > 0, 1 - beta1 ** step, 1)
+                    bc2 = where(bias_correction > 0, 1 - beta2 ** step, 1)
+                    u = (exp_avg / bc1) / (sqrt(exp_avg_sq / bc2 + eps_root) + eps)
+                    {decay_in_update}
+                    norms = where(p2 > 0, where(u2 > 0, sqrt(p2) / sqrt(u2), 1), 1)
+                    ratio = where({applies} > 0, norms, 1)
+                    param = param - lr * ratio * u
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def adagrad(maximize: bool = False) -> Rule:
     """Adagrad as torch.optim.Adagrad (eps outside the root; lr decayed by lr_decay per step).
     The sum starts at torch's initial_accumulator_value, which the torch class sets."""
@@ -323,6 +405,83 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
                 """)
 
 
+@functools.lru_cache(maxsize=None)
+def prodigy(decouple: bool = True, use_bias_correction: bool = False,
+            safeguard_warmup: bool = False) -> Rule:
+    """Prodigy (Mishchenko and Defazio 2023), as prodigyopt.Prodigy: Adam whose step size d is
+    estimated from the run, d = d_coef * sum(numerator) / sum(|s|) over the whole list, kept
+    between steps as scalar state with its running maximum and numerator (d and d_max start
+    at d0 at step 1; they are kept in float32, so "d is still d0" is taken to a millionth).
+    growth_rate 0 stands for prodigyopt's unbounded growth (inf); a step whose denominator is
+    zero (zero grads) leaves the params and d as they are, as there."""
+    g = "grad" if decouple else "grad + weight_decay * param"
+    correction = "sqrt(1 - beta2 ** step) / (1 - beta1 ** step)" if use_bias_correction else "1"
+    s_rate = "d_now / d0 * d_now" if safeguard_warmup else "d_now / d0 * dlr"
+    decay = "param * weight_decay * dlr" if decouple else "0"
+    return rule("prodigy", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw s:rw p0:r=param",
+                hyper=dict(lr=(1.0, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           beta3=(None, BETA), eps=(1e-8, NON_NEGATIVE),
+                           weight_decay=(0.0, NON_NEGATIVE), d0=(1e-6, "> 0"),
+                           d_coef=(1.0, NON_NEGATIVE), growth_rate=(0.0, NON_NEGATIVE)),
+                scalars={"d": 0.0, "d_max": 0.0, "d_numerator": 0.0},
+                totals={"numerator": "d_now / d0 * dlr * g * (p0 - param)",
+                        "denominator": "abs(s)"},
+                update=f"""
+                    d_now = where(step == 1, d0, d)
+                    d_top = where(step == 1, d0, d_max)
+                    dlr = d_now * lr * {correction}
+                    g = {g}
+                    exp_avg = beta1 * exp_avg + d_now * (1 - beta1) * g
+                    exp_avg_sq = beta2 * exp_avg_sq + d_now * d_now * (1 - beta2) * g * g
+                    s = beta3 * s + {s_rate} * g
+                    total = beta3 * where(step == 1, 0, d_numerator) + numerator
+                    d_hat = d_coef * total / where(denominator == 0, 1, denominator)
+                    d_raised = where(abs(d_now - d0) <= 1e-6 * d0, max(d_now, d_hat), d_now)
+                    d_top_new = max(d_top, d_hat)
+                    d_new = where(growth_rate > 0, min(d_top_new, d_raised * growth_rate), d_top_new)
+                    d = where(denominator == 0, d_now, d_new)
+                    d_max = where(denominator == 0, d_top, d_top_new)
+                    d_numerator = where(denominator == 0, where(step == 1, 0, d_numerator), total)
+                    denom = sqrt(exp_avg_sq) + d * eps
+                    param = where(denominator == 0, param, param - {decay} - dlr * exp_avg / denom)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def dadapt_adam(decouple: bool = False, use_bias_correction: bool = False) -> Rule:
+    """D-Adaptation Adam (Defazio and Mishchenko 2023), as dadaptation.DAdaptAdam: Adam whose
+    step size d is estimated from the run, d_hat = numerator / ((1 - sqrt(beta2)) sum(|s|)) over
+    the whole list, d = max(d, min(d_hat, d growth_rate)), kept between steps as scalar state
+    with its weighted numerator (d starts at d0 at step 1). growth_rate 0 stands for unbounded
+    growth (inf); a step whose sum of |s| is zero leaves the params and d as they are."""
+    g = "grad" if decouple else "grad + weight_decay * param"
+    correction = "sqrt(1 - beta2 ** step) / (1 - beta1 ** step)" if use_bias_correction else "1"
+    decay = "param * weight_decay * dlr" if decouple else "0"
+    return rule("dadapt_adam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw s:rw",
+                hyper=dict(lr=(1.0, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
+                           d0=(1e-6, "> 0"), growth_rate=(0.0, NON_NEGATIVE),
+                           layer_scale=(1.0, NON_NEGATIVE)),
+                scalars={"d": 0.0, "numerator_weighted": 0.0},
+                totals={"numerator": "layer_scale * dlr * term", "s_l1": "layer_scale * abs(s)"},
+                update=f"""
+                    d_now = where(step == 1, d0, d)
+                    dlr = d_now * lr * {correction}
+                    root = sqrt(beta2)
+                    g = {g}
+                    term = g * s / (sqrt(exp_avg_sq) + eps)
+                    exp_avg = beta1 * exp_avg + layer_scale * dlr * (1 - beta1) * g
+                    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+                    s = root * s + dlr * (1 - root) * g
+                    weighted = root * where(step == 1, 0, numerator_weighted) + (1 - root) * numerator
+                    d_hat = weighted / ((1 - root) * where(s_l1 == 0, 1, s_l1))
+                    d_new = max(d_now, where(growth_rate > 0, min(d_hat, d_now * growth_rate), d_hat))
+                    d = where(s_l1 == 0, d_now, d_new)
+                    numerator_weighted = where(s_l1 == 0, where(step == 1, 0, numerator_weighted), weighted)
+                    param = where(s_l1 == 0, param, param - {decay} - exp_avg / (sqrt(exp_avg_sq) + eps))
+                """)
+
+
 # -- links: gradient transformations for `mtapply.chain`, named and behaving as optax's --------
 # (each factory's arguments are the link's hyperparameter defaults; a step may pass others)
 
@@ -415,16 +574,62 @@ def scale_by_learning_rate(learning_rate=None) -> Link:
                 "update = -lr * grad")
 
 
+def clip_by_global_norm(max_norm) -> Link:
+    """optax.clip_by_global_norm: the update, scaled by max_norm / ||update|| where the norm over
+    every tensor of the list (a whole-list sum of a first pass: deterministic, no host
+    synchronisation) is max_norm or more."""
+    return Link("clip_by_global_norm", "", dict(max_norm=(max_norm, NON_NEGATIVE)),
+                totals={"u2": "grad * grad"},
+                update="""
+                    norm = sqrt(u2)
+                    update = where(norm < max_norm, grad, grad / norm * max_norm)
+                """)
+
+
 def clip(max_delta) -> Link:
     """optax.clip: each element of the update into [-max_delta, max_delta]."""
     return Link("clip", "", dict(max_delta=(max_delta, NON_NEGATIVE)),
                 "update = max(min(grad, max_delta), -max_delta)")
 
 
+def _lerp(start: str, end: str, weight: str) -> str:
+    """torch.lerp's formula (exact at both ends): start + w (end - start) for w < 0.5, else
+    end - (end - start) (1 - w)."""
+    return (f"where({weight} < 0.5, {start} + {weight} * ({end} - {start}), "
+            f"{end} - ({end} - {start}) * (1 - {weight}))")
+
+
+@functools.lru_cache(maxsize=None)
+def muon_momentum(nesterov: bool = True) -> Rule:
+    """torch.optim.Muon's momentum, the first of its three passes (`mtapply.torch.Muon`): the
+    buffer lerps toward the grad, b = lerp(b, g, 1 - momentum), and the matrix to orthogonalize
+    goes to `direction` (bfloat16 there): lerp(g, b, momentum) with nesterov, else b. The
+    params are not read."""
+    new_buffer = _lerp("momentum_buffer", "grad", "(1 - momentum)")
+    direction = _lerp("grad", "momentum_buffer", "momentum") if nesterov else "momentum_buffer"
+    return rule("muon_momentum", slots="param:r grad:r momentum_buffer:rw direction:rw",
+                hyper=dict(momentum=(0.95, NON_NEGATIVE)),
+                update=f"""
+                    momentum_buffer = {new_buffer}
+                    direction = {direction}
+                """)
+
+
+@functools.lru_cache(maxsize=None)
+def muon_apply() -> Rule:
+    """torch.optim.Muon's last pass: decoupled weight decay, then the orthogonalized update
+    (passed as the grad) times the lr adjusted for the matrix's shape (`scale`, per tensor):
+    p = p (1 - lr weight_decay) - lr scale O."""
+    return rule("muon_apply", slots="param:rw grad:r",
+                hyper=dict(lr=(None, LR), weight_decay=(0.1, NON_NEGATIVE),
+                           scale=(1.0, NON_NEGATIVE)),
+                update="param = param * (1 - lr * weight_decay) - (lr * scale) * grad")
+
+
 __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
-           "adamax_optax", "adan", "lion", "nadam", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
-           "schedule_free_adamw",
+           "adamax_optax", "adan", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
+           "schedule_free_adamw", "sgd",
            # links
-           "add_decayed_weights", "clip", "scale", "scale_by_adam", "scale_by_belief",
+           "add_decayed_weights", "clip", "clip_by_global_norm", "scale", "scale_by_adam", "scale_by_belief",
            "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "scale_by_trust_ratio",
            "trace"]

@@ -238,6 +238,7 @@ def test_a_plan_dropped_while_a_graph_is_captured_leaves_the_capture_whole():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
+    gc.collect()  # earlier tests' garbage (their CuPy streams, say) is not this test's subject
     with torch.cuda.graph(graph, stream=stream):
         plan.step(**dict(good, lr=lr, step=2.0))
         del other

@@ -274,17 +274,21 @@ def test_nadam_scalar_state_on_the_gpu_follows_the_cpu_path_over_two_launches():
     np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["plain", "lamb"])
+@pytest.mark.parametrize("kind", ["plain", "lamb", "global-norm"])
 def test_a_chain_of_links_on_the_gpu_follows_the_cpu_path(kind):
     """optax-style links fused into one rule (`mtapply.chain`): one launch per dtype group
-    over the big and the empty tensors alike (LAMB's: a first pass sums the norms)."""
+    over the big and the empty tensors alike (LAMB's: a first pass sums the norms; the global
+    norm's: a first pass sums over the whole list, which one block of it adds up)."""
     from mtapply.rules import library as L
 
-    rule = (mtapply.chain(L.clip(2.0), L.scale_by_adam(b1=0.8), L.add_decayed_weights(0.01),
-                          L.trace(0.5, nesterov=True), L.scale_by_learning_rate())
-            if kind == "plain" else
-            mtapply.chain(L.scale_by_adam(eps=1e-6), L.add_decayed_weights(0.01),
-                          L.scale_by_trust_ratio(), L.scale_by_learning_rate()))
+    rule = {"plain": lambda: mtapply.chain(L.clip(2.0), L.scale_by_adam(b1=0.8),
+                                           L.add_decayed_weights(0.01),
+                                           L.trace(0.5, nesterov=True), L.scale_by_learning_rate()),
+            "lamb": lambda: mtapply.chain(L.scale_by_adam(eps=1e-6), L.add_decayed_weights(0.01),
+                                          L.scale_by_trust_ratio(), L.scale_by_learning_rate()),
+            "global-norm": lambda: mtapply.chain(L.clip_by_global_norm(5.0), L.scale_by_adam(),
+                                                 L.add_decayed_weights(0.01),
+                                                 L.scale_by_learning_rate())}[kind]()
     lists = _lists(len(rule.slots), 7)
     host = _host(lists)
     for step in range(1, 5):
@@ -295,3 +299,98 @@ def test_a_chain_of_links_on_the_gpu_follows_the_cpu_path(kind):
         for i, (got, want) in enumerate(zip(lists[k], host[k])):
             np.testing.assert_allclose(got.cpu().numpy(), want, rtol=2e-5, atol=2e-6,
                                        err_msg=f"{slot}[{i}]")
+
+
+def test_a_whole_list_sum_spans_every_launch_of_the_step():
+    """Params of two dtypes make two launches; the global norm adds both groups' tensors
+    (fixed order: the same on every run), and a CUDA graph replays the two passes."""
+    rule = mtapply.rule("clipped_sgd", slots="param:rw grad:r", hyper=dict(lr=None, max_norm=1.0),
+                        totals={"g2": "grad * grad"},
+                        update="param = param - lr * grad * min(1, max_norm / sqrt(g2 + 1e-12))")
+    lists = _lists(2, 11)
+    lists[0][4], lists[1][4] = lists[0][4].to(torch.bfloat16), lists[1][4].to(torch.bfloat16)
+    host = _host(lists)
+    plan = rule.plan(*lists)
+    plan.step(lr=0.5)
+    rule.step(*host, lr=0.5)
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(lists[0], host[0])):
+        if lists[0][i].dtype == torch.bfloat16:
+            want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=1e-2 if i == 4 else 1e-5,
+                                   atol=1e-6, err_msg=f"param[{i}]")
+    again = [x.clone() for x in lists[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        plan.step(lr=0.5)
+    graph.replay()
+    rule.step(*host, lr=0.5)
+    torch.cuda.synchronize()
+    assert not torch.equal(lists[0][0], again[0])
+    np.testing.assert_allclose(lists[0][0].cpu().numpy(), host[0][0], rtol=1e-5, atol=1e-6)
+
+
+def test_prodigy_on_the_gpu_follows_the_cpu_path():
+    """Scalar state (d, d_max, d_numerator) fed by two whole-list sums, over the big tensor."""
+    import math
+
+    from mtapply.rules import library
+
+    rule = library.prodigy()
+    lists = _lists(2, 13)
+    targets = [x.clone() * 0.5 for x in lists[0]]
+    lists += [[torch.zeros_like(x) for x in lists[0]] for _ in range(3)] + [[x.clone() for x in lists[0]]]
+    host = _host(lists)
+    state = torch.tensor(rule.initial_scalars(), device="cuda")
+    host_state = rule.initial_scalars()
+    hyper = dict(lr=1.0, beta3=math.sqrt(0.999), weight_decay=0.01)
+    for t in range(1, 8):
+        for g, p, y in zip(lists[1], lists[0], targets):
+            g.copy_(p - y)
+        for k, (p, y) in enumerate(zip(host[0], targets)):
+            host[1][k][...] = p - y.cpu().numpy()
+        rule.step(*lists, step=t, scalars_out=state, **hyper)
+        rule.step(*host, step=t, scalars_out=host_state, **hyper)
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-4)
+    assert host_state[6] > 1e-6  # d grew
+    for i, (got, want) in enumerate(zip(lists[0], host[0])):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"{i}")
+
+
+@pytest.mark.parametrize("form", ["transformation", "fused"])
+def test_a_global_norm_chain_through_the_ffi_call_follows_optax(form):
+    """clip_by_global_norm -> adamw as one mtapply rule in JAX: its whole-list sum inside the
+    FFI call's two passes, against optax.chain of optax's links."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import mtapply.optax as mtx
+    from mtapply.rules import library as L
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("jax has no GPU backend here")
+    rule = mtapply.chain(L.clip_by_global_norm(5.0), L.scale_by_adam(), L.add_decayed_weights(0.01),
+                         L.scale_by_learning_rate())
+    rng = np.random.default_rng(5)
+    tree = lambda: {f"p{i}": jax.device_put(rng.standard_normal(s).astype(np.float32), gpus[0])  # noqa: E731
+                    for i, s in enumerate(SHAPES)}
+    params, grads_seq = tree(), [tree() for _ in range(5)]
+    theirs = optax.chain(optax.clip_by_global_norm(5.0), optax.scale_by_adam(),
+                         optax.add_decayed_weights(0.01), optax.scale_by_learning_rate(1e-3))
+    if form == "fused":
+        ours = mtx.fused(rule, 1e-3)
+        step = jax.jit(lambda p, s, g: ours.step(p, g, s), donate_argnums=(0, 1))
+    else:
+        ours = mtx.transformation(rule, 1e-3)
+        step = jax.jit(lambda p, s, g: _apply(ours, optax, p, s, g), donate_argnums=(0, 1))
+    their_step = jax.jit(lambda p, s, g: _apply(theirs, optax, p, s, g))
+    mine, state = jax.tree.map(lambda x: x.copy(), params), ours.init(params)
+    want, their_state = params, theirs.init(params)
+    for g in grads_seq:
+        mine, state = step(mine, state, g)
+        want, their_state = their_step(want, their_state, g)
+    for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)

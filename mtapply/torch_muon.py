@@ -1,0 +1,287 @@
+"""`mtapply.torch.Muon`: torch.optim.Muon (momentum, Newton-Schulz orthogonalization of each
+2-D update, decoupled weight decay) over all of a param group's matrices at once.
+
+A step is three passes, whatever the number of matrices: one launch of the rule
+`library.muon_momentum` updates every momentum buffer and writes each matrix's update in
+bfloat16 straight into a batch of its shape (a (count, rows, cols) buffer kept between steps,
+one per shape); Newton-Schulz then runs on each batch with batched products (torch.bmm and
+torch.baddbmm, in bfloat16 with float32 accumulation, as torch.optim.Muon's per-matrix
+torch.addmm), the Gram matrix taken on the short side (a tall matrix's X^T X, so the result
+keeps the param's own layout); one launch of `library.muon_apply` then applies weight decay and
+the update scaled by each matrix's adjusted lr. Nothing waits for the GPU, and after the first
+step nothing is allocated but torch's own reuse of its cached blocks for the norms.
+
+Groups with `use_muon=False` step with AdamW instead (the usual hybrid: embeddings, heads,
+norms and biases), one mtapply launch per group, with torch.optim.AdamW's state."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._dtensor import is_dtensor
+from ._optimizer_step import closure_loss
+from .adam import adam_step
+from .ops._spec import check_number
+from .rules import library
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+AUX_BETAS = (0.9, 0.95)  # a use_muon=False group's AdamW betas where it gives none
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+class Muon(torch.optim.Optimizer):
+    """`torch.optim.Muon` with its arguments, defaults, checks and state (`momentum_buffer`
+    per param), so that checkpoints move both ways; for 2-D params only (the hidden matrices:
+    give embeddings, heads, norms and biases to an AdamW). `lr` may be a one-element tensor:
+    a CUDA one is read by the kernels where it lies, a CPU one on the host.
+
+    A group with `use_muon=False` steps with AdamW, for params of any shape: its `lr`,
+    `betas` ((0.9, 0.95) where the group gives none), `eps` (the group's, as an AdamW's: Muon's
+    default 1e-7 where it gives none) and `weight_decay`, and torch.optim.AdamW's state
+    (`step`, `exp_avg`, `exp_avg_sq`): one optimizer and one `step()` for a whole model.
+
+    Every group is checked before a step writes anything. Matrices of one shape (transposes
+    apart) step as one batch: see the module docstring."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        _check_group("", defaults)
+        self._batches: dict = {}  # (group index, device, dtype, shape) -> _Batch
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if param_group.get("use_muon", True) is False:
+            param_group.setdefault("betas", AUX_BETAS)
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        _check_group(f"param group {index}: ", self.param_groups[-1])
+        _check_matrices(index, self.param_groups[-1])
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._batches = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        steps = [self._prepared(index, group) for index, group in enumerate(self.param_groups)]
+        for group, params in steps:  # every group checked: now the writes
+            if params and group.get("use_muon", True):
+                self._step_group(group, params)
+            elif params:
+                self._adamw_step(group, params)
+        return loss
+
+    def _prepared(self, index: int, group) -> tuple:
+        """The group and its params with grads, after every check a step makes."""
+        _check_group(f"param group {index}: ", group)
+        _check_matrices(index, group)
+        params = [p for p in group["params"] if p.grad is not None]
+        muon = group.get("use_muon", True)
+        names = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            if p.is_complex():  # as torch.optim.Muon: at the step
+                raise RuntimeError("Muon does not support complex parameters")
+            where = f"param group {index}: param {i}"
+            if muon and not p.is_contiguous():
+                raise ValueError(f"{where} has strides {p.stride()}: Muon steps row-major "
+                                 f"matrices (its update batches are); make it contiguous")
+            _check_like(p, p.grad, f"{where}'s grad")
+            for name in names:
+                if name in self.state.get(p, {}):
+                    _check_like(p, self.state[p][name], f"{where}'s state {name!r}")
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and any(
+                p.device != lr.device for p in params):
+            raise ValueError(f"param group {index}: lr is a tensor on {lr.device} but the "
+                             f"params are on {params[0].device}: keep it with them, or on the CPU")
+        return group, params
+
+    def _adamw_step(self, group, params: list) -> None:
+        """A `use_muon=False` group: one AdamW launch, with torch.optim.AdamW's state (its step
+        count a CPU tensor per param, so that reading it waits for nothing)."""
+        steps = []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            steps.append(float(state["step"]))
+        beta1, beta2 = group["betas"]
+        adam_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                  [self.state[p]["exp_avg_sq"] for p in params], lr=_lr_value(group["lr"]),
+                  step=steps[0] if len(set(steps)) == 1 else steps, beta1=float(beta1),
+                  beta2=float(beta2), eps=float(group["eps"]),
+                  weight_decay=float(group["weight_decay"]), decoupled_weight_decay=True)
+
+    def _step_group(self, group, params: list) -> None:
+        grads = [p.grad for p in params]
+        buffers = [self._buffer(p) for p in params]
+        batches = self._batches_of(group, params)
+        directions = [batch.views[k] for batch, k in batches]
+        library.muon_momentum(bool(group["nesterov"])).step(
+            params, grads, buffers, directions, momentum=float(group["momentum"]))
+        done = {}
+        for batch, _ in batches:
+            if id(batch) not in done:
+                done[id(batch)] = batch.orthogonalize(group["ns_coefficients"],
+                                                      int(group["ns_steps"]), float(group["eps"]))
+        updates = [done[id(batch)][k] for batch, k in batches]
+        scales = [_lr_ratio(group["adjust_lr_fn"], p.shape) for p in params]
+        library.muon_apply().step(params, updates, lr=_lr_value(group["lr"]),
+                                  weight_decay=float(group["weight_decay"]), scale=scales)
+
+    def _buffer(self, p) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def _batches_of(self, group, params: list) -> list:
+        """(batch, index in it) of each param: params of one device, dtype and shape share a
+        batch, kept while the group's params of that shape stay the same."""
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        members: dict = {}
+        for p in params:
+            members.setdefault((p.device, p.dtype, tuple(p.shape)), []).append(p)
+        where = {}
+        for key, same in members.items():
+            batch = self._batches.get((index, *key))
+            if batch is None or batch.ids != tuple(map(id, same)):
+                batch = self._batches[(index, *key)] = _Batch(same)
+            where.update((id(p), (batch, k)) for k, p in enumerate(same))
+        return [where[id(p)] for p in params]
+
+
+class _Batch:
+    """The bfloat16 work buffers of `count` matrices of one shape: the updates (written by the
+    momentum pass, each param's slice a view), a second buffer of that shape for Newton-Schulz
+    to alternate with, and the (count, r, r) Gram matrices of the short side r."""
+
+    def __init__(self, params: list):
+        self.ids = tuple(map(id, params))
+        rows, cols = params[0].shape
+        like = dict(device=params[0].device, dtype=torch.bfloat16)
+        self.updates = torch.empty((len(params), rows, cols), **like)
+        self.other = torch.empty_like(self.updates)
+        side = min(rows, cols)
+        self.gram = torch.empty((len(params), side, side), **like)
+        self.gram_update = torch.empty_like(self.gram)
+        self.wide = rows <= cols
+        self.views = list(self.updates.unbind(0))
+        self.results = {id(self.updates): self.views, id(self.other): list(self.other.unbind(0))}
+
+    def orthogonalize(self, coefficients, steps: int, eps: float) -> list:
+        """Newton-Schulz on every update of the batch; each matrix's result (a view)."""
+        a, b, c = coefficients
+        x, y = self.updates, self.other
+        norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+        x.div_(norms.clamp_(min=eps))
+        for _ in range(steps):
+            if self.wide:  # X X^T; X <- a X + (b G + c G G) X
+                torch.bmm(x, x.mT, out=self.gram)
+                torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c,
+                              out=self.gram_update)
+                torch.baddbmm(x, self.gram_update, x, beta=a, out=y)
+            else:  # the transpose's iteration, kept in the param's layout: X^T X, X <- a X + X G'
+                torch.bmm(x.mT, x, out=self.gram)
+                torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c,
+                              out=self.gram_update)
+                torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
+            x, y = y, x
+        return self.results[id(x)]
+
+
+def _check_like(param, tensor, what: str) -> None:
+    """That `tensor` (a grad, a state) lies as its param does: what the kernels pair element
+    by element (checked before any group steps, so that a refusal writes nothing)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} is a {type(tensor).__name__}, not a tensor")
+    if (tensor.shape, tensor.dtype, tensor.device, tensor.stride()) != (
+            param.shape, param.dtype, param.device, param.stride()):
+        raise ValueError(f"{what} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} "
+                         f"with strides {tensor.stride()}, but the param is "
+                         f"{tuple(param.shape)} {param.dtype} on {param.device} with strides "
+                         f"{param.stride()}: give it the param's shape, dtype, device and layout")
+
+
+def _lr_ratio(adjust_lr_fn, shape) -> float:
+    """torch.optim.Muon's lr adjustment for a (rows, cols) matrix."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))  # match_rms_adamw
+
+
+def _lr_value(lr):
+    if isinstance(lr, torch.Tensor):
+        return float(lr) if lr.device.type == "cpu" else lr.reshape(())
+    return float(lr)
+
+
+def _check_group(where: str, group) -> None:
+    use_muon = group.get("use_muon", True)
+    if not isinstance(use_muon, bool):
+        raise TypeError(f"{where}use_muon must be True or False, got {use_muon!r}")
+    if not use_muon:
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            check_number(f"{where}betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}Tensor lr must be 1-element")
+        if lr.device.type != "cpu" and lr.dtype != torch.float32:
+            raise TypeError(f"{where}a CUDA lr tensor must be float32 (the kernels read it "
+                            f"there), got {lr.dtype}")
+    else:
+        check_number(f"{where}lr", lr, low=0.0)
+    check_number(f"{where}momentum", group["momentum"], low=0.0)
+    check_number(f"{where}weight_decay", group["weight_decay"], low=0.0)
+    check_number(f"{where}eps", group["eps"], low=0.0)
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+        raise ValueError(f"{where}ns_steps must be a whole number below 100 (for computational "
+                         f"efficiency, as torch.optim.Muon), got {steps!r}")
+    coefficients = group["ns_coefficients"]
+    if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+        raise ValueError(f"{where}ns_coefficients must be a tuple of exactly 3 values (a, b, c), "
+                         f"got {coefficients!r}")
+    for name, value in zip("abc", coefficients):
+        check_number(f"{where}ns_coefficients {name}", value)
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"{where}Adjust learning rate function {group['adjust_lr_fn']} is not "
+                         f"supported: use None, 'original' or 'match_rms_adamw'")
+
+
+def _check_matrices(index: int, group) -> None:
+    for i, p in enumerate(group["params"]):
+        if not group.get("use_muon", True):
+            if p.is_complex() or not p.is_floating_point():
+                raise TypeError(f"param group {index}: param {i} is {p.dtype}: mtapply's AdamW "
+                                f"steps real floating params")
+            continue
+        if is_dtensor(p):
+            raise NotImplementedError(
+                f"param group {index}: param {i} is a DTensor (an FSDP2 shard): Newton-Schulz "
+                f"needs whole matrices, which mtapply.torch.Muon does not gather yet; use "
+                f"torch.optim.Muon for sharded matrices (its products gather them)")
+        if p.ndim != 2:
+            raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with "
+                             f"size: {p.size()} (param group {index}, param {i}): give it to "
+                             f"an AdamW")
+        if not p.is_floating_point() and not p.is_complex():  # (complex: refused at the step)
+            raise TypeError(f"param group {index}: param {i} is {p.dtype}: Muon steps "
+                            f"floating params")

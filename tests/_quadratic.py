@@ -1,0 +1,42 @@
+"""A quadratic for the optimizers that estimate their own step size (Prodigy, D-Adaptation):
+grads p - target point the same way every step, so the estimate grows from d0."""
+import numpy as np
+
+SHAPES = [(5, 4), (4,), (0,), (30,)]
+
+
+def problem(seed):
+    """(params, targets) as float64 NumPy arrays."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s) for s in SHAPES], [rng.standard_normal(s) for s in SHAPES]
+
+
+def torch_problem(torch, seed=0, dtype=None):
+    """The same as torch Parameters and tensors."""
+    params, targets = problem(seed)
+    dtype = dtype or torch.float64
+    return ([torch.nn.Parameter(torch.tensor(p, dtype=dtype)) for p in params],
+            [torch.tensor(y, dtype=dtype) for y in targets])
+
+
+def torch_run(opt, params, targets, steps):
+    for _ in range(steps):
+        for p, y in zip(params, targets):
+            p.grad = p.detach() - y
+        opt.step()
+
+
+def assert_equals_peer(torch, ours_class, theirs_class, variants, dtype, rtol) -> None:
+    """30 steps of the quadratic with our optimizer and its peer, for each option set: params
+    to `rtol` (and 2e-5 absolute), the estimate d to 2e-5 (ours is float32 scalar state)."""
+    import pytest
+
+    for options in variants:
+        ours, targets = torch_problem(torch, 2, getattr(torch, dtype))
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        a, b = ours_class(ours, **options), theirs_class(theirs, **options)
+        torch_run(a, ours, targets, 30)
+        torch_run(b, theirs, targets, 30)
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=rtol, atol=2e-5, msg=str(options))
+        assert float(a.state[ours[0]]["d"]) == pytest.approx(b.param_groups[0]["d"], rel=2e-5)

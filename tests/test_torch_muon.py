@@ -1,0 +1,318 @@
+"""mtapply.torch.Muon against torch.optim.Muon: the same arguments, checks, state and results
+(to the tolerance of bfloat16 Newton-Schulz) over param groups, every option, schedulers and
+checkpoints both ways; a bad group refused before any group moves; on a GPU, no host sync."""
+import copy
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch.optim, "Muon"):
+    pytest.skip("torch.optim.Muon needs torch 2.9+", allow_module_level=True)
+
+import mtapply.torch as mt  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SHAPES = [(32, 64), (64, 32), (32, 64), (48, 48), (16, 80), (64, 32)]  # tall, wide, square
+OPTIONS = [{}, dict(nesterov=False), dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.01),
+           dict(momentum=0.3, ns_steps=3, eps=1e-5), dict(adjust_lr_fn="original"),
+           dict(ns_coefficients=(2.0, -1.5, 0.5), weight_decay=0.0)]
+
+
+def _params(device, shapes=SHAPES, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+
+
+def _set_grads(params, t):
+    g = torch.Generator().manual_seed(100 + t)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
+
+
+def _train(opt, params, steps, first=0, scheduler=None):
+    for t in range(first, first + steps):
+        _set_grads(params, t)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _assert_close(a, b, lr=0.02):
+    """A step moves a param by lr * ratio * O (|O| about 1): bfloat16 Newton-Schulz where the
+    bfloat16 rounding of an update element went the other way differs by some 1% of a step.
+    On a GPU the batched and the per-matrix products may also split their sums otherwise
+    (cuBLAS, bfloat16): there each element within 10% of a step, their RMS within 1%."""
+    for x, y in zip(a, b, strict=True):
+        gpu = x.is_cuda
+        x, y = x.detach().cpu(), y.detach().cpu()
+        torch.testing.assert_close(x, y, rtol=0, atol=(0.1 if gpu else 0.02) * lr)
+        assert (x - y).pow(2).mean().sqrt() <= 0.01 * lr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in
+                                                                    o.items()) or "defaults")
+def test_muon_steps_as_torch_optim_muon(options, device):
+    a, b = _params(device), _params(device)
+    ours, theirs = mt.Muon(a, lr=0.02, **options), torch.optim.Muon(b, lr=0.02, **options)
+    _train(ours, a, 6)
+    _train(theirs, b, 6)
+    _assert_close(a, b)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(ours.state[p]["momentum_buffer"],
+                                   theirs.state[q]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+    assert ours.state_dict()["param_groups"] == theirs.state_dict()["param_groups"]
+    assert a[0].data_ptr() != 0 and not torch.equal(a[0], _params(device)[0])  # it moved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_param_groups_of_their_own_options_and_a_scheduler(device):
+    def groups(params):
+        return [{"params": params[:3], "lr": 0.05, "momentum": 0.9, "nesterov": False},
+                {"params": params[3:], "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.2}]
+
+    a, b = _params(device), _params(device)
+    ours, theirs = mt.Muon(groups(a), lr=0.02), torch.optim.Muon(groups(b), lr=0.02)
+    _train(ours, a, 5, scheduler=torch.optim.lr_scheduler.StepLR(ours, 2, gamma=0.5))
+    _train(theirs, b, 5, scheduler=torch.optim.lr_scheduler.StepLR(theirs, 2, gamma=0.5))
+    _assert_close(a, b, lr=0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoints_move_both_ways(device):
+    for first, second in ((mt.Muon, torch.optim.Muon), (torch.optim.Muon, mt.Muon)):
+        a, b = _params(device), _params(device)
+        before = first(a, lr=0.02)
+        _train(before, a, 3)
+        with torch.no_grad():
+            for p, q in zip(a, b):
+                q.copy_(p)
+        after = second(b, lr=0.02)
+        after.load_state_dict(pickle.loads(pickle.dumps(before.state_dict())))
+        _train(before, a, 3, first=3)
+        _train(after, b, 3, first=3)
+        _assert_close(a, b)
+
+
+def test_a_cpu_tensor_lr_and_copies():
+    a, b = _params("cpu"), _params("cpu")
+    ours = mt.Muon(a, lr=torch.tensor(0.02))
+    theirs = torch.optim.Muon(b, lr=0.02)
+    _train(ours, a, 2)
+    _train(theirs, b, 2)
+    _assert_close(a, b)
+    twin = copy.deepcopy(ours)  # an independent copy: its state is its own
+    assert twin.state_dict()["param_groups"][0]["lr"] == ours.param_groups[0]["lr"]
+    clone = pickle.loads(pickle.dumps(ours))
+    assert set(clone.state_dict()["state"]) == {0, 1, 2, 3, 4, 5}
+
+
+def test_checks_as_torch_optim_muon():
+    params = _params("cpu")
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        mt.Muon([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        mt.Muon(params, lr=torch.ones(2))
+    for bad in (dict(lr=-1.0), dict(momentum=-0.1), dict(weight_decay=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            mt.Muon(params, **bad)
+    with pytest.raises(ValueError, match="Adjust learning rate function"):
+        mt.Muon(params, adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match="ns_steps must be a whole number below 100"):
+        mt.Muon(params, ns_steps=100)
+    with pytest.raises(ValueError, match="exactly 3 values"):
+        mt.Muon(params, ns_coefficients=(1.0, 2.0))
+    complex_matrix = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.complex64))
+    opt = mt.Muon([complex_matrix])  # refused at the step, as torch.optim.Muon
+    complex_matrix.grad = torch.ones_like(complex_matrix)
+    with pytest.raises(RuntimeError, match="does not support complex"):
+        opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_bad_group_is_refused_before_any_group_moves():
+    params = _params("cpu")
+    opt = mt.Muon([{"params": params[:3]}, {"params": params[3:]}], lr=0.02)
+    _set_grads(params, 0)
+    opt.param_groups[1]["ns_steps"] = 1.5  # edited after construction
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="param group 1: ns_steps"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before)) and not opt.state
+    opt.param_groups[1]["ns_steps"] = 5
+    params[4].grad = torch.sparse_coo_tensor([[0], [1]], [1.0], (16, 80))
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before)) and not opt.state
+
+
+def test_params_without_grads_are_skipped_and_a_new_group_joins():
+    a, b = _params("cpu"), _params("cpu")
+    ours, theirs = mt.Muon(a[:4], lr=0.02), torch.optim.Muon(b[:4], lr=0.02)
+    for opt, params in ((ours, a), (theirs, b)):
+        _set_grads(params, 0)
+        params[1].grad = None
+        opt.step()
+        opt.add_param_group({"params": params[4:], "lr": 0.01})
+        _train(opt, params, 2, first=1)
+    _assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_steps_on_the_gpu_wait_for_nothing_on_the_host():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    params = _params("cuda")
+    opt = mt.Muon(params, lr=torch.tensor(0.02, device="cuda"))
+    _train(opt, params, 2)  # compiles and binds
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _set_grads(params, 5)  # (the grads' host-to-device copies come before the check)
+        torch.cuda.synchronize()
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    reference = _params("cuda")
+    theirs = torch.optim.Muon(reference, lr=0.02)
+    for t in (0, 1, 5):
+        _set_grads(reference, t)
+        theirs.step()
+    _assert_close(params, reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_hybrid_muon_and_adamw_groups_step_as_muon_and_adamw(device):
+    """One optimizer, one step: Muon for the matrices, AdamW (torch.optim.AdamW's state and
+    results) for the groups with use_muon=False, of any shape; a param that missed a step keeps
+    its own step count, as torch.optim.AdamW's."""
+    shapes = [(32, 64), (64, 32), (7,), (12, 5, 3), (32, 64)]
+
+    def model():
+        return _params(device, shapes, seed=3)
+
+    a, b = model(), model()
+    ours = mt.Muon([{"params": [a[0], a[1], a[4]]},
+                    {"params": [a[2], a[3]], "use_muon": False, "lr": 3e-3,
+                     "betas": (0.8, 0.99), "eps": 1e-8, "weight_decay": 0.01}], lr=0.02)
+    muon = torch.optim.Muon([b[0], b[1], b[4]], lr=0.02)
+    adamw = torch.optim.AdamW([b[2], b[3]], lr=3e-3, betas=(0.8, 0.99), eps=1e-8,
+                              weight_decay=0.01)
+    for t in range(5):
+        for params, steps in ((a, (ours,)), (b, (muon, adamw))):
+            _set_grads(params, t)
+            if t == 2:
+                params[3].grad = None
+            for opt in steps:
+                opt.step()
+    _assert_close([a[0], a[1], a[4]], [b[0], b[1], b[4]])
+    for p, q in ((a[2], b[2]), (a[3], b[3])):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][name], adamw.state[q][name],
+                                       rtol=1e-5, atol=1e-7)
+    assert float(ours.state[a[3]]["step"]) == 4 and ours.param_groups[0].get("betas") is None
+
+
+def test_hybrid_groups_are_checked_as_adamw():
+    matrix, bias = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        mt.Muon([{"params": [matrix]}, {"params": [bias]}])  # a 1-D param needs use_muon=False
+    opt = mt.Muon([{"params": [matrix]}, {"params": [bias], "use_muon": False}])
+    assert opt.param_groups[1]["betas"] == (0.9, 0.95)
+    with pytest.raises(ValueError, match=r"betas\[1\]"):
+        mt.Muon([{"params": [bias], "use_muon": False, "betas": (0.9, 1.0)}])
+    with pytest.raises(TypeError, match="use_muon must be True or False"):
+        mt.Muon([{"params": [matrix], "use_muon": 1}])
+
+
+def test_the_benchmarks_rows_step_alike():
+    """`python -m mtapply.bench --op muon` compares equal work: its torch rows (torch.optim.Muon,
+    the same update batched by shape with torch.bmm) and mtapply's move the params alike."""
+    from mtapply.bench import muon
+
+    moved = {}
+    for name in ("mtapply-torch", "torch", "torch-bmm"):
+        data = muon.make_data([(32, 64), (64, 32), (48, 48), (32, 64)], "cpu", 0)
+        stepper = muon.COMPETITORS[name].build(data)
+        for _ in range(3):
+            stepper.step()
+        moved[name] = [p.detach().clone() for p in data.params]
+    _assert_close(moved["mtapply-torch"], moved["torch"])
+    _assert_close(moved["torch-bmm"], moved["torch"])
+    assert not torch.equal(moved["torch"][0], muon.make_data([(32, 64)], "cpu", 0).params[0])
+
+
+@pytest.mark.gpu
+def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
+    """Warm-up steps on a side stream, a capture, then replays: the params move as eager steps
+    on the same grads do (the plans, batches and norms' blocks stay where the graph saw them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    graphed, eager = _params("cuda"), _params("cuda")
+    ours, reference = mt.Muon(graphed, lr=0.02), mt.Muon(eager, lr=0.02)
+    _set_grads(graphed, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            ours.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours.step()
+    for _ in range(3):
+        graph.replay()
+    _set_grads(eager, 0)
+    for _ in range(5):  # 2 warm-up steps and 3 replays (a capture runs nothing)
+        reference.step()
+    torch.cuda.synchronize()
+    _assert_close(graphed, eager)  # (cuBLAS may pick other algorithms under capture)
+
+
+def test_sharded_matrices_are_refused_not_orthogonalized_piecewise():
+    """Newton-Schulz of a shard is not a shard of Newton-Schulz: FSDP2 (DTensor) matrices are
+    refused, naming the way out."""
+    from _one_rank import one_rank_mesh
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with one_rank_mesh() as mesh:
+        matrix = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        with pytest.raises(NotImplementedError, match="DTensor .* torch.optim.Muon"):
+            mt.Muon([matrix])
+
+
+def test_what_the_kernels_would_refuse_is_refused_before_any_group_moves():
+    """A transposed (column-major) matrix, a grad of another layout, a loaded state of another
+    layout: refused at the step's checks, before the AdamW group ahead of them moves."""
+    def fresh():
+        bias, matrix = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(6, 4))
+        opt = mt.Muon([{"params": [bias], "use_muon": False}, {"params": [matrix]}], lr=0.02)
+        bias.grad, matrix.grad = torch.randn(5), torch.randn(6, 4)
+        return opt, bias, matrix
+
+    opt, bias, matrix = fresh()
+    transposed = torch.nn.Parameter(torch.randn(4, 6).t())
+    transposed.grad = torch.randn(4, 6).t()
+    opt.add_param_group({"params": [transposed]})
+    before = bias.detach().clone()
+    with pytest.raises(ValueError, match="param group 2: param 0 has strides .* contiguous"):
+        opt.step()
+    assert torch.equal(bias, before) and not opt.state
+
+    opt, bias, matrix = fresh()
+    matrix.grad = torch.randn(4, 6).t()  # column-major
+    with pytest.raises(ValueError, match=r"param group 1: param 0's grad is .* strides \(1, 6\)"):
+        opt.step()
+    assert torch.equal(bias, before := bias.detach().clone()) and not opt.state
+
+    opt, bias, matrix = fresh()
+    opt.step()
+    opt.state[matrix]["momentum_buffer"] = torch.zeros(4, 6).t()
+    before = bias.detach().clone()
+    with pytest.raises(ValueError, match="state 'momentum_buffer' is .* strides"):
+        opt.step()
+    assert torch.equal(bias, before)
