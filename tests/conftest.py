@@ -40,6 +40,21 @@ def _reproducible_draws(request):
         torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def _current_device_restored(request):
+    """A GPU test leaves the CUDA current device (shared by CuPy and torch) as it found it, so a
+    test that moves it to another GPU cannot change what the tests after it run on."""
+    if request.node.get_closest_marker("gpu") is None or not cuda_available():
+        yield
+        return
+    from cupy.cuda import runtime
+
+    before = runtime.getDevice()
+    yield
+    if runtime.getDevice() != before:
+        runtime.setDevice(before)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: the test needs a CUDA GPU (skipped when none is usable)")
 
