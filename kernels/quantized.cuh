@@ -56,8 +56,8 @@ struct __align__(16) Maps {  // copied in 16-byte words
 };
 
 // Bits 16-23 of the result are the code of x (the index of the nearest map value, ties to the
-// lower one): x's cell word plus x's bits, as quantization.guided_code. |x| <= 1 + 2**-7 and a
-// NaN reads the lowest cell (the block then takes its NaN codes from poison_codes).
+// lower one): x's cell word plus x's bits, as quantization.guided_code. |x| <= 1 + 2**-7 (the
+// walk stores non-finite values as zero before they get here).
 template <bool SIGNED>
 __device__ __forceinline__ unsigned code_sum(const unsigned* words, float x) {
   if (SIGNED) {
@@ -67,17 +67,6 @@ __device__ __forceinline__ unsigned code_sum(const unsigned* words, float x) {
   }
   const unsigned bits = __float_as_uint(fmaxf(x, CELL_FLOOR));  // second moments: x >= 0
   return words[2 * CODE_CELLS + (bits >> 16) - CELL_LOW] + bits;
-}
-
-// The maximum of a and b, NaN if either is (as NumPy's max), so that a NaN marks its block.
-__device__ __forceinline__ float max_nan(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a != a || b != b ? a + b : fmaxf(a, b);
-#endif
 }
 
 // The codes in bits 16-23 of four sums, as the bytes of one word.
@@ -347,6 +336,7 @@ struct Quantized {
       op(x);
 #pragma unroll
       for (int s = 0; s < N; ++s) out[s][k] = x[s];
+      finite_codes<0>(out, k);
     }
     // the blocks' fresh absolute maxima, the 8-bit slots' shuffles interleaved
     float fresh[NQ];
@@ -354,7 +344,7 @@ struct Quantized {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
 #pragma unroll
-      for (int q = 0; q < NQ; ++q) fresh[q] = max_nan(fresh[q], __shfl_xor_sync(0xffffffffu, fresh[q], offset));
+      for (int q = 0; q < NQ; ++q) fresh[q] = fmaxf(fresh[q], __shfl_xor_sync(0xffffffffu, fresh[q], offset));
     }
     store<0, VECTOR>(maps, op, job, i, lanes, out, fresh);
     // Every lane read this block's old scales above; lane 0 overwrites them. The maxima's
@@ -366,8 +356,20 @@ struct Quantized {
     }
   }
 
-  // The lane's largest |x| of each 8-bit slot (NaN if any is); elements past the tensor's end
-  // weigh nothing.
+  // A non-finite value of an 8-bit slot is stored as zero: codes hold no NaN or infinity, and
+  // left in, it would set its block's scale and take the block's other 255 values with it.
+  // The param takes the update as it is (non-finite, as torch.optim leaves it).
+  template <int S>
+  static __device__ __forceinline__ void finite_codes(acc_t (&out)[N][PER_LANE], int k) {
+    if constexpr (S < N) {
+      if constexpr (eight_bit<S>()) {
+        if (!isfinite(out[S][k])) out[S][k] = 0.0f;
+      }
+      finite_codes<S + 1>(out, k);
+    }
+  }
+
+  // The lane's largest |x| of each 8-bit slot; elements past the tensor's end weigh nothing.
   template <int S, bool VECTOR>
   static __device__ __forceinline__ void lane_maxima(long long numel, long long i, const acc_t (&out)[N][PER_LANE],
                                                      float (&top)[NQ]) {
@@ -376,7 +378,7 @@ struct Quantized {
         float m = 0.0f;
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k)
-          if (VECTOR || element(i, k) < numel) m = max_nan(m, fabsf(out[S][k]));
+          if (VECTOR || element(i, k) < numel) m = fmaxf(m, fabsf(out[S][k]));
         top[bits_below(QUANTIZED, S)] = m;
       }
       lane_maxima<S + 1, VECTOR>(numel, i, out, top);
@@ -411,10 +413,7 @@ struct Quantized {
     }
   }
 
-  // Stores a block's values as codes of its absolute maximum `top` (the warp's). A block
-  // holding a NaN: its absmax is NaN, its other values scaled to zero, and a NaN's code is 255
-  // (NaN sorts last), as in quantization.quantize_blockwise; an infinity likewise (its absmax
-  // infinite, the infinity's code 255).
+  // Stores a block's (finite) values as codes of its absolute maximum `top` (the warp's).
   template <bool SIGNED, bool VECTOR>
   static __device__ __forceinline__ void store_codes(const Maps& maps, unsigned char* codes, long long i,
                                                      long long numel, const float (&x)[PER_LANE], float top) {
@@ -432,11 +431,6 @@ struct Quantized {
     unsigned sums[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) sums[k] = code_sum<SIGNED>(maps.words, normalized[k]);
-    if (!isfinite(top)) {  // the whole warp: a NaN, or an infinity (times 0: NaN), codes 255
-#pragma unroll
-      for (int k = 0; k < PER_LANE; ++k)
-        if (normalized[k] != normalized[k]) sums[k] = 255u << 16;
-    }
     if (VECTOR) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) *reinterpret_cast<unsigned*>(codes + i + h * HALF) = pack_codes(sums + h * GROUP);

@@ -3,7 +3,9 @@ Quantization"), the format of mtapply's 8-bit optimizer states, in NumPy.
 
 A tensor is cut into blocks of `block` elements (the last may be shorter; a block never spans
 two tensors). Each block keeps its absolute maximum in float32 and each element one byte: the
-index of the value of the 256-entry `dynamic_map` nearest to element / absmax.
+index of the value of the 256-entry `dynamic_map` nearest to element / absmax. Codes hold no
+NaN or infinity: a non-finite element is stored as zero, so that it cannot set its block's
+absmax and take the block's other elements with it.
 
 The dynamic map follows the paper's dynamic tree: after the sign bit (signed maps only), the
 number of leading zero bits E sets the magnitude 10**-E, the first one bit ends it, and the
@@ -38,8 +40,10 @@ def dynamic_map(signed: bool) -> np.ndarray:
 
 
 def quantize_blockwise(values: np.ndarray, signed: bool, block: int = BLOCK):
-    """(codes uint8 like values.reshape(-1), absmax float32 per block) of one tensor."""
+    """(codes uint8 like values.reshape(-1), absmax float32 per block) of one tensor; its
+    non-finite elements are stored as zero."""
     flat = np.asarray(values, np.float32).reshape(-1)
+    flat = np.where(np.isfinite(flat), flat, np.float32(0))
     absmax = block_absmax(flat, block)
     # times the float32 reciprocal of the block's absmax (one division a block, as the kernel),
     # or divided by it where that reciprocal overflows (a subnormal absmax)
@@ -138,7 +142,7 @@ def guided_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
     """`nearest_code` found as the kernel finds it, from `code_words` (for tests of the table).
 
     The kernel's values never exceed 1 + 2**-7 in magnitude (the cell of 1.0), where the clamp
-    at 1 changes no code; NaN gives 255, which the kernel sets for a block holding a NaN.
+    at 1 changes no code; it codes no NaN (non-finite values are stored as zero), here 255.
     """
     x = np.asarray(normalized, np.float32).reshape(-1)
     negative = (x.view(np.uint32) >> np.uint32(31)) if signed else np.zeros(x.size, np.uint32)

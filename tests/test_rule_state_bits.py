@@ -141,10 +141,14 @@ def test_scales_follow_the_slots_order_whatever_order_slots_are_named_in():
     assert eight.spec().scale_slots == tuple(f"{s}_absmax" for s in eight.eight_bit)
 
 
-def test_an_infinity_poisons_its_block_as_a_nan_does():
-    codes, absmax = quantization.quantize_blockwise(np.array([np.inf, 1.0, -2.0], np.float32), True)
-    assert np.isinf(absmax[0]) and codes[0] == 255
-    assert np.all(quantization.dynamic_map(True)[codes[1:]] == 0)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_value_is_stored_as_zero_and_leaves_its_block_alone(bad):
+    values = np.array([bad, 1.0, -2.0, 0.5], np.float32)
+    codes, absmax = quantization.quantize_blockwise(values, True)
+    clean_codes, clean_absmax = quantization.quantize_blockwise(np.where(np.isfinite(values), values, 0), True)
+    assert absmax[0] == 2.0 and clean_absmax[0] == 2.0
+    np.testing.assert_array_equal(codes, clean_codes)
+    assert quantization.dequantize_blockwise(codes, absmax, True)[0] == 0
 
 
 def test_an_8_bit_rule_pickles_and_keeps_its_choice():

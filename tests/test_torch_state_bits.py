@@ -322,3 +322,51 @@ def test_16_bit_sgd_refuses_sparse_grads_before_any_group_steps():
     with pytest.raises(RuntimeError, match=r"SGD\(state_bits=16\) does not take sparse grads"):
         opt.step()
     assert torch.equal(dense.detach(), torch.ones(4)) and torch.equal(sparse.detach(), torch.ones(3))
+
+
+def _poisoned_grads(params, seed, device):
+    """Random grads with a NaN in params[0] and an infinity in params[3], each inside a block of
+    256 whose other elements are finite."""
+    grads = _grads(params, seed)
+    grads[0][300] = float("nan")
+    grads[3][256 * 5 + 9] = float("inf")
+    return [g.to(device) for g in grads]
+
+
+def _eight_bit_against_float(make_8bit, make_float, device, lost):
+    """Four steps of poisoned grads: the 8-bit and the float optimizer leave the same `lost`
+    param elements non-finite, and every other element of every param within the 8-bit
+    format's error of the float step."""
+    params = _params(device=device)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    eight, plain = make_8bit(params), make_float(twin)
+    for t in range(4):
+        for opt, ps in ((eight, params), (plain, twin)):
+            for p, g in zip(ps, _poisoned_grads(params, t, device)):
+                p.grad = g
+            opt.step()
+    for k, (p, q) in enumerate(zip(params, twin)):
+        got, want = p.detach().cpu(), q.detach().cpu()
+        torch.testing.assert_close(torch.isfinite(got), torch.isfinite(want), msg=f"params[{k}]")
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=2e-3, msg=f"params[{k}]")
+        for name, value in eight.state[p].items():
+            if name.endswith("_absmax"):
+                assert torch.isfinite(value).all(), f"{name} of params[{k}]"
+    assert sum(int((~torch.isfinite(p.detach())).sum()) for p in params) == lost
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_grad_element_makes_only_its_own_param_element_non_finite(device):
+    """torch.optim.AdamW loses the one param element whose grad is NaN or infinite; 8-bit AdamW
+    loses the same one, not the 256 of its block: block scales skip non-finite values."""
+    _eight_bit_against_float(lambda ps: mt.AdamW8bit(ps, lr=1e-3, weight_decay=0.1),
+                             lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1,
+                                                          foreach=False), device, lost=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_8_bit_lion_loses_only_the_poisoned_elements(device):
+    """Lion's sign takes an infinity to a finite step: only the NaN's element is lost."""
+    _eight_bit_against_float(lambda ps: mt.Lion(ps, lr=1e-4, weight_decay=0.1, state_bits=8),
+                             lambda ps: mt.Lion(ps, lr=1e-4, weight_decay=0.1), device, lost=1)
