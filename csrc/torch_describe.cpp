@@ -1,6 +1,7 @@
 // Describes lists of torch tensors at C speed for mtapply's one-call API (mtapply/_describe.py),
 // checks that a param group of mtapply.torch is still as its plans were bound, and moves the
-// version counters of the params a step wrote (mtapply/_torch_binding.py).
+// version counters of the params a step wrote (mtapply/_torch_binding.py); reads which params
+// require grad (mtapply/_flat_grads.py).
 //
 // Each tensor becomes five 64-bit words: address of its first element, element count, a code
 // for dtype, device and contiguity, and hashes of its sizes and strides. Built against the
@@ -148,6 +149,18 @@ extern "C" int64_t mta_check_binding(PyObject* params, PyObject* bound, const in
   Py_DECREF(held);
   Py_DECREF(seq);
   return result;
+}
+
+// Whether tensors[i].requires_grad() is flags[i] (one byte each) for every i: the count where
+// all are, else -1 (one differs, or an item is not an exact torch.Tensor or
+// torch.nn.Parameter: the caller then reads the flags in Python). mtapply/_flat_grads.py
+// scans its params with it at every step, to find the ones frozen or unfrozen since.
+extern "C" int64_t mta_requires_grad_is(PyObject* tensors, const uint8_t* flags,
+                                        PyObject* tensor_type, PyObject* parameter_type) {
+  return for_each_tensor(tensors, tensor_type, parameter_type,
+                         [flags](const at::Tensor& t, Py_ssize_t i) {
+                           return t.requires_grad() == static_cast<bool>(flags[i]);
+                         });
 }
 
 // Moves the version counter of every tensor of a sequence, as an in-place op on it does (so

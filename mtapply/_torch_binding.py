@@ -77,6 +77,11 @@ class Bound:
         self.complete = False  # with flat_grads: holds every param of its group that needs a grad
         self.grad_words = self._grad_words(grads)
 
+    @classmethod
+    def nothing(cls, options) -> Bound:
+        """A group none of whose params steps (with flat_grads, all frozen): no parts."""
+        return cls((), options, [], [], [])
+
     def _grad_words(self, grads: list):
         """The grads as the compiled check compares them (`holds`), or None where it does not
         apply (DTensor params, plans over stand-ins, grads not contiguous) or is not built yet."""

@@ -108,6 +108,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             self._latest = None
         if self._copies:
             self._copies.refresh()  # tensor hyperparameters copied to the params' devices
+        if self._flat is not None and self._flat.requires_grad_moved():  # one compiled scan
+            self._follow_frozen()
         attributes = self.__dict__  # GradScaler.step sets grad_scale and found_inf there
         grad_scale, found_inf = attributes.get("grad_scale"), attributes.get("found_inf")
         if self._latest is not None and grad_scale is None and found_inf is None:
@@ -117,6 +119,16 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         with torch.no_grad():
             self._grouped_steps(grad_scale, found_inf)
         self._state_kept()
+
+    def _follow_frozen(self) -> None:
+        """With flat_grads, where a param was frozen or unfrozen since the last step: the groups
+        bind again over the params that require grad. A frozen param keeps its view, which
+        steps no more (as torch.optim skips a grad of None); an unfrozen one takes its view
+        back, or where it has none, the buffers are made again around it in this step."""
+        if not self._flat.follow_requires_grad():
+            self._flat = None  # made again by this step, its grad copied in
+        self._bound.clear()
+        self._latest = None
 
     def _check_groups_apart(self) -> None:
         """O(1) unless the groups' params were edited since: then refuses a param held by two
@@ -158,7 +170,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                 group = dense
             prepared.append((index, group, bound, sparse))
         self._check_prepared(prepared)
-        self._before_groups(grad_scale, found_inf, self._flat.buffers if flat else None)
+        self._before_groups(grad_scale, found_inf, self._flat.trainable if flat else None)
         for index, group, bound, sparse in prepared:
             for own, members in by_group(group, sparse) if sparse else ():
                 self._sparse_step(own, members)  # each with its own group's options
@@ -265,7 +277,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
 
     def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
-        flat_grads and every grad in its view, the buffers that hold all the grads."""
+        flat_grads and every grad in its view, tensors that hold all the grads that step (the
+        buffers, or where a param is frozen, the other params' views)."""
 
     def _prepare_group(self, index, group) -> Bound | None:
         """The group bound to plans that point at this step's grads (None where no param
@@ -283,8 +296,10 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                 and all(map(operator.is_, params, bound.params))
                 and not any(map(operator.is_, grads, repeat(None))))
         if not same:
-            params = [p for p in params if p.grad is not None]
+            params = self._stepping(params)
             if not params:
+                if self._flat_grads:  # found as bound by the next steps, with nothing to launch
+                    self._bound[index] = Bound.nothing(options)
                 return None
             grads = list(map(_GRAD, params))
             if bound is None or bound.options != options or bound.key != tuple(map(id, params)):
@@ -295,6 +310,14 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             bound = self._bind(tuple(map(id, params)), options, group, params, grads)
             self._bound[index] = bound
         return bound
+
+    def _stepping(self, params) -> list:
+        """The params that a step updates: those with a grad, as torch.optim's. Under
+        flat_grads only those that require grad, since a frozen param keeps its view (zero,
+        where torch.optim would see a grad of None)."""
+        if self._flat_grads:
+            return [p for p in params if p.requires_grad and p.grad is not None]
+        return [p for p in params if p.grad is not None]
 
     def _as_bound(self, index, group) -> Bound | None:
         """The group's bound plans where the group is as they were bound (its params, their

@@ -403,7 +403,7 @@ class ScheduleFreeAdamW(RuleBased):
         """Advances the group's running values (every step the group takes, whichever way it
         was prepared: with flat_grads too), then steps it. They are the optimizer's own
         values, not options: set without noting a change of the group."""
-        if bound is None:
+        if bound is None or not bound.parts:
             return  # no step for this group: its averaging weights stay as they are
         k = group["k"]
         lr_max = max(group["lr_max"], self._scheduled(group, k + 1))

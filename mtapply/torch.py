@@ -19,7 +19,9 @@ each param that requires grad has a view into one flat buffer per (device, dtype
 `.grad` (grads made before are copied in), backward accumulates into it, and `zero_grad()`
 zeroes the buffers in place whatever `set_to_none` says (so every such param steps every step,
 as after torch's `zero_grad(set_to_none=False)`). A step then costs O(1) host work whatever the
-number of params (see `mtapply._flat_grads` for what it checks). Until then the params have no
+number of params (see `mtapply._flat_grads` for what it checks). A frozen param (`requires_grad`
+False) does not step, whatever its `.grad`, as torch.optim skips a grad of None; freezing or
+unfreezing is seen at the next step, which binds the groups again. Until then the params have no
 grads, as with torch.optim, so that a checkpoint loader that steps a fresh optimizer to make its
 state (torch.distributed.checkpoint) finds it as torch.optim's. Not for FSDP2's DTensor params.
 
@@ -392,8 +394,8 @@ class SGD(BFloat16State, FusedOptimizer):
         fresh = []
         # as bound with momentum, every param has its buffer
         if group["momentum"] != 0 and self._as_bound(index, group) is None:
-            fresh = [p for p in group["params"]
-                     if p.grad is not None and self.state[p].get("momentum_buffer") is None]
+            fresh = [p for p in self._stepping(group["params"])
+                     if self.state[p].get("momentum_buffer") is None]
             if fresh:
                 stepped = set(map(id, fresh))
                 group = dict(group, params=[p for p in group["params"] if id(p) not in stepped])
@@ -568,7 +570,7 @@ class LAMB(BFloat16State, FusedOptimizer):
         if flat_buffers is not None:  # their padding is zero
             self._grad_norm.compute(flat_buffers, flat_buffers, grad_scale)
             return
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in self.param_groups for p in self._stepping(g["params"])]
         if params:
             self._grad_norm.compute(params, list(map(_GRAD, params)), grad_scale)
 

@@ -134,7 +134,7 @@ def test_grads_set_to_none_by_the_model_are_noticed_the_same_step(device):
 
 
 @pytest.mark.parametrize("change", ["assigned grad", "grad set to None", "replaced storage",
-                                    "edited group", "unfrozen param"])
+                                    "edited group"])
 def test_a_change_behind_the_optimizer_is_reported_before_any_write(change, monkeypatch):
     monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)
     model = _model("cpu")
@@ -151,11 +151,8 @@ def test_a_change_behind_the_optimizer_is_reported_before_any_write(change, monk
         p.grad = None
     elif change == "replaced storage":
         p.data = p.data.clone()
-    elif change == "edited group":  # behind its list's back: the list's own edits are seen
+    else:  # behind its list's back: the list's own edits are seen
         list.__setitem__(opt.param_groups[0]["params"], 1, torch.nn.Parameter(p.detach().clone()))
-    else:
-        model[3].bias.requires_grad_(True)
-        model[3].bias.grad = torch.ones_like(model[3].bias)
     with pytest.raises(RuntimeError, match=r"param \d+ of param group \d+ .*optimizer.zero_grad\(\)"):
         for batch in batches[3:]:  # the rotation reaches every param within 5 steps
             before = [q.detach().clone() for q in model.parameters()]
@@ -199,6 +196,165 @@ def test_dtensor_params_are_refused_with_their_index():
         with pytest.raises(ValueError, match="DTensor params \\(param 0 of param group 1\\)"):
             mt.SGD([{"params": [torch.nn.Parameter(torch.randn(3))]}, {"params": [sharded]}],
                    lr=0.1, flat_grads=True)
+
+
+FROZEN_CASES = [
+    (mt.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (mt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    (mt.Lion, None, dict(lr=1e-3, weight_decay=0.1)),
+    (mt.AdamW8bit, None, dict(lr=1e-2, weight_decay=0.1)),
+]
+FROZEN_IDS = [cls.__name__ for cls, _, _ in FROZEN_CASES]
+# (steps, the steps at which the last param is frozen, whether the flat buffers are made first)
+SCHEDULES = {"frozen from the start": (7, range(0, 4), False),
+             "frozen once the buffers exist": (7, range(0, 4), True),
+             "frozen after 3 steps": (9, range(3, 6), False)}
+
+
+def frozen_params(device, seed=3):
+    """Two trainable params and the one to freeze, of 64 x 64: AdamW8bit keeps 8-bit moments
+    from 4096 elements on."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(device))
+            for shape in [(64, 64), (64,), (64, 64)]]
+
+
+def frozen_loss(params, k):
+    """A loss of random non-zero grads, new ones at each step k (a frozen param takes none)."""
+    g = torch.Generator().manual_seed(100 + k)
+    total = 0.0
+    for p in params:
+        scale, shift = (torch.randn(p.shape, generator=g).to(p.device) for _ in range(2))
+        total = total + (scale * p).square().mean() + (shift * p).sum()
+    return total
+
+
+def snapshot(opt, p) -> tuple:
+    """p and its optimizer state (None where it has none), copied."""
+    state = opt.state.get(p)
+    return p.detach().clone(), None if state is None else {k: v.clone() for k, v in state.items()}
+
+
+def assert_bit_identical(opt, p, taken: tuple, when: str):
+    value, state = taken
+    assert torch.equal(p, value), f"the frozen param moved {when}"
+    now = opt.state.get(p)
+    assert (now is None) == (state is None), f"the frozen param's state was made {when}"
+    for name, tensor in (state or {}).items():
+        assert torch.equal(now[name], tensor), f"its state {name!r} moved {when}"
+
+
+def train_with_a_frozen_param(opt, params, steps, frozen, check=lambda k: None):
+    """Steps `opt` over `params`; the last is frozen (requires_grad False) at the steps in
+    `frozen`. `check(k)` runs after step k."""
+    for k in range(steps):
+        params[-1].requires_grad_(k not in frozen)
+        opt.zero_grad()
+        frozen_loss(params, k).backward()
+        opt.step()
+        check(k)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("cls,torch_cls,kw", FROZEN_CASES, ids=FROZEN_IDS)
+def test_a_frozen_param_does_not_step_and_steps_again_once_unfrozen(cls, torch_cls, kw, schedule):
+    check_frozen_schedule(cls, torch_cls, kw, schedule, "cpu")
+
+
+def check_frozen_schedule(cls, torch_cls, kw, schedule, device):
+    """With flat_grads, the frozen param and its state stay bit-identical while it is frozen,
+    and the training is that of flat_grads=False and torch.optim, where it has no grad."""
+    steps, frozen, buffers_first = SCHEDULES[schedule]
+    params = frozen_params(device)
+    start = [p.detach().clone() for p in params]
+    opt = cls(params, flat_grads=True, **kw)
+    if buffers_first:
+        opt.zero_grad()  # every param takes its view
+    taken = {"frozen": snapshot(opt, params[-1])}
+
+    def check(k):
+        if k + 1 == frozen.start:  # as the param is frozen for the next step
+            taken["frozen"] = snapshot(opt, params[-1])
+        elif k in frozen:
+            assert_bit_identical(opt, params[-1], taken["frozen"], f"at step {k}")
+
+    train_with_a_frozen_param(opt, params, steps, frozen, check)
+    if cls is mt.AdamW8bit:
+        assert opt.state[params[-1]]["exp_avg"].dtype == torch.uint8  # in 8 bits
+    assert not torch.equal(params[-1], taken["frozen"][0])  # unfrozen: it steps again
+    assert not any(map(torch.equal, params, start))
+    makers = [lambda ps: cls(ps, **kw)]  # a grad of None for the frozen param
+    if torch_cls is not None:
+        makers.append(lambda ps: torch_cls(ps, foreach=False, **kw))
+    for make in makers:
+        twin_params = frozen_params(device)
+        train_with_a_frozen_param(make(twin_params), twin_params, steps, frozen)
+        for p, q in zip(params, twin_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_freezing_binds_once_and_the_steps_after_take_the_o1_path(monkeypatch):
+    """A param frozen, and a group all frozen: one step binds again, the next ones launch
+    the bound plans with no per-param work, and the frozen params stay as they were."""
+    params, lone = frozen_params("cpu"), torch.nn.Parameter(torch.randn(32))
+    everything = params + [lone]
+    groups = [{"params": params}, {"params": [lone], "amsgrad": True}]  # not merged: two plans
+    opt = mt.AdamW(groups, lr=1e-2, weight_decay=0.1, flat_grads=True)
+
+    def step(k):
+        opt.zero_grad()
+        frozen_loss(everything, k).backward()
+        opt.step()
+
+    for k in range(3):
+        step(k)
+    params[-1].requires_grad_(False)
+    lone.requires_grad_(False)
+    taken = [snapshot(opt, p) for p in everything]
+
+    def per_param(*args, **kwargs):
+        raise AssertionError("a per-param path ran")
+
+    for k in range(3, 8):
+        step(k)
+        for p, kept in zip(everything[2:], taken[2:]):
+            assert_bit_identical(opt, p, kept, f"at step {k}")
+        monkeypatch.setattr(_torch_optimizer.FusedOptimizer, "_prepare_group", per_param)
+        monkeypatch.setattr(flat_grads.FlatGrads, "restore", per_param)
+    assert not any(torch.equal(p, kept[0]) for p, kept in zip(everything[:2], taken))
+
+
+@pytest.mark.parametrize("zeroing", ["optimizer.zero_grad()", "grads set to None"])
+def test_a_frozen_param_may_drop_its_grad(zeroing, monkeypatch):
+    """Frozen with its grad set to None (and every grad set to None at each step, as
+    model.zero_grad() does): no error, it keeps no grad, and it steps again once unfrozen, as
+    torch.optim.AdamW steps it."""
+    monkeypatch.setattr(flat_grads, "CHECKED_PER_STEP", 2)  # the rotation reaches every param
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    params, twin_params = frozen_params("cpu"), frozen_params("cpu")
+    opt = mt.AdamW(params, flat_grads=True, **kw)
+    twin = torch.optim.AdamW(twin_params, foreach=False, **kw)
+    frozen = range(3, 6)
+    for k in range(9):
+        for ps, o in ((params, opt), (twin_params, twin)):
+            ps[-1].requires_grad_(k not in frozen)
+            if k == frozen.start:
+                ps[-1].grad = None
+            if zeroing == "optimizer.zero_grad()":
+                o.zero_grad()
+            else:
+                for p in ps:
+                    p.grad = None
+            frozen_loss(ps, k).backward()
+            o.step()
+        if k + 1 == frozen.start:  # as the param is frozen for the next step
+            taken = snapshot(opt, params[-1])
+        elif k in frozen:
+            assert_bit_identical(opt, params[-1], taken, f"at step {k}")
+        assert (params[-1].grad is None) == (k in frozen)
+    assert not torch.equal(params[-1], taken[0])
+    for p, q in zip(params, twin_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
