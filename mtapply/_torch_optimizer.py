@@ -40,7 +40,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     # whether groups of equal compile options step as one plan, each tensor reading its
     # group's hyperparameters (per-tensor rows): ops whose hyperparameters are plain numbers
     _merges_groups = False
-    _SHARED = ("seed",)  # hyperparameters that must be equal across groups to merge them
+    _SHARED = {"seed": 0}  # hyperparameters (by default) equal across groups to merge them
     _sparse_grads = False  # whether params with sparse grads step (by torch.optim's update)
 
     def __init__(self, params, defaults, flat_grads=False):
@@ -378,7 +378,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         options = self._merge_options(groups[0])
         for group in groups:
             if (self._merge_options(group) != options or self._tensor_options(group)
-                    or any(group.get(k) != groups[0].get(k) for k in self._SHARED)):
+                    or any(group.get(k, d) != groups[0].get(k, d) for k, d in self._SHARED.items())):
                 return None
         return dict(groups[0], params=list(chain.from_iterable(map(_PARAMS, groups))),
                     groups=groups)

@@ -11,6 +11,7 @@ from . import quantization
 from ._dtensor import check_scales, is_dtensor, local_tensor, sharded_like, sharded_scales
 from ._torch_layouts import as_real
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
+from ._torch_state import own_options
 from .ops._spec import check_number, seed_words
 from .rules import library
 
@@ -37,7 +38,8 @@ class RuleBased(FusedOptimizer):
         self.state_bits, self.min_8bit_size = state_bits, min_8bit_size
         self._eight_bit_rules: dict = {}
         seed_words(seed)  # (checked now; a group option, as Adam's)
-        defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding), seed=seed)
+        defaults = dict(defaults, **own_options(stochastic_rounding=bool(stochastic_rounding),
+                                                seed=seed))
         super().__init__(params, defaults, flat_grads)
         for group in self.param_groups:  # a rule that cannot keep 8-bit state refuses now
             self._stepping_rule(group)

@@ -32,11 +32,24 @@ from collections import OrderedDict, defaultdict
 import torch
 from torch.optim.optimizer import required
 
+from .adam8bit import THRESHOLD
+
 # flags torch.optim added to its param groups over time, with the values its __setstate__ gives
 # a group that lacks them
 TORCH_FLAG_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "fused": None, "amsgrad": False,
                        "nesterov": False, "centered": False}
+
+# mtapply's own group options, by their defaults: a group holds one only where it is set to
+# another value, so that param groups (and checkpoints) hold torch.optim's keys alone and
+# move between the two; code reads them with group.get(name, default)
+OWN_OPTION_DEFAULTS = {"stochastic_rounding": False, "seed": 0, "min_8bit_size": THRESHOLD}
+
+
+def own_options(**given) -> dict:
+    """The mtapply-only group options of `given` that differ from their defaults."""
+    return {name: value for name, value in given.items()
+            if value != OWN_OPTION_DEFAULTS[name]}
 
 
 class StateChanges:

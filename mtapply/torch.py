@@ -5,7 +5,9 @@ user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
 `max_exp_avg_sq`; `momentum_buffer`), so checkpoints move between torch.optim and mtapply in both
-directions. Each param group is bound once to an mtapply plan (one launch per dtype group, two
+directions. mtapply's own group options (`stochastic_rounding`, `seed`, `min_8bit_size`) are in
+`defaults` and the groups only where set to other than their defaults (absent, a group takes
+the default). Each param group is bound once to an mtapply plan (one launch per dtype group, two
 for LARS/LAMB); a step then rebinds only what moved:
 
 - grads at unchanged addresses (`zero_grad(set_to_none=False)`): no per-param work beyond one
@@ -81,7 +83,7 @@ from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners
 from ._torch_adaptive import DAdaptAdam, Prodigy
 from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop,
                            RuleOptimizer, ScheduleFreeAdamW, optimizer)
-from ._torch_state import _NOT_DIFFERENTIABLE, StateKeeping
+from ._torch_state import _NOT_DIFFERENTIABLE, StateKeeping, own_options
 from .ops.norms import L2NormSpec
 from .plan import Plan
 from .torch_galore import GaLoreAdamW
@@ -170,7 +172,7 @@ class Adam(BFloat16State, FusedOptimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
-                        stochastic_rounding=stochastic_rounding, seed=seed)
+                        **own_options(stochastic_rounding=stochastic_rounding, seed=seed))
         self.state_bits = state_bits  # 16: bfloat16 moments (real params), made at first steps
         super().__init__(params, defaults, flat_grads)
 
@@ -272,8 +274,8 @@ class Adam8bit(Adam):
             raise ValueError(f"Invalid min_8bit_size: {min_8bit_size} (at least 1)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                        min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
-                        seed=seed)
+                        **own_options(min_8bit_size=min_8bit_size,
+                                      stochastic_rounding=stochastic_rounding, seed=seed))
         self.state_bits = 8
         FusedOptimizer.__init__(self, params, defaults, flat_grads)
 
@@ -283,7 +285,7 @@ class Adam8bit(Adam):
             form = as_real(p.detach())  # as the plan steps it: complex as real
             # a DTensor's shard (see mtapply._dtensor), in 8 bits where the whole param is
             shard = as_real(local_tensor(p).detach())
-            eight_bit = form.numel() >= group["min_8bit_size"]
+            eight_bit = form.numel() >= group.get("min_8bit_size", _adam8bit.THRESHOLD)
             made = _adam8bit.adam8bit_state([shard],
                                             threshold=0 if eight_bit else shard.numel() + 1)
             for name, column in zip(_8BIT_STATE, made.lists()):
@@ -377,7 +379,7 @@ class SGD(BFloat16State, FusedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused,
-                        stochastic_rounding=stochastic_rounding, seed=seed)
+                        **own_options(stochastic_rounding=stochastic_rounding, seed=seed))
         super().__init__(params, defaults, flat_grads)
 
     def _compile_options(self, group) -> tuple:
