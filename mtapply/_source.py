@@ -192,10 +192,23 @@ def kernel_functions(source: str, device_id: int, n_passes: int,
     return functions
 
 
+_absolute_cache_dirs: dict = {}  # a relative $MTAPPLY_CACHE_DIR -> the folder of its first use
+
+
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: $MTAPPLY_CACHE_DIR (`~` expanded), else ~/.cache/mtapply."""
+    """Where compiled kernels are kept: $MTAPPLY_CACHE_DIR (`~` expanded), else ~/.cache/mtapply.
+    A relative value is taken against the working directory of its first use, once: a later
+    os.chdir must not move the cache (nor split it between folders)."""
     configured = os.environ.get("MTAPPLY_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "mtapply"
+    if not configured:
+        return Path.home() / ".cache" / "mtapply"
+    expanded = os.path.expanduser(configured)
+    if os.path.isabs(expanded):
+        return Path(expanded)
+    folder = _absolute_cache_dirs.get(expanded)
+    if folder is None:
+        folder = _absolute_cache_dirs.setdefault(expanded, Path(os.path.abspath(expanded)))
+    return folder
 
 
 def _compiled_binary(source: str, arch: str, options: tuple) -> bytes:

@@ -34,8 +34,15 @@ MODES = ("memcpy", "unified")
 _H2D = 1
 
 
+def configured_mode() -> str:
+    """$MTAPPLY_TABLE_MODE as set (unchecked), else "memcpy"."""
+    return os.environ.get("MTAPPLY_TABLE_MODE") or "memcpy"
+
+
 def default_mode() -> str:
-    mode = os.environ.get("MTAPPLY_TABLE_MODE", "memcpy")
+    """The table mode of a GPU plan that names none. Read only where GPU tables are built, so
+    that a bad value never stops CPU work, which has no tables."""
+    mode = configured_mode()
     if mode not in MODES:
         raise ValueError(f"MTAPPLY_TABLE_MODE={mode!r}; use one of {', '.join(MODES)}")
     return mode

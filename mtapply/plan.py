@@ -59,7 +59,8 @@ class Plan:
     Args:
         spec: the op specification (e.g. `mtapply.ops.AdamSpec(amsgrad=True)`).
         tensors: slot name -> list of tensors, in the spec's slot order.
-        table_mode: "memcpy" or "unified" (default: $MTAPPLY_TABLE_MODE, else "memcpy").
+        table_mode: "memcpy" or "unified" (default: $MTAPPLY_TABLE_MODE, else "memcpy"; the
+            variable is read, and checked, only by a plan on a GPU).
         stream: default launch stream; None means the tensors' framework's current stream.
 
     Device values: a hyperparameter, `grad_scale` or `found_inf` may be a one-element float32
@@ -85,9 +86,9 @@ class Plan:
             raise TypeError(f"{missing[0]} is required by {spec.name} with these options: pass a "
                             f"list of tensors with one per param")
         self.spec = spec
-        self.table_mode = table_mode or _tables.default_mode()
-        if self.table_mode not in _tables.MODES:
-            raise ValueError(f"table_mode={self.table_mode!r}; use one of {', '.join(_tables.MODES)}")
+        if table_mode and table_mode not in _tables.MODES:
+            raise ValueError(f"table_mode={table_mode!r}; use one of {', '.join(_tables.MODES)}")
+        self.table_mode = table_mode or None  # None: $MTAPPLY_TABLE_MODE, read by GPU plans only
         self._stream = stream
         self._stream_owners: dict = {}  # device -> the objects owning its latest two streams
         slots = {name: tensors[name] for name in spec.slots}
@@ -125,6 +126,7 @@ class Plan:
     def _launchers(self, stream):
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
         each device's tables on that device)."""
+        self.table_mode = self.table_mode or _tables.default_mode()
         params = self._refs[self.spec.slots[0]]
         devices = list(dict.fromkeys(ref.device[1] for ref in params))
         arrays = self.spec.tensor_arrays(self._n)
@@ -167,7 +169,7 @@ class Plan:
         where = f" on {', '.join(devices)}" if devices else ""
         dtypes = "".join(f", {'/'.join(kinds)} x{count}" for kinds, count in groups.items())
         return (f"<mtapply Plan {op}: {self._n} tensor{'' if self._n == 1 else 's'}{where}"
-                f"{dtypes}, table_mode={self.table_mode}>")
+                f"{dtypes}, table_mode={self.table_mode or _tables.configured_mode()}>")
 
     @property
     def empty(self) -> bool:
