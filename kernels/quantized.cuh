@@ -322,9 +322,14 @@ struct Quantized {
     const long long i = job.begin + local * QBLOCK + (threadIdx.x % 32) * GROUP;
     LaneSlots<0, N> lanes;
     load<0, VECTOR>(job, i, lanes);
+    // The block's old scales: lane 0 reads them from shared memory and hands them to the other
+    // lanes in registers, so that lane 0 alone touches this block's entries (it writes the
+    // fresh scales below): no other thread reads them, and no barrier is needed (no other warp
+    // takes this block; the CUDA block's barriers order the chunk's loads and stores of them).
+    const bool first_lane = threadIdx.x % 32 == 0;
     float scale[NQ];
 #pragma unroll
-    for (int q = 0; q < NQ; ++q) scale[q] = scales.scale[q][local];
+    for (int q = 0; q < NQ; ++q) scale[q] = __shfl_sync(0xffffffffu, first_lane ? scales.scale[q][local] : 0.0f, 0);
     acc_t out[N][PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
@@ -347,10 +352,7 @@ struct Quantized {
       for (int q = 0; q < NQ; ++q) fresh[q] = fmaxf(fresh[q], __shfl_xor_sync(0xffffffffu, fresh[q], offset));
     }
     store<0, VECTOR>(maps, op, job, i, lanes, out, fresh);
-    // Every lane read this block's old scales above; lane 0 overwrites them. The maxima's
-    // shuffles already order the two, but only a warp barrier says so to racecheck.
-    __syncwarp();
-    if (i % QBLOCK == 0) {  // lane 0
+    if (first_lane) {
 #pragma unroll
       for (int q = 0; q < NQ; ++q) scales.scale[q][local] = fresh[q];
     }
