@@ -15,6 +15,7 @@ import sys
 from ._torch_fast import order_after_current_stream
 
 _NAN = float("nan")
+_DOUBLE = struct.Struct("<d")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
 _HEADER = "<2QdQQ6Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
 HEADER_BYTES = struct.calcsize(_HEADER)  # where the op's words start (kernels assert it)
@@ -106,6 +107,8 @@ class KernelLaunch:
         self._packer = struct.Struct(_HEADER + "".join("Q" if f.endswith(_ADDRESSES) else "d"
                                                              for f in arg_fields))
         self._words = ctypes.create_string_buffer(self._packer.size)
+        self._number_offsets = {f: 8 * field_word(arg_fields, f) for f in arg_fields
+                                if not f.endswith(_ADDRESSES)}
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._words))
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
@@ -161,6 +164,11 @@ class KernelLaunch:
         grad_scale is a float or a DeviceScalar; found_inf is None or a DeviceScalar.
         """
         self._packer.pack_into(self._words, 0, *self._values(args, grad_scale, found_inf))
+
+    def set_number(self, field: str, value: float) -> None:
+        """Packs a new number into the word of `field`, which held a number (not a device
+        value) before: the other words, the device-value flag among them, stay as they are."""
+        _DOUBLE.pack_into(self._words, self._number_offsets[field], value)
 
     def _values(self, args: dict, grad_scale, found_inf) -> list:
         values = list(self._table)

@@ -62,13 +62,20 @@ class Repeat:
         return (plan._stream_for(self.device_id, plan._stream if stream is None else stream)
                 == self.raw_stream and _current_device() == self.device_id)
 
-    def renumber(self, plan, hyper: dict) -> bool:
+    def renumber(self, plan, hyper: dict, changed: dict) -> bool:
         """Checks `hyper` (raising before any change) and makes the launches take it; False
-        where its rows no longer fit the launches (tensors of one row now differ)."""
+        where its rows no longer fit the launches (tensors of one row now differ). `changed`:
+        the numbers that differ from the latest step's."""
         if self.rows is None:
-            args = plan.spec.arguments(**{k: plan._scalar(k, v) for k, v in hyper.items()})
-            for launch in self.launches:
-                launch.set_args(args, *self.packed)
+            words = _scheduled_words(plan.spec, changed)
+            if words is not None:  # only lr or the step: each into its own word
+                for launch in self.launches:
+                    for field, value in words:
+                        launch.set_number(field, value)
+            else:
+                args = plan.spec.arguments(**{k: plan._scalar(k, v) for k, v in hyper.items()})
+                for launch in self.launches:
+                    launch.set_args(args, *self.packed)
         else:
             rows = plan._rows(hyper)
             if rows is not self.rows:
@@ -86,6 +93,19 @@ class Repeat:
 
 
 _NUMBERS = (float, int)
+
+
+def _scheduled_words(spec, changed: dict) -> list | None:
+    """(word, checked number) of each changed number, where each is a scheduled value the
+    spec packs as given (`OpSpec.scheduled_word`): the words a repeated step with a new lr or
+    step count rewrites, without `arguments` and the packing of every word; else None."""
+    words = []
+    for name, value in changed.items():
+        field = spec.scheduled_word(name)
+        if field is None:
+            return None
+        words.append((field, spec.scalar_range(name).check(name, value)))
+    return words
 
 
 def _current_device() -> int:

@@ -39,6 +39,9 @@ class LARSSpec(RuleSpec):
                              f"{n_tensors}: pass one flag per param")
         return super().tensor_arrays(n_tensors)
 
+    def scheduled_word(self, name: str) -> str | None:
+        return super().scheduled_word(name) if name == "lr" else None  # the step is unused
+
     def arguments(self, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
                   eps=0.0, step=None) -> dict:
         """Checked hyperparameters. `step` is accepted for a uniform interface and unused."""

@@ -245,7 +245,7 @@ class Plan:
         if repeat is not None and after_pass is None:
             changed = repeat.changes(self, stream, grad_scale, found_inf, hyper)
             # the latest step again, or with other numbers
-            if changed is not None and (not changed or repeat.renumber(self, hyper)):
+            if changed is not None and (not changed or repeat.renumber(self, hyper, changed)):
                 repeat.launch()
                 return
         rows = self._rows(hyper)

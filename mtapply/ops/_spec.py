@@ -203,6 +203,12 @@ class OpSpec:
         """The kernel argument word of step argument `name` (a rule may rename it)."""
         return name
 
+    def scheduled_word(self, name: str) -> str | None:
+        """The argument word a new number for scheduled hyperparameter `name` (lr, step) goes
+        to as given, where `arguments` checks it against `scalar_range(name)` alone and derives
+        nothing else from it; None where a change of it needs `arguments` (the default)."""
+        return None
+
     def output_numel(self, name: str, n_tensors: int) -> int:
         """Elements of the output array `name` (an `*_out` argument) for a list of n tensors."""
         raise NotImplementedError(f"{self.name} has no output {name}")

@@ -72,6 +72,9 @@ class AdamSpec(OpSpec):
             return max(self.lr_labels, default=0) + 1
         return 1
 
+    def scheduled_word(self, name: str) -> str | None:
+        return name if name in ("lr", "step") else None  # packed as given (see `arguments`)
+
     def arguments(self, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                   seed=0) -> dict:
         """Checked hyperparameters. lr and step are numbers or DeviceScalars (checked earlier)."""

@@ -89,6 +89,11 @@ class RuleSpec(OpSpec):
                 return self._stored_functors
         return self._functors
 
+    def scheduled_word(self, name: str) -> str | None:
+        if name in self.scheduled and any(name == known for known, _ in self._defaults):
+            return self._fields[name]  # `arguments` packs it as given
+        return None
+
     def arguments(self, **hyper) -> dict:
         """Each hyperparameter (its default where it has one) and the step, checked."""
         if not hyper.keys() <= self._names:
