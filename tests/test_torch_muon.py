@@ -166,11 +166,10 @@ def test_steps_on_the_gpu_wait_for_nothing_on_the_host():
     params = _params("cuda")
     opt = mt.Muon(params, lr=torch.tensor(0.02, device="cuda"))
     _train(opt, params, 2)  # compiles and binds
+    _set_grads(params, 5)  # (the grads' host-to-device copies synchronise: before the check)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _set_grads(params, 5)  # (the grads' host-to-device copies come before the check)
-        torch.cuda.synchronize()
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -301,15 +301,17 @@ def test_tensor_above_two_to_the_31_elements():
 
 def test_a_repeated_step_launches_again_and_follows_the_reference(monkeypatch):
     """A step given what the latest one was given (the same numbers, the same device arrays)
-    launches the same kernels without packing their arguments again; a new number is checked
-    and packed into the same launches; a rebind or another stream takes the whole first-step
+    launches the same kernels without packing their arguments again; a new lr is checked and
+    written into the same launches' words; a rebind or another stream takes the whole first-step
     path. Each step against the float64 reference."""
     from mtapply._launch import KernelLaunch
 
-    packs, first_steps = [], []
-    set_args = KernelLaunch.set_args
+    packs, first_steps = [], []  # argument words written: all of them, or one new number's
+    set_args, set_number = KernelLaunch.set_args, KernelLaunch.set_number
     monkeypatch.setattr(KernelLaunch, "set_args",
                         lambda self, *a, **k: packs.append(1) or set_args(self, *a, **k))
+    monkeypatch.setattr(KernelLaunch, "set_number",
+                        lambda self, *a: packs.append(1) or set_number(self, *a))
     from mtapply import plan as plan_module
 
     rows = plan_module.Plan._rows
