@@ -195,7 +195,7 @@ class QuantizedRule:
                     columns[scale_name(slot)].append(_like(param, absmax, f"params[{i}]"))
                 else:
                     dtype = np.float32 if slot in self.eight_bit else _float_dtype(param)
-                    columns[slot].append(_like(param, np.asarray(values, dtype), f"params[{i}]"))
+                    columns[slot].append(_like(param, np.array(values, dtype), f"params[{i}]"))
                     if slot in self.eight_bit:
                         columns[scale_name(slot)].append(
                             _like(param, np.zeros(0, np.float32), f"params[{i}]"))
