@@ -74,6 +74,7 @@ from . import lamb as _lamb
 from . import lars as _lars
 from . import sgd as _sgd
 from ._optimizer_step import bump_versions as _bump_versions
+from ._torch_eight_bit import EightBitState
 from ._torch_layouts import PlanLists, as_real, as_reals
 from ._dtensor import check_scales, sharded_like, sharded_scales
 from ._torch_binding import (Part, data_addresses, is_dtensor, local_tensor, local_tensors,
@@ -348,15 +349,21 @@ class AdamW8bit(Adam8bit):
         return (False, True, bool(group["maximize"]), bool(group.get("stochastic_rounding", False)))
 
 
-class SGD(BFloat16State, FusedOptimizer):
+class SGD(EightBitState, BFloat16State, FusedOptimizer):
     """`torch.optim.SGD` on mtapply's fused kernel, including its first-step momentum. Params
     with sparse grads take torch.optim's own per-tensor update (on the same stream; GradScaler
     is not taken there), the others the fused step; `differentiable=True` is refused.
     `stochastic_rounding=True` rounds bfloat16 params stochastically (see `Adam`); each param's
     state then also counts its steps (`step`), which key the random bits with `seed`.
-    `state_bits=16` keeps the momentum buffers in bfloat16 (see `BFloat16State`)."""
+    `state_bits=16` keeps the momentum buffers in bfloat16 (see `BFloat16State`);
+    `state_bits=8` keeps them in 8 bits (`momentum_buffer` uint8 codes beside
+    `momentum_buffer_absmax`, float32 for params under `min_8bit_size` elements; see
+    `mtapply._torch_eight_bit`), stepped by `mtapply.rules.library.sgd` in 8 bits. As
+    bitsandbytes' SGD8bit, 8-bit SGD needs momentum (without it SGD keeps no state), and it
+    takes dense grads only."""
 
     _MOMENTS = ("momentum_buffer",)
+    _EIGHT_BIT = ("momentum_buffer",)
 
     _counts_steps = False
     _merges_groups = True
@@ -365,13 +372,16 @@ class SGD(BFloat16State, FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32):
-        self._take_state_bits(state_bits)
+                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32,
+                 min_8bit_size=4096):
+        self._take_state_bits(state_bits, min_8bit_size)
         check_one_element(lr, "lr")
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
+        if state_bits == 8 and momentum == 0:
+            raise ValueError(_SGD_8BIT_MOMENTUM.format(where="", momentum=momentum))
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -411,6 +421,9 @@ class SGD(BFloat16State, FusedOptimizer):
         super()._launch_group(index, group, bound, grad_scale, found_inf)
 
     def _first_step(self, group, params, grad_scale, found_inf) -> None:
+        if self.state_bits == 8:
+            self._first_eight_bit_step(group, params, grad_scale, found_inf)
+            return
         fresh = {p: {"momentum_buffer": self._moment(group, "momentum_buffer", p)} for p in params}
         by_device: dict = {}
         for p in params:
@@ -433,9 +446,53 @@ class SGD(BFloat16State, FusedOptimizer):
             if self._counts(group):
                 self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
 
+    def _first_eight_bit_step(self, group, params, grad_scale, found_inf) -> None:
+        """The first step of params without 8-bit buffers: the rule at step 1 (the buffers
+        set to the grad, then stored in 8 bits) over new state."""
+        rule = self._eight_bit_rule(group)
+        fresh = {}
+        for p in params:
+            codes, scales = self._eight_bit_slot(group, "momentum_buffer", p)
+            fresh[p] = {"momentum_buffer": codes, "momentum_buffer_absmax": scales}
+        by_device: dict = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, members in by_device.items():
+            part = Part(None, members, None, None)
+            lists = PlanLists(fresh, members, [p.grad for p in members], local_tensor)
+            hyper = dict(self._hyper(group, device), step=1)
+            if lists.staging:
+                lists.staging.before([p.grad for p in members])
+            rule.step(lists.bound, lists.grads, *map(lists.state, rule.slots[2:]), **hyper,
+                      stochastic_rounding=self._counts(group),
+                      grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
+            if lists.staging:
+                lists.staging.after()
+        _bump_versions(params)
+        for p in params:
+            for name, value in fresh[p].items():
+                self.state[p][name] = value
+            if self._counts(group):
+                self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
+
+    def _library_rule(self, group):
+        from .rules import library
+
+        return library.sgd(True, bool(group["nesterov"]), bool(group["maximize"]))
+
+    def _check_group(self, index: int, group) -> None:
+        super()._check_group(index, group)
+        if self.state_bits == 8 and group["momentum"] == 0:
+            raise ValueError(_SGD_8BIT_MOMENTUM.format(where=f"param group {index}: ",
+                                                       momentum=group["momentum"]))
+
     def _split_sparse(self, index, group, grad_scale, found_inf) -> tuple:
         dense, sparse = super()._split_sparse(index, group, grad_scale, found_inf)
         # refused while the step is prepared: before any group has launched
+        if sparse and self.state_bits == 8:
+            raise RuntimeError("SGD(state_bits=8) does not take sparse grads (torch.optim's "
+                               "sparse step keeps float buffers): give the params dense grads, "
+                               "or use state_bits=32")
         if sparse and self._counts(group):
             raise RuntimeError("SGD(stochastic_rounding=True) does not take sparse grads: give "
                                "the params dense grads")
@@ -457,13 +514,18 @@ class SGD(BFloat16State, FusedOptimizer):
             self.state[p]["momentum_buffer"] = buffer
 
     def _make_plan(self, group, lists):
+        if self.state_bits == 8:  # (momentum is on: checked with the group)
+            return self._eight_bit_plan(group, lists, self._counts(group))
         buffers = lists.state("momentum_buffer") if group["momentum"] else None
         return _sgd.sgd_plan(lists.bound, lists.grads, buffers, nesterov=group["nesterov"],
                              maximize=group["maximize"], stochastic_rounding=self._counts(group))
 
     def _init_state(self, group, p, state) -> None:
         buffer = state.get("momentum_buffer")
-        if group["momentum"] != 0 and buffer is None:
+        if group["momentum"] != 0 and buffer is None and self.state_bits == 8:
+            state["momentum_buffer"], state["momentum_buffer_absmax"] = self._eight_bit_slot(
+                group, "momentum_buffer", p)
+        elif group["momentum"] != 0 and buffer is None:
             state["momentum_buffer"] = self._moment(group, "momentum_buffer", p)
         elif buffer is not None and buffer.is_sparse:  # made by sparse steps: the same values
             state["momentum_buffer"] = buffer.to_dense()
@@ -482,19 +544,29 @@ class SGD(BFloat16State, FusedOptimizer):
         return _sgd.SGDSpec(nesterov=bool(group["nesterov"]))
 
 
-class LARS(BFloat16State, FusedOptimizer):
+_SGD_8BIT_MOMENTUM = (
+    "{where}SGD with state_bits=8 keeps its momentum buffers in 8 bits, and momentum={momentum} "
+    "keeps none (bitsandbytes' SGD8bit requires momentum too): give momentum > 0, or "
+    "state_bits=32 for plain SGD")
+
+
+class LARS(EightBitState, BFloat16State, FusedOptimizer):
     """LARS (You et al. 2017; see `mtapply.lars_step`) as a torch optimizer. A param group
     with `exclude=True` (biases, norm layers) takes plain momentum steps without adaptation or
-    weight decay. State per param: `momentum_buffer` (bfloat16 with `state_bits=16`)."""
+    weight decay. State per param: `momentum_buffer` (bfloat16 with `state_bits=16`; with
+    `state_bits=8` uint8 codes beside `momentum_buffer_absmax`, float32 for params under
+    `min_8bit_size` elements, stepped by `mtapply.rules.library.lars` in 8 bits: its norms sum
+    params and grads only, so the buffer takes the 8-bit walk)."""
 
     _counts_steps = False
     _merges_groups = True
 
     _MOMENTS = ("momentum_buffer",)
+    _EIGHT_BIT = ("momentum_buffer",)
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-                 eps=0.0, exclude=False, *, flat_grads=False, state_bits=32):
-        self._take_state_bits(state_bits)
+                 eps=0.0, exclude=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096):
+        self._take_state_bits(state_bits, min_8bit_size)
         check_one_element(lr, "lr")
         for name, value in (("learning rate", lr), ("momentum", momentum),
                             ("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
@@ -514,13 +586,30 @@ class LARS(BFloat16State, FusedOptimizer):
         return ()  # exclude is a per-tensor flag of the plan
 
     def _init_state(self, group, p, state) -> None:
-        if "momentum_buffer" not in state:
+        if "momentum_buffer" not in state and self.state_bits == 8:
+            state["momentum_buffer"], state["momentum_buffer_absmax"] = self._eight_bit_slot(
+                group, "momentum_buffer", p)
+        elif "momentum_buffer" not in state:
             state["momentum_buffer"] = self._moment(group, "momentum_buffer", p)
 
     def _required_state(self, group, param) -> tuple:
         return ("momentum_buffer",)
 
+    def _library_rule(self, group):
+        from .rules import library
+
+        return library.lars()
+
+    def _hyper(self, group, device) -> dict:
+        hyper = super()._hyper(group, device)
+        if self.state_bits == 8:  # the rule's: an excluded tensor neither adapts nor decays
+            kept = 0.0 if group["exclude"] else 1.0
+            hyper.update(adapt=kept, decay_on=kept)
+        return hyper
+
     def _make_plan(self, group, lists):
+        if self.state_bits == 8:  # exclude by tensor: the values of adapt and decay_on
+            return self._eight_bit_plan(group, lists, False)
         owner = group_owners(group) if "groups" in group else None
         exclude = [bool((group["groups"][owner[id(p)]] if owner else group)["exclude"])
                    for p in lists.params]
@@ -540,7 +629,11 @@ class LAMB(BFloat16State, FusedOptimizer):
     """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device (one launch per device and dtype, with a plan bound once, like the step's).
-    State per param: `step`, `exp_avg`, `exp_avg_sq` (the moments bfloat16 with `state_bits=16`)."""
+    State per param: `step`, `exp_avg`, `exp_avg_sq` (the moments bfloat16 with `state_bits=16`).
+    `state_bits=8` is refused: the trust ratio's norm ||u|| is a sum over the new moments,
+    taken by a first pass over the list that also stores them, and only the update pass (the
+    8-bit walk) reads and writes 8-bit codes, so both moments stay float (see
+    `mtapply.rules.library.lamb`)."""
 
     _OPTION_NAMES = BETA_NAMES
     _merges_groups = True
@@ -550,6 +643,17 @@ class LAMB(BFloat16State, FusedOptimizer):
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
                  use_nvlamb=False, *, flat_grads=False, state_bits=32):
+        if state_bits == 8 and not isinstance(state_bits, bool):
+            from .rules import library
+
+            first_pass = library.lamb(bool(adam_w_mode), bool(use_nvlamb)).program.first_pass_slots
+            summed = " and ".join(s for s in ("exp_avg", "exp_avg_sq") if s in first_pass)
+            raise ValueError(
+                f"LAMB does not keep 8-bit state (state_bits=8): its trust ratio divides by "
+                f"||u||, a per-tensor sum over the new {summed}, which a first pass over the "
+                f"list computes (and stores) before the update pass; only the update pass, the "
+                f"8-bit walk, reads and writes 8-bit codes, so {summed} stay float. Use "
+                f"state_bits=16 for bfloat16 moments, or 32")
         self._take_state_bits(state_bits)
         check_adam_args(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
