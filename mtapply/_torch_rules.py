@@ -373,22 +373,57 @@ class ScheduleFreeAdamW(RuleBased):
     and the steps taken are host numbers in the group (saved with state_dict); each param's
     state holds `z` (a copy of the param at first), `nu` and `step`. lr is a number (the weights
     are computed on the host: a tensor lr is read there at each step, which costs a CUDA one a
-    synchronisation); a step skipped by GradScaler still advances them."""
+    synchronisation); a step skipped by GradScaler still advances them.
+
+    `state_bits=8` keeps `nu` in 8 bits (unsigned codes beside `nu_absmax`; float32 for params
+    under `min_8bit_size` elements), `state_bits=16` in bfloat16. `z` stays in the params'
+    dtype whatever state_bits says: it is the base sequence the params are interpolated from
+    at every step and by train()/eval(), so its codes' error would move the params themselves
+    (a checkpoint that holds an 8-bit z is refused, naming it)."""
 
     _merges_groups = False  # its per-group running values live in each group
+    _UNSIGNED_STATE = ("nu",)
+    _FLOAT_STATE = ("z",)  # kept as the params are (see the class docstring)
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 warmup_steps=0, weight_lr_power=2.0, *, flat_grads=False):
+                 warmup_steps=0, weight_lr_power=2.0, *, flat_grads=False, state_bits=32,
+                 min_8bit_size=4096):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps)
         if not 0.0 < betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid betas: {betas} (beta1 in (0, 1), beta2 in [0, 1))")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps, weight_lr_power=weight_lr_power,
                         lr_max=0.0, weight_sum=0.0, k=0, train_mode=True)
-        super().__init__(params, defaults, flat_grads)  # z and x swap as floats: no 8-bit state
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size)
 
     def _rule(self, group):
         return library.schedule_free_adamw()
+
+    def _stepping_rule(self, group):
+        """With state_bits=8, the rule with `nu` in 8 bits and `z` as it is."""
+        rule = self._rule(group)
+        if self.state_bits != 8:
+            return rule
+        made = self._eight_bit_rules.get(rule)
+        if made is None:
+            eight_bit = tuple(s for s in rule.written_state if s not in self._FLOAT_STATE)
+            made = self._eight_bit_rules[rule] = rule.with_state_bits(
+                8, slots=eight_bit, unsigned=self._UNSIGNED_STATE, threshold=self.min_8bit_size)
+        return made
+
+    def _state_dtype(self, group, name: str, param):
+        if name in self._FLOAT_STATE:  # not bfloat16 with state_bits=16 either
+            return FusedOptimizer._state_dtype(self, group, name, param)
+        return super()._state_dtype(group, name, param)
+
+    def _check_entry(self, group, param, entry, where) -> None:
+        for name in self._FLOAT_STATE:
+            if f"{name}_absmax" in entry:
+                raise ValueError(f"{where()} holds {name!r} in 8 bits ({name + '_absmax'!r}); "
+                                 f"{type(self).__name__} keeps {name!r}, the base sequence the "
+                                 f"params are interpolated from, in the params' dtype with any "
+                                 f"state_bits: load a state saved by {type(self).__name__}")
+        super()._check_entry(group, param, entry, where)
 
     def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         for index, group in enumerate(self.param_groups):  # a tensor lr, filled in place
