@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ._dtensor import check_scales
 from ._torch_rules import RuleBased
+from ._torch_state import check_eight_bit_slots, refuse_other_state_bits
 
 
 class EightBitState:
@@ -71,28 +71,6 @@ class EightBitState:
 
     def _check_entry(self, group, param, entry, where) -> None:
         eight_bit = self._EIGHT_BIT if self.state_bits == 8 else ()
-        for name in entry:
-            if name.endswith("_absmax") and name[:-len("_absmax")] not in eight_bit:
-                raise ValueError(f"{where()} holds {name!r}, 8-bit state (saved with "
-                                 f"state_bits=8); {type(self).__name__} here keeps float state: "
-                                 f"make it with state_bits=8 to load it")
-        for name in eight_bit:
-            if name in entry and f"{name}_absmax" not in entry:
-                raise ValueError(f"{where()} holds {name!r} without {name + '_absmax'!r} (float "
-                                 f"state, saved with state_bits=32 or 16); {type(self).__name__} "
-                                 f"here keeps it in 8 bits: make it with state_bits=32 to load "
-                                 "it, or give the param an empty state (optimizer.state[p] = {})")
+        refuse_other_state_bits(type(self).__name__, eight_bit, entry, where)
         super()._check_entry(group, param, entry, where)
-        for name in eight_bit:
-            if name not in entry:  # (made at the param's first step)
-                continue
-            codes, scales = entry[name], entry[f"{name}_absmax"]
-            if not (isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor)):
-                raise ValueError(f"{where()} holds {name!r} or {name + '_absmax'!r} as a "
-                                 f"{type(codes).__name__}, not a tensor")
-            check_scales(param, scales, where(), f"{name}_absmax")
-            expected = torch.uint8 if scales.numel() else torch.float32
-            if codes.dtype != expected:
-                raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
-                                 f"{scales.numel()} scales: 8-bit state is uint8 codes with one "
-                                 "float32 scale per 256 elements, or float32 without scales")
+        check_eight_bit_slots(param, eight_bit, entry, where)

@@ -8,10 +8,10 @@ import torch
 from ._ranges import LR, Range
 from ._torch_checks import check_adam_args, check_one_element, check_options
 from . import quantization
-from ._dtensor import check_scales, is_dtensor, local_tensor, sharded_like, sharded_scales
+from ._dtensor import is_dtensor, local_tensor, sharded_like, sharded_scales
 from ._torch_layouts import as_real
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
-from ._torch_state import own_options
+from ._torch_state import check_eight_bit_slots, own_options, refuse_other_state_bits
 from .ops._spec import check_number, seed_words
 from .rules import library
 
@@ -168,30 +168,10 @@ class RuleBased(FusedOptimizer):
         return super()._state_dtype(group, name, param)
 
     def _check_entry(self, group, param, entry, where) -> None:
-        rule = self._stepping_rule(group)
-        eight_bit = getattr(rule, "eight_bit", ())
-        for name in entry:
-            if name.endswith("_absmax") and name[:-len("_absmax")] not in eight_bit:
-                raise ValueError(f"{where()} holds {name!r}, 8-bit state (saved with "
-                                 f"state_bits=8); {type(self).__name__} here keeps float state: "
-                                 f"make it with state_bits=8 to load it")
-        for name in eight_bit:
-            if name in entry and f"{name}_absmax" not in entry:
-                raise ValueError(f"{where()} holds {name!r} without {name + '_absmax'!r} (float "
-                                 f"state, saved with state_bits=32); {type(self).__name__} here "
-                                 f"keeps it in 8 bits: make it with state_bits=32 to load it, or "
-                                 "give the param an empty state (optimizer.state[p] = {})")
+        eight_bit = getattr(self._stepping_rule(group), "eight_bit", ())
+        refuse_other_state_bits(type(self).__name__, eight_bit, entry, where)
         super()._check_entry(group, param, entry, where)
-        for name in eight_bit:
-            if name not in entry:  # (a slot an option turns on starts at the next step)
-                continue
-            codes, scales = entry[name], entry[f"{name}_absmax"]
-            check_scales(param, scales, where(), f"{name}_absmax")
-            expected = torch.uint8 if scales.numel() else torch.float32
-            if codes.dtype != expected:
-                raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
-                                 f"{scales.numel()} scales: 8-bit state is uint8 codes with one "
-                                 "float32 scale per 256 elements, or float32 without scales")
+        check_eight_bit_slots(param, eight_bit, entry, where)
 
     def _required_state(self, group, param) -> tuple:
         rule = self._stepping_rule(group)  # `step` where the update reads it

@@ -146,6 +146,44 @@ for _name in ("__delitem__", "clear", "pop", "popitem"):
     setattr(TrackedState, _name, _noting(getattr(dict, _name)))
 
 
+def refuse_other_state_bits(owner: str, eight_bit: tuple, entry, where) -> None:
+    """A param's loaded state saved with other state_bits than the optimizer `owner` keeps is
+    refused, naming the entry: 8-bit scales where it keeps float state, or float state of a
+    slot it keeps in 8 bits (`eight_bit`)."""
+    for name in entry:
+        if name.endswith("_absmax") and name[:-len("_absmax")] not in eight_bit:
+            raise ValueError(f"{where()} holds {name!r}, 8-bit state (saved with "
+                             f"state_bits=8); {owner} here keeps float state: make it with "
+                             f"state_bits=8 to load it")
+    for name in eight_bit:
+        if name in entry and f"{name}_absmax" not in entry:
+            raise ValueError(f"{where()} holds {name!r} without {name + '_absmax'!r} (float "
+                             f"state, saved with state_bits=32 or 16); {owner} here keeps it "
+                             f"in 8 bits: make it with state_bits=32 to load it, or give the "
+                             "param an empty state (optimizer.state[p] = {})")
+
+
+def check_eight_bit_slots(param, eight_bit: tuple, entry, where) -> None:
+    """Each 8-bit slot of a loaded entry: uint8 codes with one float32 scale per 256 elements,
+    or float32 values without scales (a param under min_8bit_size); slots not there yet (made
+    at the param's first step) are skipped."""
+    from ._dtensor import check_scales
+
+    for name in eight_bit:
+        if name not in entry:
+            continue
+        codes, scales = entry[name], entry[f"{name}_absmax"]
+        if not (isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor)):
+            raise ValueError(f"{where()} holds {name!r} or {name + '_absmax'!r} as a "
+                             f"{type(codes).__name__}, not a tensor")
+        check_scales(param, scales, where(), f"{name}_absmax")
+        expected = torch.uint8 if scales.numel() else torch.float32
+        if codes.dtype != expected:
+            raise ValueError(f"{where()} holds {name!r} as {codes.dtype} beside "
+                             f"{scales.numel()} scales: 8-bit state is uint8 codes with one "
+                             "float32 scale per 256 elements, or float32 without scales")
+
+
 def scalar_dtype(fused=False) -> torch.dtype:
     """The dtype of torch.optim's `step` tensors (its `_get_scalar_dtype`)."""
     if not fused and torch.get_default_dtype() == torch.float64:
