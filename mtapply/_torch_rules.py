@@ -1,7 +1,10 @@
 """`mtapply.torch` optimizers run by a rule (`mtapply.rule`): the built-in ones of the rule
-library (Lion, Adan, ScheduleFreeAdamW, Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop; those
-that estimate their step size are in `_torch_adaptive.py`) and any user-written rule."""
+library (Lion, Adan, AdEMAMix, ScheduleFreeAdamW, Adamax, Adadelta, NAdam, RAdam, Adagrad,
+RMSprop; those that estimate their step size are in `_torch_adaptive.py`) and any user-written
+rule."""
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -343,6 +346,60 @@ class Adan(RuleBased):
         beta1, beta2, beta3 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
                     eps_root=0.0, weight_decay=group["weight_decay"])
+
+
+class AdEMAMix(RuleBased):
+    """AdEMAMix (`mtapply.rules.library.ademamix`) with bitsandbytes' arguments and defaults:
+    betas=(beta1, beta2, beta3), alpha, t_alpha and t_beta3 (warm-up lengths in steps of alpha
+    and beta3; None: none), eps, weight_decay (decoupled: p (1 - lr wd)). State: `exp_avg` (the
+    fast moment, bitsandbytes' m1), `exp_avg_slow` (m2), `exp_avg_sq` (nu) and `step`;
+    bitsandbytes stacks m1 and m2 in one `state1` tensor, so checkpoints do not move between
+    them. With state_bits=8 all three moments are 8-bit, `exp_avg_sq` on the unsigned map."""
+
+    _UNSIGNED_STATE = ("exp_avg_sq",)
+
+    _OPTION_NAMES = BETA_NAMES
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                 t_beta3=None, eps=1e-8, weight_decay=1e-2, *, flat_grads=False, state_bits=32,
+                 min_8bit_size=4096, stochastic_rounding=False, seed=0):
+        check_options(lr=lr, eps=eps, weight_decay=weight_decay, alpha=alpha)
+        if isinstance(betas, torch.Tensor) or len(betas) != 3:
+            raise ValueError(f"Invalid betas: {betas!r} (three: beta1, beta2, beta3)")
+        for k, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {k}: {beta}")
+        for name, value in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
+            self._check_period(name, value)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha,
+                                      t_beta3=t_beta3, eps=eps, weight_decay=weight_decay),
+                         flat_grads, state_bits, min_8bit_size, stochastic_rounding, seed)
+
+    @staticmethod
+    def _check_period(name: str, value, where: str = "") -> None:
+        """A warm-up length: None (none) or a finite number of steps above 0."""
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                0.0 < value < float("inf")):
+            raise ValueError(f"{where}Invalid {name} value: {value!r} (a number of steps > 0, "
+                             f"or None for no warm-up)")
+
+    def _check_group(self, index: int, group) -> None:
+        for name in ("t_alpha", "t_beta3"):
+            self._check_period(name, group[name], f"param group {index}: ")
+        super()._check_group(index, group)
+
+    def _rule(self, group):
+        return library.ademamix()
+
+    def _rule_hyper(self, group) -> dict:
+        beta1, beta2, beta3 = group["betas"]
+        t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, alpha=group["alpha"],
+                    t_alpha=0.0 if t_alpha is None else t_alpha,
+                    t_beta3=0.0 if t_beta3 is None else t_beta3, eps=group["eps"],
+                    weight_decay=group["weight_decay"])
 
 
 class ScheduleFreeAdamW(RuleBased):

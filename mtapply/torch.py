@@ -82,8 +82,8 @@ from ._torch_binding import (Part, data_addresses, is_dtensor, local_tensor, loc
 from ._torch_checks import check_adam_args, check_one_element, check_torch_adam_flags
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners, laid_out_as
 from ._torch_adaptive import DAdaptAdam, Prodigy
-from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, Lion, NAdam, RAdam, RMSprop,
-                           RuleOptimizer, ScheduleFreeAdamW, optimizer)
+from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, AdEMAMix, Lion, NAdam, RAdam,
+                           RMSprop, RuleOptimizer, ScheduleFreeAdamW, optimizer)
 from ._torch_state import _NOT_DIFFERENTIABLE, StateKeeping, own_options
 from .ops.norms import L2NormSpec
 from .plan import Plan
@@ -91,7 +91,7 @@ from .torch_galore import GaLoreAdamW
 from .torch_muon import Muon
 
 __all__ = ["LAMB", "LARS", "SGD", "Adadelta", "Adagrad", "Adam", "Adam8bit", "Adamax", "AdamW",
-           "AdamW8bit", "Adan", "DAdaptAdam",
+           "AdamW8bit", "Adan", "AdEMAMix", "DAdaptAdam",
            "GaLoreAdamW", "Lion", "Muon", "NAdam", "Prodigy", "RAdam", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
 
@@ -99,8 +99,8 @@ _GRAD = operator.attrgetter("grad")
 _DEREF = weakref.ref.__call__
 
 # The rule-run optimizers are this module's, to users, reprs and pickles alike.
-for _public in (Adadelta, Adagrad, Adamax, Adan, DAdaptAdam, Lion, NAdam, Prodigy, RAdam, RMSprop,
-                RuleOptimizer, ScheduleFreeAdamW, optimizer):
+for _public in (Adadelta, Adagrad, Adamax, Adan, AdEMAMix, DAdaptAdam, Lion, NAdam, Prodigy,
+                RAdam, RMSprop, RuleOptimizer, ScheduleFreeAdamW, optimizer):
     _public.__module__ = __name__
 
 

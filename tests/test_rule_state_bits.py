@@ -159,7 +159,8 @@ def test_an_8_bit_rule_pickles_and_keeps_its_choice():
 
 
 @pytest.mark.parametrize("make,unsigned", [(library.lion, ()), (library.adam, ("exp_avg_sq",)),
-                                           (library.adan, ("n",)), (library.adagrad, ("sum",))])
+                                           (library.adan, ("n",)), (library.adagrad, ("sum",)),
+                                           (library.ademamix, ("exp_avg_sq",))])
 @pytest.mark.parametrize("params", ["float32", "bfloat16"])
 def test_8_bit_rule_kernels_compile(make, unsigned, params):
     pytest.importorskip("cuda.bindings.nvrtc", reason="kernels cannot be compiled offline")

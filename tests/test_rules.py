@@ -280,7 +280,7 @@ def test_shipped_rules_declare_ranges_for_every_hyperparameter():
     for make in (library.lion, library.adagrad, library.rmsprop, library.adan,
                  library.adagrad_optax, library.rmsprop_optax, library.schedule_free_adamw,
                  library.adam, library.adamax, library.adadelta, library.adamax_optax,
-                 library.adadelta_optax, library.radam, library.nadam):
+                 library.adadelta_optax, library.radam, library.nadam, library.ademamix):
         rule = make()
         assert "a finite number" not in rule.ranges.values(), rule.name
         assert rule.ranges["lr"] == ">= 0", rule.name
@@ -393,6 +393,7 @@ def _shipped():
 
     yield "lion", library.lion()
     yield "adan", library.adan()
+    yield "ademamix", library.ademamix()
     for maximize in (False, True):
         yield f"adagrad-max{int(maximize)}", library.adagrad(maximize)
         yield f"adamax-max{int(maximize)}", library.adamax(maximize)

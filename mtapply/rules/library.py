@@ -184,6 +184,35 @@ def adan() -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def ademamix() -> Rule:
+    """AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer: Better, Faster, Older"), as
+    bitsandbytes' AdEMAMix: Adam's bias-corrected moment (`exp_avg`, beta1) plus alpha times a
+    slow one (`exp_avg_slow`, beta3, not bias-corrected), over the root of Adam's bias-corrected
+    second moment (`exp_avg_sq`, beta2) plus eps; weight decay decoupled, p (1 - lr wd).
+    t_alpha > 0 raises alpha linearly from 0 over t_alpha steps, t_beta3 > 0 raises beta3 from
+    beta1 over t_beta3 steps along the paper's schedule (linear in 1 / log beta), each capped at
+    its value; 0 (the default) leaves either as it is."""
+    return rule("ademamix", slots="param:rw grad:r exp_avg:rw exp_avg_slow:rw exp_avg_sq:rw",
+                hyper=dict(lr=(None, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
+                           beta3=(0.9999, BETA), alpha=(5.0, NON_NEGATIVE),
+                           t_alpha=(0.0, NON_NEGATIVE), t_beta3=(0.0, NON_NEGATIVE),
+                           eps=(1e-8, NON_NEGATIVE), weight_decay=(0.01, NON_NEGATIVE)),
+                update="""
+                    ramp = step * alpha / where(t_alpha > 0, t_alpha, 1)
+                    alpha_t = where(t_alpha > 0, min(ramp, alpha), alpha)
+                    s = step / where(t_beta3 > 0, t_beta3, 1)
+                    scheduled = exp(1 / ((1 - s) / log(beta1) + s / log(beta3)))
+                    beta3_t = where(t_beta3 > 0, min(scheduled, beta3), beta3)
+                    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+                    exp_avg_slow = beta3_t * exp_avg_slow + (1 - beta3_t) * grad
+                    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * (grad * grad)
+                    denom = sqrt(exp_avg_sq) / sqrt(1 - beta2 ** step) + eps
+                    u = (exp_avg / (1 - beta1 ** step) + alpha_t * exp_avg_slow) / denom
+                    param = param * (1 - lr * weight_decay) - lr * u
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def adagrad_optax() -> Rule:
     """Adagrad as optax.adagrad (optax.scale_by_rss): eps inside the root, no step where the
     sum is still 0. The sum starts at optax's initial_accumulator_value, which
@@ -627,7 +656,7 @@ def muon_apply() -> Rule:
 
 
 __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
-           "adamax_optax", "adan", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
+           "adamax_optax", "adan", "ademamix", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw", "sgd",
            # links
            "add_decayed_weights", "clip", "clip_by_global_norm", "scale", "scale_by_adam", "scale_by_belief",
