@@ -50,7 +50,8 @@ class Prodigy(RuleBased):
                  weight_decay=0.0, decouple=True, use_bias_correction=False,
                  safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf"),
                  fsdp_in_use=False, slice_p=1, *, flat_grads=False, state_bits=32,
-                 min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         _check_adaptive(type(self).__name__, lr, betas, eps, d0, growth_rate, fsdp_in_use)
         if slice_p != 1:
             raise ValueError(f"Prodigy(slice_p={slice_p}): only slice_p=1 (every element) is "
@@ -61,7 +62,7 @@ class Prodigy(RuleBased):
                         safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
                         growth_rate=growth_rate)
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     add_param_group = _one_param_group
 
@@ -91,7 +92,8 @@ class DAdaptAdam(RuleBased):
     def __init__(self, params, lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  log_every=0, decouple=False, use_bias_correction=False, d0=1e-6,
                  growth_rate=float("inf"), fsdp_in_use=False, *, flat_grads=False,
-                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         _check_adaptive(type(self).__name__, lr, betas, eps, d0, growth_rate, fsdp_in_use)
         if log_every:
             raise ValueError(f"DAdaptAdam(log_every={log_every}): d is on the device, not logged "
@@ -100,7 +102,7 @@ class DAdaptAdam(RuleBased):
                         decouple=decouple, use_bias_correction=use_bias_correction, d0=d0,
                         growth_rate=growth_rate, layer_scale=1.0)
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     add_param_group = _one_param_group
 

@@ -134,7 +134,11 @@ class PlanLists:
     """What one plan binds for params of one device: their dense forms (of their local
     shards, by `local`) viewed as real, their grads (or stand-ins) and their states, each
     state laid out as its param's dense form (a state of another layout is replaced in
-    `state` once by such a copy). `staging` copies around each step."""
+    `state` once by such a copy). `staging` copies around each step. `masters`: the params'
+    fp32 masters as the plan takes them (`state("master_param")`), for params that step
+    through them; else None."""
+
+    masters = None
 
     def __init__(self, state: dict, params: list, grads: list, local=None):
         self.params, self._state = params, state

@@ -20,7 +20,7 @@ from ._ranges import ANY as ANY_NUMBER
 from ._ranges import LR, Range
 from ._torch_binding import Bound, LatestStep, Part, is_dtensor, local_tensor
 from ._torch_layouts import PlanLists, dense_strides
-from ._torch_state import StateKeeping
+from ._torch_state import MASTER, MASTER_8BIT, MASTER_STOCHASTIC, StateKeeping
 from .scaling import zero_
 
 _GRAD = operator.attrgetter("grad")
@@ -43,7 +43,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     _SHARED = {"seed": 0}  # hyperparameters (by default) equal across groups to merge them
     _sparse_grads = False  # whether params with sparse grads step (by torch.optim's update)
 
-    def __init__(self, params, defaults, flat_grads=False):
+    def __init__(self, params, defaults, flat_grads=False, master_weights=False):
+        self._take_master_weights(master_weights)
         self._flat_grads = bool(flat_grads)
         self._flat = None
         self._group_changes = GroupChanges()
@@ -58,8 +59,19 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         if self._flat_grads:
             self._refuse_dtensors()  # the flat buffers are made at the first zero_grad or step
 
+    def _take_master_weights(self, master_weights) -> None:
+        """master_weights=True: each float16 or bfloat16 param steps through an fp32 copy kept
+        in its state (`MASTER`), which the kernel reads, updates and rounds into the param;
+        refused with 8-bit state (run before torch's __init__, after state_bits is known)."""
+        if not isinstance(master_weights, (bool, np.bool_)):
+            raise TypeError(f"master_weights must be True or False, got {master_weights!r}")
+        if master_weights and getattr(self, "state_bits", 32) == 8:
+            raise ValueError(MASTER_8BIT.format(type(self).__name__))
+        self.master_weights = bool(master_weights)
+
     def __getstate__(self):
-        return dict(super().__getstate__(), _flat_grads=self._flat_grads)
+        return dict(super().__getstate__(), _flat_grads=self._flat_grads,
+                    master_weights=self.master_weights)
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle keep only torch's fields
         super().__setstate__(state)  # load_state_dict comes here too, with new groups
@@ -68,6 +80,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         self._numbers_to_tensor_steps()
         self._keep_state()  # plans bound to the old state are dropped below
         self._flat_grads = state.get("_flat_grads", getattr(self, "_flat_grads", False))
+        self.master_weights = state.get("master_weights", getattr(self, "master_weights", False))
         self._bound = {}
         self._flat = self.__dict__.get("_flat")  # a loaded state keeps them; a copy makes its own
         self._group_changes = getattr(self, "_group_changes", None) or GroupChanges()
@@ -84,6 +97,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         _, groups = super().__repr__().split("\n", 1)  # torch's: "AdamW (" and the groups
         rule = getattr(self, "rule", None)
         own = (f"rule={rule!r}, " if rule is not None else "") + f"flat_grads={self._flat_grads}"
+        if self.master_weights:
+            own += ", master_weights=True"
         return f"{type(self).__module__}.{type(self).__qualname__} ({own}) (\n{groups}"
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
@@ -347,6 +362,11 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                 or not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params))))):
             return group, ()
         sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
+        if any(map(self._takes_master, sparse)):
+            raise RuntimeError(f"{type(self).__name__}(master_weights=True) does not take sparse "
+                               "grads of float16 or bfloat16 params (torch.optim's sparse step "
+                               "would update the params, not their fp32 masters): give them "
+                               "dense grads")
         if grad_scale is not None or found_inf is not None:
             raise RuntimeError(f"{type(self).__name__}: params with sparse grads do not take "
                                "GradScaler's grad_scale and found_inf here; step them with "
@@ -467,20 +487,24 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         owner = group_owners(group) if "groups" in group else None  # params keep their group's
         for p in params:
             self._init_param_state(group["groups"][owner[id(p)]] if owner else group, p)
-        classes: dict = {}  # params of one device and one step count share a plan
+        # params of one device and one step count share a plan, those with fp32 masters apart
+        classes: dict = {}
         counts: dict = {}  # one host read per step tensor (params of a plan share one)
         counting = self._counts(group)
+        masters = self._takes_master if self.master_weights else _NO_MASTER
         for i, p in enumerate(params):
             count = 0.0
             if counting:
                 step = self.state[p]["step"]
                 count = counts.setdefault(id(step), float(step))
-            classes.setdefault((p.device, count), []).append(i)
+            classes.setdefault((p.device, count, masters(p)), []).append(i)
         parts = []
-        for (_, count), indices in classes.items():
+        for (_, count, master), indices in classes.items():
             members = [params[i] for i in indices]
             counter = self._counter(members, count) if counting else None
             lists = PlanLists(self.state, members, [grads[i] for i in indices], local_tensor)
+            if master:
+                lists.masters = lists.state(MASTER)
             plan = self._make_plan(group, lists)
             parts.append(Part(np.asarray(indices), members, plan, counter, lists.staging))
             if owner:
@@ -494,9 +518,11 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         if state:
             self._check_entry(group, p, state, lambda: f"optimizer.state of param "
                               f"{_index_in(self.param_groups, p)}")
+            self._keep_master(p, state)  # made before the state that may start from the param
             self._init_state(group, p, state)
             return
         state = {}
+        self._keep_master(p, state)
         self._init_state(group, p, state)
         if state:
             self.state[p] = state
@@ -563,6 +589,9 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     def _check_group(self, index: int, group) -> None:
         """Raises where a group's options are outside what its step accepts: the op's own
         checks, of the values a step would take (a CPU tensor's read on the host)."""
+        if self.master_weights and group.get("stochastic_rounding", False):  # set after the init
+            raise ValueError(f"param group {index}: "
+                             + MASTER_STOCHASTIC.format(type(self).__name__))
         values = self._checked_values(group)
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -606,6 +635,10 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     def _checking_spec(self, group):
         """An op spec whose `arguments` checks the group's hyperparameters."""
         raise NotImplementedError
+
+
+def _NO_MASTER(param) -> bool:
+    return False
 
 
 def laid_out_as(zeros, form):

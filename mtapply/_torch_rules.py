@@ -14,7 +14,7 @@ from . import quantization
 from ._dtensor import is_dtensor, local_tensor, sharded_like, sharded_scales
 from ._torch_layouts import as_real
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
-from ._torch_state import check_eight_bit_slots, own_options, refuse_other_state_bits
+from ._torch_state import MASTER, check_eight_bit_slots, own_options, refuse_other_state_bits
 from .ops._spec import check_number, seed_words
 from .rules import library
 
@@ -32,7 +32,7 @@ class RuleBased(FusedOptimizer):
     _UNSIGNED_STATE: tuple = ()  # state slots that hold values >= 0 (finer 8-bit codes)
 
     def __init__(self, params, defaults, flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0):
+                 stochastic_rounding=False, seed=0, master_weights=False):
         if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
             raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
                              f"optim_bits), got {state_bits!r}")
@@ -43,9 +43,11 @@ class RuleBased(FusedOptimizer):
         seed_words(seed)  # (checked now; a group option, as Adam's)
         defaults = dict(defaults, **own_options(stochastic_rounding=bool(stochastic_rounding),
                                                 seed=seed))
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, master_weights)
         for group in self.param_groups:  # a rule that cannot keep 8-bit state refuses now
             self._stepping_rule(group)
+            if self.master_weights:  # (a rule that does not write its param takes no masters)
+                self._rule(group).spec(master_weights=True)
 
     def __getstate__(self):  # a copy keeps its state's storage
         return dict(super().__getstate__(), state_bits=self.state_bits,
@@ -110,22 +112,24 @@ class RuleBased(FusedOptimizer):
             raise ValueError(
                 f"{type(self).__name__} ({name}) sums over all its params at each step, which "
                 f"here would step as {len(parts)} separate lists: params on several devices, "
-                f"FSDP2 shards, params that missed steps the others took (a grad of None), or "
-                f"param groups that cannot step together (a tensor lr, other compile-time "
-                f"options). Keep the params on one device, give each a grad at every step "
-                f"(zero_grad(set_to_none=False) keeps zeros), and give the groups number lrs")
+                f"FSDP2 shards, params that missed steps the others took (a grad of None), 16-bit "
+                f"params beside others under master_weights=True, or param groups that cannot "
+                f"step together (a tensor lr, other compile-time options). Keep the params on "
+                f"one device, give each a grad at every step (zero_grad(set_to_none=False) "
+                f"keeps zeros), and give the groups number lrs")
 
     def _init_state(self, group, p, state) -> None:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         rule = self._stepping_rule(group)
         missing = [name for name in rule.slots[1:] if name != "grad" and name not in state]
+        source = state.get(MASTER, p)  # a state that starts at the param: at its fp32 master
         for name in missing:
             if self.state_bits == 8 and name in rule.eight_bit:
                 state[name], state[f"{name}_absmax"] = self._eight_bit_state(
                     rule, name, p, self._initial(group, p, name))
             elif not name.endswith("_absmax"):  # (made with its slot)
-                first = self._initial(group, p, name)
+                first = self._initial(group, source, name)
                 dtype = self._state_dtype(group, name, p)
                 state[name] = first if first.dtype == dtype else first.to(dtype)
 
@@ -244,8 +248,10 @@ class RuleBased(FusedOptimizer):
 
     def _make_plan(self, group, lists):
         given, rule = {"param": lists.bound, "grad": lists.grads}, self._stepping_rule(group)
+        masters = {} if lists.masters is None else {"master_params": lists.masters}  # (not 8-bit)
         return rule.plan(*(given[name] if name in given else lists.state(name)
-                           for name in rule.slots), stochastic_rounding=self._stochastic(group))
+                           for name in rule.slots), stochastic_rounding=self._stochastic(group),
+                         **masters)
 
     def _values(self, group) -> dict:
         hyper = self._rule_hyper(group)
@@ -270,7 +276,7 @@ class RuleOptimizer(RuleBased):
     """
 
     def __init__(self, rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0, **hyper):
+                 stochastic_rounding=False, seed=0, master_weights=False, **hyper):
         from torch.optim.optimizer import required
 
         if "lr" not in rule.hyper:
@@ -288,7 +294,7 @@ class RuleOptimizer(RuleBased):
         defaults = {name: hyper.get(name, required if default is None else default)
                     for name, default in rule.hyper.items()}
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     def __getstate__(self):
         return dict(super().__getstate__(), rule=self.rule)  # a copy steps by the same rule
@@ -306,10 +312,10 @@ class Lion(RuleBased):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0):
+                 stochastic_rounding=False, seed=0, master_weights=False):
         check_adam_args(lr, betas, 0.0, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), flat_grads,
-                         state_bits, min_8bit_size, stochastic_rounding, seed)
+                         state_bits, min_8bit_size, stochastic_rounding, seed, master_weights)
 
     def _rule(self, group):
         return library.lion()
@@ -330,14 +336,14 @@ class Adan(RuleBased):
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  *, flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0):
+                 stochastic_rounding=False, seed=0, master_weights=False):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay)
         for k, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {k}: {beta}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay), flat_grads, state_bits,
-                         min_8bit_size, stochastic_rounding, seed)
+                         min_8bit_size, stochastic_rounding, seed, master_weights)
 
     def _rule(self, group):
         return library.adan()
@@ -362,7 +368,7 @@ class AdEMAMix(RuleBased):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
                  t_beta3=None, eps=1e-8, weight_decay=1e-2, *, flat_grads=False, state_bits=32,
-                 min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 min_8bit_size=4096, stochastic_rounding=False, seed=0, master_weights=False):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay, alpha=alpha)
         if isinstance(betas, torch.Tensor) or len(betas) != 3:
             raise ValueError(f"Invalid betas: {betas!r} (three: beta1, beta2, beta3)")
@@ -373,7 +379,8 @@ class AdEMAMix(RuleBased):
             self._check_period(name, value)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha,
                                       t_beta3=t_beta3, eps=eps, weight_decay=weight_decay),
-                         flat_grads, state_bits, min_8bit_size, stochastic_rounding, seed)
+                         flat_grads, state_bits, min_8bit_size, stochastic_rounding, seed,
+                         master_weights)
 
     @staticmethod
     def _check_period(name: str, value, where: str = "") -> None:
@@ -424,14 +431,15 @@ class ScheduleFreeAdamW(RuleBased):
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  warmup_steps=0, weight_lr_power=2.0, *, flat_grads=False, state_bits=32,
-                 min_8bit_size=4096):
+                 min_8bit_size=4096, master_weights=False):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps)
         if not 0.0 < betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid betas: {betas} (beta1 in (0, 1), beta2 in [0, 1))")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps, weight_lr_power=weight_lr_power,
                         lr_max=0.0, weight_sum=0.0, k=0, train_mode=True)
-        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size)
+        super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
+                         master_weights=master_weights)
 
     def _rule(self, group):
         return library.schedule_free_adamw()
@@ -528,9 +536,18 @@ class ScheduleFreeAdamW(RuleBased):
                 continue
             beta1 = group["betas"][0]
             for p in group["params"]:
-                z = self.state.get(p, {}).get("z")
-                if z is not None:  # y = b1 x + (1 - b1) z, both ways as a lerp towards z
-                    p.lerp_(z, 1 - beta1 if to_train else 1 - 1 / beta1)
+                entry = self.state.get(p, {})
+                z = entry.get("z")
+                if z is None:
+                    continue
+                # y = b1 x + (1 - b1) z, both ways as a lerp towards z (of the fp32 master, then
+                # rounded into the param, where the param steps through one)
+                weight = 1 - beta1 if to_train else 1 - 1 / beta1
+                master = entry.get(MASTER) if self._takes_master(p) else None
+                if master is not None:
+                    p.copy_(master.lerp_(z, weight))
+                else:
+                    p.lerp_(z, weight)
             group["train_mode"] = to_train
 
 
@@ -546,7 +563,7 @@ class AdamFamily(RuleBased):
                **options) -> None:
         """The optimizer, its defaults the family's shared arguments and `options` (the class's
         own and torch.optim's flags), after the class checked them as torch.optim does;
-        `storage`: state_bits, min_8bit_size, stochastic_rounding and seed."""
+        `storage`: state_bits, min_8bit_size, stochastic_rounding, seed and master_weights."""
         RuleBased.__init__(self, params, dict(lr=lr, betas=betas, eps=eps,
                                               weight_decay=weight_decay, **options), flat_grads,
                            *storage)
@@ -565,9 +582,10 @@ class Adamax(AdamFamily):
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  foreach=None, *, maximize=False, differentiable=False, capturable=False,
                  flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0):
+                 stochastic_rounding=False, seed=0, master_weights=False):
         check_adam_args(lr, betas, eps, weight_decay)
-        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed,
+                                       master_weights),
                     lr, betas, eps, weight_decay, foreach=foreach, maximize=maximize,
                     differentiable=differentiable, capturable=capturable)
 
@@ -587,11 +605,13 @@ class NAdam(AdamFamily):
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  momentum_decay=4e-3, decoupled_weight_decay=False, *, foreach=None,
                  maximize=False, capturable=False, differentiable=False, flat_grads=False,
-                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         check_adam_args(lr, betas, eps, weight_decay)
         if not 0.0 <= momentum_decay:
             raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
-        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed,
+                                       master_weights),
                     lr, betas, eps, weight_decay,
                     momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
                     foreach=foreach, maximize=maximize, capturable=capturable,
@@ -609,9 +629,11 @@ class RAdam(AdamFamily):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False,
                  capturable=False, differentiable=False, flat_grads=False,
-                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         check_adam_args(lr, betas, eps, weight_decay)
-        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed),
+        self._start(params, flat_grads, (state_bits, min_8bit_size, stochastic_rounding, seed,
+                                       master_weights),
                     lr, betas, eps, weight_decay,
                     decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
                     maximize=maximize, capturable=capturable, differentiable=differentiable)
@@ -629,14 +651,15 @@ class Adadelta(RuleBased):
 
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach=None, *,
                  capturable=False, maximize=False, differentiable=False, flat_grads=False,
-                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         check_options(lr=lr, eps=eps, weight_decay=weight_decay)
         if not 0.0 <= float(rho) <= 1.0:
             raise ValueError(f"Invalid rho value: {rho}")
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, foreach=foreach,
                         capturable=capturable, maximize=maximize, differentiable=differentiable)
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     def _rule(self, group):
         return library.adadelta(bool(group["maximize"]))
@@ -653,14 +676,15 @@ class Adagrad(RuleBased):
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                  initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
                  differentiable=False, fused=None, flat_grads=False,
-                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0):
+                 state_bits=32, min_8bit_size=4096, stochastic_rounding=False, seed=0,
+                 master_weights=False):
         check_options(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                        initial_accumulator_value=initial_accumulator_value, eps=eps)
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     _sparse_grads = True
 
@@ -704,14 +728,14 @@ class RMSprop(RuleBased):
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                  centered=False, capturable=False, foreach=None, maximize=False,
                  differentiable=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
-                 stochastic_rounding=False, seed=0):
+                 stochastic_rounding=False, seed=0, master_weights=False):
         check_options(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                        momentum=momentum)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, centered=centered, capturable=capturable,
                         foreach=foreach, maximize=maximize, differentiable=differentiable)
         super().__init__(params, defaults, flat_grads, state_bits, min_8bit_size,
-                         stochastic_rounding, seed)
+                         stochastic_rounding, seed, master_weights)
 
     def _rule(self, group):
         return library.rmsprop(bool(group["centered"]), group["momentum"] > 0,
@@ -726,17 +750,18 @@ class RMSprop(RuleBased):
 
 
 def optimizer(rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
-              stochastic_rounding=False, seed=0, **hyper) -> RuleOptimizer:
+              stochastic_rounding=False, seed=0, master_weights=False, **hyper) -> RuleOptimizer:
     """`rule` (from `mtapply.rule`) as a torch.optim.Optimizer over `params` (params or param
     groups), with the rule's hyperparameters as options: param groups, state_dict, LR
     schedulers, GradScaler and `flat_grads` as the built-in optimizers have them.
     `state_bits=8` keeps the state slots the rule writes in 8 bits (`Rule.with_state_bits`;
     signed codes: a rule with a slot of values >= 0 may pass `rule.with_state_bits(...)` itself
-    for finer ones), params under `min_8bit_size` elements in float32.
+    for finer ones), params under `min_8bit_size` elements in float32. `master_weights=True`
+    steps float16 and bfloat16 params through fp32 masters (see `mtapply.torch`).
 
     Example:
         >>> opt = mtapply.torch.optimizer(lion, model.parameters(), lr=1e-4, weight_decay=0.1)
     """
     return RuleOptimizer(rule, params, flat_grads=flat_grads, state_bits=state_bits,
                          min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
-                         seed=seed, **hyper)
+                         seed=seed, master_weights=master_weights, **hyper)

@@ -40,6 +40,20 @@ TORCH_FLAG_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "fused": None, "amsgrad": False,
                        "nesterov": False, "centered": False}
 
+# the state key of a 16-bit param's fp32 master (master_weights=True)
+MASTER = "master_param"
+_MASTER_DTYPES = (torch.float16, torch.bfloat16)
+
+MASTER_STOCHASTIC = (
+    "{}: master_weights=True with stochastic_rounding=True: the kernel rounds each 16-bit param "
+    "to nearest from its fp32 master, which keeps the small updates that stochastic rounding "
+    "would otherwise keep on average; use one of the two (stochastic_rounding needs no masters)")
+
+MASTER_8BIT = (
+    "{}: master_weights=True with state_bits=8: 8-bit state is stepped by the 8-bit walk, which "
+    "updates the params in place and takes no fp32 master_params; use state_bits=16 or 32 with "
+    "master_weights=True, or stochastic_rounding=True (bfloat16 params) with 8-bit state")
+
 # mtapply's own group options, by their defaults: a group holds one only where it is set to
 # another value, so that param groups (and checkpoints) hold torch.optim's keys alone and
 # move between the two; code reads them with group.get(name, default)
@@ -230,12 +244,52 @@ class StateKeeping:
         return False
 
     def _state_dtype(self, group, name: str, param):
-        """The dtype of a param's floating state entry `name`: the param's, as torch.optim's."""
+        """The dtype of a param's floating state entry `name`: the param's, as torch.optim's;
+        float32 for a param stepped through an fp32 master (`master_weights`), and for the
+        master itself."""
+        if name == MASTER or self._takes_master(param):
+            return torch.float32
         return param.dtype
+
+    # -- master weights ----------------------------------------------------------------------------
+
+    master_weights = False  # whether 16-bit params step through fp32 masters (`MASTER` in state)
+
+    def _takes_master(self, param) -> bool:
+        """Whether `param` steps through an fp32 master: a float16 or bfloat16 param of an
+        optimizer made with master_weights=True."""
+        return self.master_weights and param.dtype in _MASTER_DTYPES
+
+    def _keep_master(self, param, entry) -> None:
+        """Makes the fp32 master of a param that takes one and whose entry has none (its first
+        step, or a state loaded without masters): a float32 copy of the param's current
+        values. An entry that holds a master its param does not take (loaded into an optimizer
+        without master_weights, or of a float32 param) loses it, so that none goes stale."""
+        if self._takes_master(param):
+            if MASTER not in entry:
+                entry[MASTER] = param.detach().to(torch.float32,
+                                                  memory_format=torch.preserve_format)
+        elif MASTER in entry:
+            del entry[MASTER]
+
+    def _check_master(self, param, entry, where) -> None:
+        """A param's master, where its entry holds one: a floating tensor shaped as the param."""
+        master = entry.get(MASTER)
+        if master is None:
+            return
+        if (not isinstance(master, torch.Tensor) or not master.is_floating_point()
+                or tuple(master.shape) != tuple(param.shape)):
+            held = (f"{master.dtype} of shape {tuple(master.shape)}"
+                    if isinstance(master, torch.Tensor) else type(master).__name__)
+            raise ValueError(f"{where()} holds {MASTER!r} as {held}: a master is a float32 copy "
+                             f"of its param, shaped {tuple(param.shape)}; give the param's entry "
+                             f"none (del optimizer.state[p][{MASTER!r}]) to make it afresh from "
+                             "the param")
 
     def _check_entry(self, group, param, entry, where) -> None:
         """Raises where a param's non-empty state lacks what the optimizer keeps, or holds a
         tensor of the wrong kind. `where()`: how to name the entry in a message."""
+        self._check_master(param, entry, where)
         names = self._required_state(group, param)
         for name in names:
             if name not in entry:
@@ -254,6 +308,8 @@ class StateKeeping:
         """Raises for a param group's option mtapply refuses (added or loaded)."""
         if group.get("differentiable"):
             raise ValueError(_NOT_DIFFERENTIABLE.format(type(self).__name__))
+        if self.master_weights and group.get("stochastic_rounding", False):
+            raise ValueError(MASTER_STOCHASTIC.format(type(self).__name__))
 
     def _fill_group(self, group) -> None:
         """Keys of an older state_dict's or pickle's group, as torch.optim's __setstate__ and

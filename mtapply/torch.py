@@ -37,6 +37,16 @@ writes, as torch's in-place ops do, so that autograd refuses a backward through 
 saved a param before the step. A param held by two groups (a list edit of `param_groups`) is
 refused at the step, as torch.optim's add_param_group refuses it.
 
+`master_weights=True` (Adam, AdamW, SGD, LARS, LAMB and every rule-run optimizer) steps each
+float16 or bfloat16 param through an fp32 master in its state (`"master_param"`, made at the
+param's first step from its values, saved and loaded with the rest): the plan takes the masters
+as `master_params`, so the kernel updates the master and writes the param rounded from it in
+the same pass, and the param's other state is float32 (unless `state_bits=16`). float32 and
+float64 params make none and step as without it. A loaded state without masters makes them at
+the next step from the params; an optimizer without the option drops loaded masters at the
+next step. Refused: with 8-bit state (the 8-bit walk steps params in place), with stochastic
+rounding, and with sparse grads of 16-bit params.
+
 Every layout torch.optim steps is stepped (`mtapply._torch_layouts`): channels_last and other
 dense params in place, their states made in their layout; complex params as their real views,
 as torch.optim steps them; params that are not dense (a strided view) through a dense copy, a
@@ -84,7 +94,7 @@ from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners
 from ._torch_adaptive import DAdaptAdam, Prodigy
 from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, AdEMAMix, Lion, NAdam, RAdam,
                            RMSprop, RuleOptimizer, ScheduleFreeAdamW, optimizer)
-from ._torch_state import _NOT_DIFFERENTIABLE, StateKeeping, own_options
+from ._torch_state import _NOT_DIFFERENTIABLE, MASTER, StateKeeping, own_options
 from .ops.norms import L2NormSpec
 from .plan import Plan
 from .torch_galore import GaLoreAdamW
@@ -166,7 +176,8 @@ class Adam(BFloat16State, FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32):
+                 flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32,
+                 master_weights=False):
         check_adam_args(lr, betas, eps, weight_decay)
         check_torch_adam_flags(lr, betas, foreach, fused, capturable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -175,7 +186,7 @@ class Adam(BFloat16State, FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay,
                         **own_options(stochastic_rounding=stochastic_rounding, seed=seed))
         self.state_bits = state_bits  # 16: bfloat16 moments (real params), made at first steps
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, master_weights)
 
     _merges_groups = True
     _OPTION_NAMES = BETA_NAMES
@@ -208,8 +219,9 @@ class Adam(BFloat16State, FusedOptimizer):
         return _adam.adam_plan(lists.bound, lists.grads, lists.state("exp_avg"),
                                lists.state("exp_avg_sq"),
                                max_exp_avg_sqs=lists.state("max_exp_avg_sq") if amsgrad else None,
-                               amsgrad=amsgrad, decoupled_weight_decay=decoupled,
-                               maximize=maximize, stochastic_rounding=stochastic)
+                               master_params=lists.masters, amsgrad=amsgrad,
+                               decoupled_weight_decay=decoupled, maximize=maximize,
+                               stochastic_rounding=stochastic)
 
     def _values(self, group) -> dict:
         beta1, beta2 = group["betas"]
@@ -229,13 +241,13 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, flat_grads=False, stochastic_rounding=False,
-                 seed=0, state_bits=32):
+                 seed=0, state_bits=32, master_weights=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, flat_grads=flat_grads,
                          stochastic_rounding=stochastic_rounding, seed=seed,
-                         state_bits=state_bits)
+                         state_bits=state_bits, master_weights=master_weights)
 
     def _compile_options(self, group) -> tuple:
         return (bool(group["amsgrad"]), True, bool(group["maximize"]),
@@ -253,7 +265,9 @@ class Adam8bit(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  min_8bit_size=_adam8bit.THRESHOLD, flat_grads=False, stochastic_rounding=False,
-                 seed=0, state_bits=8, **torch_flags):
+                 seed=0, state_bits=8, master_weights=False, **torch_flags):
+        if master_weights:  # before the other checks: the option itself is what is refused
+            raise ValueError(_8BIT_MASTERS.format(name=type(self).__name__))
         # Adam's flags, for Adam(..., state_bits=8): foreach, capturable, differentiable, fused
         unknown = sorted(set(torch_flags) - {"foreach", "capturable", "differentiable", "fused"})
         if unknown:
@@ -331,6 +345,12 @@ class Adam8bit(Adam):
 
 _8BIT_STATE = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
+_8BIT_MASTERS = (
+    "{name}(master_weights=True): 8-bit moments are stepped by the 8-bit kernel, which updates "
+    "the params in place and takes no fp32 master_params; use mtapply.torch.Adam or AdamW "
+    "(state_bits=16 or 32) with master_weights=True, or stochastic_rounding=True for bfloat16 "
+    "params with 8-bit moments")
+
 
 class AdamW8bit(Adam8bit):
     """AdamW (decoupled weight decay, default 1e-2) with 8-bit moments: see `Adam8bit`."""
@@ -338,12 +358,12 @@ class AdamW8bit(Adam8bit):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, min_8bit_size=_adam8bit.THRESHOLD,
                  flat_grads=False, stochastic_rounding=False, seed=0, state_bits=8,
-                 **torch_flags):
+                 master_weights=False, **torch_flags):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=True,
                          min_8bit_size=min_8bit_size, flat_grads=flat_grads,
                          stochastic_rounding=stochastic_rounding, seed=seed,
-                         state_bits=state_bits, **torch_flags)
+                         state_bits=state_bits, master_weights=master_weights, **torch_flags)
 
     def _compile_options(self, group) -> tuple:
         return (False, True, bool(group["maximize"]), bool(group.get("stochastic_rounding", False)))
@@ -373,7 +393,7 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
                  flat_grads=False, stochastic_rounding=False, seed=0, state_bits=32,
-                 min_8bit_size=4096):
+                 min_8bit_size=4096, master_weights=False):
         self._take_state_bits(state_bits, min_8bit_size)
         check_one_element(lr, "lr")
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
@@ -390,7 +410,7 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused,
                         **own_options(stochastic_rounding=stochastic_rounding, seed=seed))
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, master_weights)
 
     def _compile_options(self, group) -> tuple:
         return (group["momentum"] != 0, bool(group["nesterov"]), bool(group["maximize"]),
@@ -424,17 +444,24 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
         if self.state_bits == 8:
             self._first_eight_bit_step(group, params, grad_scale, found_inf)
             return
-        fresh = {p: {"momentum_buffer": self._moment(group, "momentum_buffer", p)} for p in params}
-        by_device: dict = {}
+        fresh = {}
         for p in params:
-            by_device.setdefault(p.device, []).append(p)
-        for device, members in by_device.items():
+            fresh[p] = {"momentum_buffer": self._moment(group, "momentum_buffer", p)}
+            if self.master_weights:  # the master its state holds, else one made from the param
+                self._keep_master(p, self.state[p])
+                if MASTER in self.state[p]:
+                    fresh[p][MASTER] = self.state[p][MASTER]
+        by_device: dict = {}  # params with fp32 masters apart
+        for p in params:
+            by_device.setdefault((p.device, MASTER in fresh[p]), []).append(p)
+        for (device, master), members in by_device.items():
             part = Part(None, members, None, None)
             lists = PlanLists(fresh, members, [p.grad for p in members], local_tensor)
             hyper = dict(self._hyper(group, device), step=1)
             if lists.staging:
                 lists.staging.before([p.grad for p in members])
             _sgd.sgd_step(lists.bound, lists.grads, lists.state("momentum_buffer"), **hyper,
+                          master_params=lists.state(MASTER) if master else None,
                           nesterov=group["nesterov"], maximize=group["maximize"],
                           stochastic_rounding=self._counts(group),
                           grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
@@ -517,8 +544,9 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
         if self.state_bits == 8:  # (momentum is on: checked with the group)
             return self._eight_bit_plan(group, lists, self._counts(group))
         buffers = lists.state("momentum_buffer") if group["momentum"] else None
-        return _sgd.sgd_plan(lists.bound, lists.grads, buffers, nesterov=group["nesterov"],
-                             maximize=group["maximize"], stochastic_rounding=self._counts(group))
+        return _sgd.sgd_plan(lists.bound, lists.grads, buffers, master_params=lists.masters,
+                             nesterov=group["nesterov"], maximize=group["maximize"],
+                             stochastic_rounding=self._counts(group))
 
     def _init_state(self, group, p, state) -> None:
         buffer = state.get("momentum_buffer")
@@ -565,7 +593,8 @@ class LARS(EightBitState, BFloat16State, FusedOptimizer):
     _EIGHT_BIT = ("momentum_buffer",)
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-                 eps=0.0, exclude=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096):
+                 eps=0.0, exclude=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 master_weights=False):
         self._take_state_bits(state_bits, min_8bit_size)
         check_one_element(lr, "lr")
         for name, value in (("learning rate", lr), ("momentum", momentum),
@@ -575,7 +604,7 @@ class LARS(EightBitState, BFloat16State, FusedOptimizer):
                 raise ValueError(f"Invalid {name} value: {value}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, exclude=exclude)
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, master_weights)
 
     def _compile_options(self, group) -> tuple:
         if "groups" in group:  # merged: each tensor is excluded as its own group says
@@ -614,7 +643,7 @@ class LARS(EightBitState, BFloat16State, FusedOptimizer):
         exclude = [bool((group["groups"][owner[id(p)]] if owner else group)["exclude"])
                    for p in lists.params]
         return _lars.lars_plan(lists.bound, lists.grads, lists.state("momentum_buffer"),
-                               exclude=exclude)
+                               exclude=exclude, master_params=lists.masters)
 
     def _values(self, group) -> dict:
         return dict(lr=group["lr"], momentum=group["momentum"],
@@ -642,7 +671,7 @@ class LAMB(BFloat16State, FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
-                 use_nvlamb=False, *, flat_grads=False, state_bits=32):
+                 use_nvlamb=False, *, flat_grads=False, state_bits=32, master_weights=False):
         if state_bits == 8 and not isinstance(state_bits, bool):
             from .rules import library
 
@@ -662,7 +691,7 @@ class LAMB(BFloat16State, FusedOptimizer):
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm, adam_w_mode=bool(adam_w_mode),
                         use_nvlamb=bool(use_nvlamb))
-        super().__init__(params, defaults, flat_grads)
+        super().__init__(params, defaults, flat_grads, master_weights)
         self._grad_norm = _GlobalNorm()
 
     def __setstate__(self, state) -> None:
@@ -695,8 +724,8 @@ class LAMB(BFloat16State, FusedOptimizer):
     def _make_plan(self, group, lists):
         adam_w_mode, use_nvlamb = self._compile_options(group)
         return _lamb.lamb_plan(lists.bound, lists.grads, lists.state("exp_avg"),
-                               lists.state("exp_avg_sq"), adam_w_mode=adam_w_mode,
-                               use_nvlamb=use_nvlamb)
+                               lists.state("exp_avg_sq"), master_params=lists.masters,
+                               adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb)
 
     def _values(self, group) -> dict:
         beta1, beta2 = group["betas"]
