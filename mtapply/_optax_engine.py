@@ -147,8 +147,16 @@ class Engine:
             groups = [[i for i in stepped if classes[i] == c]
                       for c in dict.fromkeys(classes[i] for i in stepped)]
         per_call = self._leaves_per_call(mode)
-        return [group[start: start + per_call] for group in groups
-                for start in range(0, len(group), per_call)]
+        parts = [group[start: start + per_call] for group in groups
+                 for start in range(0, len(group), per_call)]
+        if len(parts) > 1 and getattr(self.rule, "whole_list", False):
+            raise ValueError(
+                f"mtapply.optax.{self.rule.name}: the rule sums over every leaf (a whole-list "
+                f"sum, as clip_by_global_norm's norm), which one call computes, but this tree "
+                f"of {len(stepped)} leaves takes {len(parts)} calls (at most {per_call} leaves "
+                f"each): each would sum over its own part. Use optax's transformation for that "
+                f"link (optax.clip_by_global_norm before the chain), or fewer, larger leaves")
+        return parts
 
     def _step_part(self, leaves, grad_leaves, scalars, statics, layouts, mode, part: list,
                    state_part: list) -> dict:

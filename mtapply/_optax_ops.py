@@ -397,6 +397,34 @@ class UserRule(OptaxRule):
             isinstance(node, ast.Name) and node.id == "param"
             for line in rule.program.lines for node in ast.walk(line.expr))
         self.state_type = _rule_state_type(rule.name, self.slots, ())
+        self.masks = dict(_chained(rule, "masks"))  # a chain's links' (optax's masks)
+        self.whole_list = bool(rule.program.totals)  # sums over every leaf: one call
+
+    def statics(self, params, treedef) -> tuple:
+        """Each leaf's flags of the masks (one per masked hyperparameter), where a mask
+        leaves some leaf out."""
+        if not self.masks:
+            return ()
+        flags = list(zip(*(_mask_leaves(mask, params, treedef, f"the mask of {name!r}")
+                           for name, mask in self.masks.items())))
+        if all(all(leaf) for leaf in flags):
+            return ()
+        if self.whole_list and len(set(flags)) > 1:
+            raise ValueError(
+                f"mtapply.optax.{self.name}: the masks ({', '.join(self.masks)}) split the "
+                f"leaves into calls of their own, but the rule sums over every leaf "
+                f"(clip_by_global_norm's norm) in one call: mask a chain without whole-list "
+                f"sums, or put the masked link in a transformation of its own in optax.chain")
+        return tuple(flags)
+
+    def leaf_classes(self, statics):
+        return statics if statics else None
+
+    def class_args(self, statics) -> dict:
+        """0 for each masked hyperparameter the call's leaves (one class) are masked out of."""
+        if not statics:
+            return {}
+        return {name: 0.0 for name, on in zip(self.masks, statics[0]) if not on}
 
     def spec(self, statics):
         return self.user.spec()
@@ -474,14 +502,33 @@ def _check(arguments: Callable, **hyper) -> None:
         raise type(error)(message) from None
 
 
+def _chained(rule, name: str) -> dict:
+    """A chain's `masks` (mtapply.rules.chain.ChainRule), or those of the chain a rule with
+    8-bit state was made of; {} for other rules."""
+    found = getattr(rule, name, None)
+    if found is None:
+        found = getattr(getattr(rule, "rule", None), name, None)
+    return found or {}
+
+
 def _mask_leaves(mask, params, treedef, name: str) -> tuple:
-    """A per-leaf mask (True, a pytree of bools like params, or a callable of params) as a
-    tuple of Python bools: the plan needs them before the step runs."""
+    """A per-leaf mask (True, a pytree of bools like params or a prefix of it, or a callable
+    of params giving one) as a tuple of Python bools: the plan needs them before the step
+    runs."""
     if callable(mask):
         mask = mask(params)
     if mask is None or mask is True or mask is False:
         return (mask is not False,) * treedef.num_leaves
-    leaves = treedef.flatten_up_to(mask)
+    try:
+        leaves = treedef.flatten_up_to(mask)
+    except (ValueError, TypeError):  # a prefix of the params' tree (as optax takes)
+        try:
+            leaves = treedef.flatten_up_to(jax.tree.map(
+                lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask,
+                treedef.unflatten([0] * treedef.num_leaves)))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{name} must be a pytree of bools like the params (or a prefix "
+                             f"of it), or a callable of the params giving one: {error}") from None
     if not all(isinstance(leaf, (bool, np.bool_)) for leaf in leaves):
         raise TypeError(f"{name} must hold Python bools (one per param), known when the step is "
                         f"traced; got {[type(leaf).__name__ for leaf in leaves][:3]}")

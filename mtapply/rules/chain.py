@@ -13,6 +13,13 @@ that ends in a learning-rate scaling is an optimizer wherever a rule is one.
 
 Names of slots and hyperparameters stay as the links declare them where they are unique in
 the chain; a name two links declare gets the link's 1-based position as a suffix (`mu_2`).
+
+A link may mask a hyperparameter (`masks`: name -> optax's mask, a pytree of bools like the
+params or a callable of the params giving one): where the mask is False the hyperparameter is
+0 (optax's `masked`, for links that are the identity there, as add_decayed_weights). The chain
+keeps the masks (`rule.masks`, by the chain's names); `mtapply.optax` applies them, since pytrees
+exist there; the torch and functional forms take such a hyperparameter per param group or per
+tensor instead.
 """
 from __future__ import annotations
 
@@ -27,25 +34,46 @@ INPUT, OUTPUT = "grad", "update"
 
 class Link:
     """One gradient transformation: `slots` (its state, "NAME:rw" or "NAME:rw=FIRST"),
-    `hyper` (as a rule's) and `update` lines that end by assigning `update`; `sums`, `totals`
-    and `finish` as a rule's (per-tensor norms, a global norm: a chain holds at most one link
-    with sums or totals)."""
+    `hyper` (as a rule's) and `update` lines that end by assigning `update` (kept as
+    `update_text`); `sums`, `totals` and `finish` as a rule's (per-tensor norms, a global norm:
+    a chain holds at most one link with sums or totals); `masks`: hyperparameter name -> optax's
+    mask (see the module docstring)."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = "", totals=None):
+                 finish: str = "", totals=None, masks=None):
         self.name, self.slots_text, self.hyper = name, slots, dict(hyper)
-        self.update, self.finish = textwrap.dedent(update), textwrap.dedent(finish)
+        self.update_text, self.finish = textwrap.dedent(update), textwrap.dedent(finish)
         self.sums, self.totals = dict(sums or {}), dict(totals or {})
-        if not any(line.partition("=")[0].strip() == OUTPUT for line in _lines(self.update)):
+        self.masks = {key: mask for key, mask in (masks or {}).items() if mask is not None}
+        if not any(line.partition("=")[0].strip() == OUTPUT
+                   for line in _lines(self.update_text)):
             raise ValueError(f"link {name!r} never assigns {OUTPUT!r} (its output)")
+        for key in self.masks:
+            if key not in self.hyper:
+                raise ValueError(f"link {name!r} masks {key!r}, which is not one of its "
+                                 f"hyperparameters ({', '.join(self.hyper) or 'none'})")
         # checked as the rule it would be alone: names, ranges, reads and writes
         alone = Rule(name, f"param:rw grad:r {slots}", hyper,
-                     f"{self.update}\nparam = param + {OUTPUT}", self.sums or None, self.finish,
-                     totals=self.totals or None)
+                     f"{self.update_text}\nparam = param + {OUTPUT}", self.sums or None,
+                     self.finish, totals=self.totals or None)
         self.state = alone.program.slots[2:]
 
     def __repr__(self) -> str:
         return f"mtapply.rules.chain.Link({self.name!r}, slots={self.slots_text!r})"
+
+
+class ChainRule(Rule):
+    """The rule `chain` makes: a rule, with the links' masks (`masks`: the chain's
+    hyperparameter name -> optax's mask), which mtapply.optax applies."""
+
+    def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
+                 finish: str = "", totals=None, masks=None):
+        super().__init__(name, slots, hyper, update, sums, finish, totals=totals)
+        self.masks = dict(masks or {})
+
+    def __reduce__(self):
+        name, slots, hyper, update, sums, finish, _, totals = self._source
+        return ChainRule, (name, slots, hyper, update, sums, finish, totals, self.masks)
 
 
 def chain(*links: Link, name: str | None = None) -> Rule:
@@ -58,6 +86,7 @@ def chain(*links: Link, name: str | None = None) -> Rule:
     taken = _taken(links)
     slots, hyper, lines, sums, finish = ["param:rw", "grad:r"], {}, [], {}, []
     totals: dict = {}
+    masks: dict = {}
     for k, link in enumerate(links, 1):
         names = {INPUT: INPUT if k == 1 else f"update_{k - 1}", OUTPUT: f"update_{k}"}
         for slot in link.state:
@@ -67,15 +96,16 @@ def chain(*links: Link, name: str | None = None) -> Rule:
         for hyper_name, declared in link.hyper.items():
             names[hyper_name] = _unique(hyper_name, k, taken)
             hyper[names[hyper_name]] = declared
+        masks.update((names[key], mask) for key, mask in link.masks.items())
         for given, into in ((link.sums, sums), (link.totals, totals)):
             for total, text in given.items():
                 names[total] = f"link{k}_{total}"
                 into[names[total]] = _renamed(text, names, k)
         finish += [_renamed(line, names, k) for line in _lines(link.finish)]
-        lines += [_renamed(line, names, k) for line in _lines(link.update)]
+        lines += [_renamed(line, names, k) for line in _lines(link.update_text)]
     lines.append(f"param = param + update_{len(links)}")
-    return Rule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
-                "\n".join(lines), sums or None, "\n".join(finish), totals=totals or None)
+    return ChainRule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
+                     "\n".join(lines), sums or None, "\n".join(finish), totals or None, masks)
 
 
 def _taken(links) -> dict:
@@ -115,4 +145,4 @@ def _renamed(line: str, names: dict, k: int) -> str:
     return ast.unparse(Rename().visit(ast.parse(line)))
 
 
-__all__ = ["Link", "chain"]
+__all__ = ["ChainRule", "Link", "chain"]

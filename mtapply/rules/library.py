@@ -585,10 +585,14 @@ def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0) -> Link:
                 update="update = grad * ratio")
 
 
-def add_decayed_weights(weight_decay=0.0) -> Link:
-    """optax.add_decayed_weights (without a mask): the update plus weight_decay * param."""
+def add_decayed_weights(weight_decay=0.0, mask=None) -> Link:
+    """optax.add_decayed_weights: the update plus weight_decay * param. `mask` as optax's (a
+    pytree of bools like the params, or a prefix of it, or a callable of the params giving
+    one): no decay where False. mtapply.optax applies the mask (fixed per tree when the step
+    is traced); mtapply.torch and the functional step have no pytree: give weight_decay per
+    param group (0 for the groups the mask leaves out) or per tensor there."""
     return Link("add_decayed_weights", "", dict(weight_decay=(weight_decay, NON_NEGATIVE)),
-                "update = grad + weight_decay * param")
+                "update = grad + weight_decay * param", masks={"weight_decay": mask})
 
 
 def scale(step_size) -> Link:
