@@ -358,8 +358,10 @@ class LambRule(OptaxRule):
 
 class UserRule(OptaxRule):
     """A user-written rule (`mtapply.rule`): its slots other than param and grad are the
-    state, zero at first; learning_rate drives its `lr`, the other hyperparameters are numbers
-    or arrays (device values) given here."""
+    state, zero at first; learning_rate drives its `lr` (a rule without one, as a chain without
+    scale_by_learning_rate, takes none), the other hyperparameters are numbers or arrays
+    (device values) given here, or, for a chain's scheduled ones (`schedules`), the schedule's
+    value at the step count, computed at each update and passed as a per-step scalar."""
 
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None):
         self.user, self.name = rule, name or rule.name
@@ -371,21 +373,26 @@ class UserRule(OptaxRule):
                 f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
                 f"mtapply.optax does not carry yet: step it with the rule's own step or plan "
                 f"(or mtapply.torch.optimizer)")
-        if "lr" not in rule.hyper:
-            raise TypeError(f"rule {rule.name!r} has no lr: mtapply.optax passes learning_rate "
-                            f"as the rule's lr hyperparameter")
+        self.has_lr = "lr" in rule.hyper
         unknown = sorted(set(hyper) - set(rule.hyper) - {"lr"})
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "
                             f"{', '.join(rule.hyper)})")
+        self.schedules = dict(_chained(rule, "schedules"))  # a chain's scheduled hyperparameters
+        given = sorted(set(hyper) & set(self.schedules))
+        if given:
+            raise TypeError(f"rule {rule.name!r}: {given[0]} is scheduled (a link's schedule "
+                            f"gives it at each step): it takes no value")
         self._take_hyper({name: hyper.get(name, default) for name, default in rule.hyper.items()
-                          if name != "lr"})
+                          if name != "lr" and name not in self.schedules})
         missing = [name for name, value in self.hyper.items() if value is None]
         if missing:
             raise TypeError(f"rule {rule.name!r} needs {missing[0]}=... (a number or an array)")
-        # the numbers checked now; arrays (read on the device) stand in as device values
-        rule.spec().arguments(lr=0.0, step=1.0, **self.hyper,
-                              **dict.fromkeys(self.dynamic, DeviceScalar(ptr=0, obj=None)))
+        # the numbers checked now; arrays and schedules (read on the device) stand in as
+        # device values
+        rule.spec().arguments(**({"lr": 0.0} if self.has_lr else {}), step=1.0, **self.hyper,
+                              **dict.fromkeys((*self.dynamic, *self.schedules),
+                                              DeviceScalar(ptr=0, obj=None)))
         read_only = [s.name for s in rule.program.slots[1:] if not s.written and s.name != "grad"]
         if read_only:
             raise NotImplementedError(f"rule {rule.name!r}: slot {read_only[0]!r} is read-only; "
@@ -393,9 +400,7 @@ class UserRule(OptaxRule):
         self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
         op_slots = dict(zip(rule.slots, rule.spec().slots))  # the op's name of each slot
         self.plan_slots = ("params", *(op_slots[name] for name in self.slots), "grads")
-        self.reads_params = "param" in rule.program.first_pass_slots or any(
-            isinstance(node, ast.Name) and node.id == "param"
-            for line in rule.program.lines for node in ast.walk(line.expr))
+        self.reads_params = _reads_params(rule.program)
         self.state_type = _rule_state_type(rule.name, self.slots, ())
         self.masks = dict(_chained(rule, "masks"))  # a chain's links' (optax's masks)
         self.whole_list = bool(rule.program.totals)  # sums over every leaf: one call
@@ -429,8 +434,15 @@ class UserRule(OptaxRule):
     def spec(self, statics):
         return self.user.spec()
 
+    def per_step(self, learning_rate, count, state) -> tuple:
+        """Each scheduled hyperparameter's value at the count of steps taken (optax's)."""
+        return [schedule(count) for schedule in self.schedules.values()], []
+
     def fixed_args(self, statics, lr, step, *more) -> dict:
-        return dict(lr=lr, step=step, **self.hyper)
+        args = dict(step=step, **self.hyper, **dict(zip(self.schedules, more)))
+        if self.has_lr:
+            args["lr"] = lr
+        return args
 
 
 class ScheduleFreeRule(UserRule):
@@ -502,9 +514,26 @@ def _check(arguments: Callable, **hyper) -> None:
         raise type(error)(message) from None
 
 
+def _reads_params(program) -> bool:
+    """Whether a step's update depends on the params' values: a sum or a line reads them,
+    other than as `param = param + x` or `param - x` (x not reading them), whose step from zero
+    params is the update itself, exactly (a chain's last line, optax's apply_updates)."""
+    if "param" in program.first_pass_slots:
+        return True
+    for line in program.lines:
+        expr = line.expr
+        if (line.target == "param" and isinstance(expr, ast.BinOp)
+                and isinstance(expr.op, (ast.Add, ast.Sub))
+                and isinstance(expr.left, ast.Name) and expr.left.id == "param"):
+            expr = expr.right
+        if any(isinstance(node, ast.Name) and node.id == "param" for node in ast.walk(expr)):
+            return True
+    return False
+
+
 def _chained(rule, name: str) -> dict:
-    """A chain's `masks` (mtapply.rules.chain.ChainRule), or those of the chain a rule with
-    8-bit state was made of; {} for other rules."""
+    """A chain's `masks` or `schedules` (mtapply.rules.chain.ChainRule), or those of the
+    chain a rule with 8-bit state was made of; {} for other rules."""
     found = getattr(rule, name, None)
     if found is None:
         found = getattr(getattr(rule, "rule", None), name, None)

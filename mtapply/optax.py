@@ -386,17 +386,36 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
                              grad_averaging, bias_correction, max_grad_norm), learning_rate)
 
 
-def transformation(rule, learning_rate, *, flat_state=True, state_bits=None, min_8bit_size=None,
-                   unsigned=(), slots=None, **hyper) -> optax.GradientTransformation:
+def transformation(rule, learning_rate=None, *, flat_state=True, state_bits=None,
+                   min_8bit_size=None, unsigned=(), slots=None,
+                   **hyper) -> optax.GradientTransformation:
     """A user-written rule (`mtapply.rule`) as an optax transformation, like `adam`:
-    learning_rate (a number, array or schedule) is the rule's `lr`; the other hyperparameters
-    are numbers (the rule's defaults where not given). The state holds `count` and each
-    read-written slot besides param, at its declared first value. `state_bits=8` keeps the
-    slots the update writes (or those in `slots`) in 8 bits (`rule.with_state_bits(8,
-    slots=slots, unsigned=unsigned, threshold=min_8bit_size)`: name second-moment-like slots in
-    `unsigned`), 16 in bfloat16."""
+    learning_rate (a number, array or schedule) is the rule's `lr` (None for a rule without
+    one: a chain that does not end in scale_by_learning_rate); the other hyperparameters
+    are numbers (the rule's defaults where not given). A chain's masks and schedules
+    (`mtapply.rules.chain`) apply: its masked hyperparameters are 0 on the leaves the masks
+    leave out, its scheduled ones are the schedules' values at the step count. The state holds
+    `count` and each read-written slot besides param, at its declared first value.
+    `state_bits=8` keeps the slots the update writes (or those in `slots`) in 8 bits
+    (`rule.with_state_bits(8, slots=slots, unsigned=unsigned, threshold=min_8bit_size)`: name
+    second-moment-like slots in `unsigned`), 16 in bfloat16."""
+    learning_rate = _rule_learning_rate(rule, learning_rate)
     return _transformation(user_rule(rule, hyper, state_bits, min_8bit_size, unsigned, slots),
                            learning_rate, flat_state)
+
+
+def _rule_learning_rate(rule, learning_rate):
+    """The learning rate a rule's engine is given: `learning_rate`, which a rule with an `lr`
+    needs and a rule without one refuses (its calls then pass 0, which no kernel reads)."""
+    if "lr" in rule.hyper:
+        if learning_rate is None:
+            raise TypeError(f"rule {rule.name!r} reads lr: give learning_rate (a number, an "
+                            f"array or a schedule)")
+        return learning_rate
+    if learning_rate is not None:
+        raise TypeError(f"rule {rule.name!r} has no lr, so learning_rate would change nothing: "
+                        f"pass learning_rate=None, or end the chain in scale_by_learning_rate()")
+    return 0.0
 
 
 def alias(rule) -> Callable:
@@ -409,13 +428,15 @@ def alias(rule) -> Callable:
         >>> tx = optax.inject_hyperparams(mtapply.optax.alias(my_rule))(learning_rate=1e-3)
     """
     kinds = inspect.Parameter
+    scheduled = getattr(rule, "schedules", None) or {}
     signature = inspect.Signature(
-        [kinds("learning_rate", kinds.POSITIONAL_OR_KEYWORD)]
+        [kinds("learning_rate", kinds.POSITIONAL_OR_KEYWORD,
+               **({} if "lr" in rule.hyper else {"default": None}))]
         + [kinds(name, kinds.KEYWORD_ONLY, **({} if default is None else {"default": default}))
-           for name, default in rule.hyper.items() if name != "lr"]
+           for name, default in rule.hyper.items() if name != "lr" and name not in scheduled]
         + [kinds("flat_state", kinds.KEYWORD_ONLY, default=True)])
 
-    def factory(learning_rate, *, flat_state=True, **hyper):
+    def factory(learning_rate=None, *, flat_state=True, **hyper):
         return transformation(rule, learning_rate, flat_state=flat_state, **hyper)
 
     factory.__signature__ = signature
@@ -423,10 +444,11 @@ def alias(rule) -> Callable:
     return factory
 
 
-def fused(rule, learning_rate, *, state_bits=None, min_8bit_size=None, unsigned=(), slots=None,
-          **hyper) -> FusedOptimizer:
-    """A user-written rule as a fused step, like `fused_adam` (`state_bits` as in
-    `transformation`)."""
+def fused(rule, learning_rate=None, *, state_bits=None, min_8bit_size=None, unsigned=(),
+          slots=None, **hyper) -> FusedOptimizer:
+    """A user-written rule as a fused step, like `fused_adam` (learning_rate, a chain's masks
+    and schedules, and `state_bits` as in `transformation`)."""
+    learning_rate = _rule_learning_rate(rule, learning_rate)
     return _fused(user_rule(rule, hyper, state_bits, min_8bit_size, unsigned, slots),
                   learning_rate)
 

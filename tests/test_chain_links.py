@@ -1,5 +1,5 @@
 """Links of `mtapply.chain` with optax's finer arguments, against optax's own links in float64:
-add_decayed_weights with a mask (through mtapply.optax.transformation)."""
+add_decayed_weights with a mask, scale_by_schedule (through mtapply.optax.transformation)."""
 import numpy as np
 import pytest
 
@@ -145,9 +145,105 @@ def test_a_whole_list_sum_over_several_calls_is_refused():
     tx = mtx.transformation(rule, 0.1)
     state = tx.init(params)
     saved = engine._OPERANDS_PER_CALL
-    engine._OPERANDS_PER_CALL = 6  # two leaves per call ("zero" mode: updates and grads)
+    engine._OPERANDS_PER_CALL = 4  # two leaves per call ("zero" mode: updates and grads)
     try:
         with pytest.raises(ValueError, match="takes 3 calls"):
             tx.update(params, state, params)
     finally:
         engine._OPERANDS_PER_CALL = saved
+
+
+SCHEDULES = {
+    "linear": lambda: optax.linear_schedule(1.0, 0.1, STEPS - 1),
+    "cosine": lambda: optax.cosine_decay_schedule(0.5, STEPS),
+    "jnp": lambda: (lambda count: 0.5 + 0.25 * jnp.sin(0.7 * count)),
+}
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_scale_by_schedule_steps_as_optax(schedule, jit):
+    """Adam, then the schedule's value at the count of steps taken, then the learning rate."""
+    fn = SCHEDULES[schedule]()
+    ours = mtapply.chain(L.scale_by_adam(), L.scale_by_schedule(fn), L.scale_by_learning_rate())
+    assert list(ours.schedules) == ["step_size"] and ours.hyper["step_size"] is None
+    theirs = optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(fn),
+                         optax.scale_by_learning_rate(0.05))
+    _assert_equal_runs(mtx.transformation(ours, 0.05), theirs, jit=jit)
+
+
+def test_a_chain_without_a_learning_rate_steps_by_its_schedule():
+    """optax's idiom: the schedule gives the (negative) step size; no lr, learning_rate None."""
+    lr = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, STEPS)
+    ours = mtapply.chain(L.clip(0.8), L.scale_by_adam(), L.scale_by_schedule(lambda c: -lr(c)))
+    theirs = optax.chain(optax.clip(0.8), optax.scale_by_adam(),
+                         optax.scale_by_schedule(lambda c: -lr(c)))
+    _assert_equal_runs(mtx.transformation(ours), theirs)
+    _assert_equal_runs(mtx.transformation(ours, flat_state=False), theirs, jit=False)
+
+
+def test_the_schedule_is_traced_once_and_read_at_each_step():
+    """Under jit the schedule is a traced value: one trace, a new value each step."""
+    calls = []
+
+    def schedule(count):
+        calls.append(count)
+        return 1.0 / (1.0 + count)
+
+    ours = mtapply.chain(L.trace(0.5), L.scale_by_schedule(schedule), L.scale_by_learning_rate())
+    theirs = optax.chain(optax.trace(0.5), optax.scale_by_schedule(lambda c: 1.0 / (1.0 + c)),
+                         optax.scale_by_learning_rate(0.1))
+    _assert_equal_runs(mtx.transformation(ours, 0.1), theirs)
+    assert len(calls) == 1 and isinstance(calls[0], jax.core.Tracer)
+
+
+def test_a_scheduled_weight_decay_steps_as_optax():
+    """add_decayed_weights(schedule), as optax's, with a mask too."""
+    decay = optax.exponential_decay(0.1, 1, 0.5)
+    ours = mtapply.chain(L.scale_by_adam(), L.add_decayed_weights(decay, MASKS["pytree"]),
+                         L.scale_by_schedule(optax.linear_schedule(-0.1, -0.01, STEPS)))
+    theirs = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(decay, MASKS["pytree"]),
+                         optax.scale_by_schedule(optax.linear_schedule(-0.1, -0.01, STEPS)))
+    assert list(ours.schedules) == ["weight_decay", "step_size"]
+    _assert_equal_runs(mtx.transformation(ours), theirs, seed=4)
+
+
+def test_a_scheduled_chain_as_a_fused_step():
+    fn = optax.linear_schedule(1.0, 0.2, STEPS)
+    rule = mtapply.chain(L.scale_by_adam(), L.scale_by_schedule(fn), L.scale_by_learning_rate())
+    theirs = optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(fn),
+                         optax.scale_by_learning_rate(0.05))
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        params = _tree(rng)
+        grads_seq = [_tree(rng) for _ in range(STEPS)]
+        want = _run(theirs, params, grads_seq)
+        opt = mtx.fused(rule, 0.05)
+        state = opt.init(params)
+        step = jax.jit(opt.step)
+        for grads in grads_seq:
+            params, state = step(params, grads, state)
+        assert int(state.count) == STEPS
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
+
+
+def test_schedules_are_refused_where_they_cannot_apply():
+    fn = optax.constant_schedule(0.5)
+    scheduled = mtapply.chain(L.scale_by_schedule(fn), L.scale_by_learning_rate())
+    with pytest.raises(TypeError, match="step_size is scheduled"):
+        mtx.transformation(scheduled, 0.1, step_size=0.5)
+    with pytest.raises(TypeError, match="takes a function of the step count"):
+        L.scale_by_schedule(0.5)
+    with pytest.raises(TypeError, match="must be a function of the step count"):
+        mtapply.Link("s", "", dict(rate=None), "update = rate * grad", schedules={"rate": 0.5})
+    with pytest.raises(TypeError, match="has no lr, so learning_rate would change nothing"):
+        mtx.transformation(mtapply.chain(L.scale_by_schedule(fn)), 0.1)
+    with pytest.raises(TypeError, match="reads lr: give learning_rate"):
+        mtx.transformation(scheduled)
+    factory = mtx.alias(mtapply.chain(L.scale_by_adam(), L.scale_by_schedule(fn)))
+    assert "step_size" not in str(__import__("inspect").signature(factory))
+    params = {"w": jnp.ones(3)}
+    tx = factory()
+    updates, _ = tx.update(params, tx.init(params))
+    np.testing.assert_allclose(np.asarray(updates["w"]), 0.5, rtol=1e-6)

@@ -20,6 +20,12 @@ params or a callable of the params giving one): where the mask is False the hype
 keeps the masks (`rule.masks`, by the chain's names); `mtapply.optax` applies them, since pytrees
 exist there; the torch and functional forms take such a hyperparameter per param group or per
 tensor instead.
+
+A link may schedule a hyperparameter (`schedules`: name -> a function of the step count from 0,
+as optax's schedules): `mtapply.optax` evaluates it at each update (traced, under jit too) and
+passes the value to the kernel as a per-step scalar, as it passes the learning rate; the chain
+keeps them as `rule.schedules`. The torch and functional forms take such a hyperparameter as
+given at each step (a param group's value, which a scheduler may set).
 """
 from __future__ import annotations
 
@@ -37,10 +43,10 @@ class Link:
     `hyper` (as a rule's) and `update` lines that end by assigning `update` (kept as
     `update_text`); `sums`, `totals` and `finish` as a rule's (per-tensor norms, a global norm:
     a chain holds at most one link with sums or totals); `masks`: hyperparameter name -> optax's
-    mask (see the module docstring)."""
+    mask, `schedules`: hyperparameter name -> schedule (see the module docstring)."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = "", totals=None, masks=None):
+                 finish: str = "", totals=None, masks=None, schedules=None):
         self.name, self.slots_text, self.hyper = name, slots, dict(hyper)
         self.update_text, self.finish = textwrap.dedent(update), textwrap.dedent(finish)
         self.sums, self.totals = dict(sums or {}), dict(totals or {})
@@ -48,10 +54,16 @@ class Link:
         if not any(line.partition("=")[0].strip() == OUTPUT
                    for line in _lines(self.update_text)):
             raise ValueError(f"link {name!r} never assigns {OUTPUT!r} (its output)")
-        for key in self.masks:
+        self.schedules = dict(schedules or {})
+        for key, schedule in self.schedules.items():
+            if not callable(schedule):
+                raise TypeError(f"link {name!r}: the schedule of {key!r} must be a function of "
+                                f"the step count, got {type(schedule).__name__}")
+        for key in (*self.masks, *self.schedules):
             if key not in self.hyper:
-                raise ValueError(f"link {name!r} masks {key!r}, which is not one of its "
-                                 f"hyperparameters ({', '.join(self.hyper) or 'none'})")
+                raise ValueError(f"link {name!r} {'masks' if key in self.masks else 'schedules'}"
+                                 f" {key!r}, which is not one of its hyperparameters "
+                                 f"({', '.join(self.hyper) or 'none'})")
         # checked as the rule it would be alone: names, ranges, reads and writes
         alone = Rule(name, f"param:rw grad:r {slots}", hyper,
                      f"{self.update_text}\nparam = param + {OUTPUT}", self.sums or None,
@@ -64,16 +76,18 @@ class Link:
 
 class ChainRule(Rule):
     """The rule `chain` makes: a rule, with the links' masks (`masks`: the chain's
-    hyperparameter name -> optax's mask), which mtapply.optax applies."""
+    hyperparameter name -> optax's mask) and schedules (`schedules`: name -> a function of the
+    step count), which mtapply.optax applies."""
 
     def __init__(self, name: str, slots: str, hyper: dict, update: str, sums=None,
-                 finish: str = "", totals=None, masks=None):
+                 finish: str = "", totals=None, masks=None, schedules=None):
         super().__init__(name, slots, hyper, update, sums, finish, totals=totals)
-        self.masks = dict(masks or {})
+        self.masks, self.schedules = dict(masks or {}), dict(schedules or {})
 
     def __reduce__(self):
         name, slots, hyper, update, sums, finish, _, totals = self._source
-        return ChainRule, (name, slots, hyper, update, sums, finish, totals, self.masks)
+        return ChainRule, (name, slots, hyper, update, sums, finish, totals, self.masks,
+                           self.schedules)
 
 
 def chain(*links: Link, name: str | None = None) -> Rule:
@@ -87,6 +101,7 @@ def chain(*links: Link, name: str | None = None) -> Rule:
     slots, hyper, lines, sums, finish = ["param:rw", "grad:r"], {}, [], {}, []
     totals: dict = {}
     masks: dict = {}
+    schedules: dict = {}
     for k, link in enumerate(links, 1):
         names = {INPUT: INPUT if k == 1 else f"update_{k - 1}", OUTPUT: f"update_{k}"}
         for slot in link.state:
@@ -97,6 +112,7 @@ def chain(*links: Link, name: str | None = None) -> Rule:
             names[hyper_name] = _unique(hyper_name, k, taken)
             hyper[names[hyper_name]] = declared
         masks.update((names[key], mask) for key, mask in link.masks.items())
+        schedules.update((names[key], fn) for key, fn in link.schedules.items())
         for given, into in ((link.sums, sums), (link.totals, totals)):
             for total, text in given.items():
                 names[total] = f"link{k}_{total}"
@@ -105,7 +121,8 @@ def chain(*links: Link, name: str | None = None) -> Rule:
         lines += [_renamed(line, names, k) for line in _lines(link.update_text)]
     lines.append(f"param = param + update_{len(links)}")
     return ChainRule(name or "+".join(link.name for link in links), " ".join(slots), hyper,
-                     "\n".join(lines), sums or None, "\n".join(finish), totals or None, masks)
+                     "\n".join(lines), sums or None, "\n".join(finish), totals or None, masks,
+                     schedules)
 
 
 def _taken(links) -> dict:

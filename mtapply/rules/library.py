@@ -590,9 +590,27 @@ def add_decayed_weights(weight_decay=0.0, mask=None) -> Link:
     pytree of bools like the params, or a prefix of it, or a callable of the params giving
     one): no decay where False. mtapply.optax applies the mask (fixed per tree when the step
     is traced); mtapply.torch and the functional step have no pytree: give weight_decay per
-    param group (0 for the groups the mask leaves out) or per tensor there."""
-    return Link("add_decayed_weights", "", dict(weight_decay=(weight_decay, NON_NEGATIVE)),
-                "update = grad + weight_decay * param", masks={"weight_decay": mask})
+    param group (0 for the groups the mask leaves out) or per tensor there. weight_decay may
+    be a schedule (a function of the step count from 0), as optax's: see `scale_by_schedule`."""
+    scheduled = callable(weight_decay)
+    return Link("add_decayed_weights", "",
+                dict(weight_decay=(None if scheduled else weight_decay, NON_NEGATIVE)),
+                "update = grad + weight_decay * param", masks={"weight_decay": mask},
+                schedules={"weight_decay": weight_decay} if scheduled else None)
+
+
+def scale_by_schedule(step_size_fn) -> Link:
+    """optax.scale_by_schedule: the update times step_size_fn(count), count the steps taken
+    before this one (0 at the first). mtapply.optax evaluates the schedule at each update
+    (under jit too) and passes its value to the kernel as a per-step scalar, as it does the
+    learning rate. mtapply.torch and the functional step take `step_size` as given at each
+    step (a param group's, which a scheduler may set): they do not call the function."""
+    if not callable(step_size_fn):
+        raise TypeError(f"scale_by_schedule takes a function of the step count (an optax "
+                        f"schedule), got {type(step_size_fn).__name__}: scale(step_size) "
+                        f"scales by a constant")
+    return Link("scale_by_schedule", "", dict(step_size=None), "update = step_size * grad",
+                schedules={"step_size": step_size_fn})
 
 
 def scale(step_size) -> Link:
@@ -664,5 +682,5 @@ __all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "ad
            "schedule_free_adamw", "sgd",
            # links
            "add_decayed_weights", "clip", "clip_by_global_norm", "scale", "scale_by_adam", "scale_by_belief",
-           "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "scale_by_trust_ratio",
-           "trace"]
+           "scale_by_learning_rate", "scale_by_lion", "scale_by_rms", "scale_by_schedule",
+           "scale_by_trust_ratio", "trace"]
