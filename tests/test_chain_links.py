@@ -1,5 +1,6 @@
 """Links of `mtapply.chain` with optax's finer arguments, against optax's own links in float64:
-add_decayed_weights with a mask, scale_by_schedule (through mtapply.optax.transformation)."""
+add_decayed_weights with a mask, scale_by_schedule (through mtapply.optax.transformation), and
+links as optax GradientTransformations inside optax.chain."""
 import numpy as np
 import pytest
 
@@ -247,3 +248,77 @@ def test_schedules_are_refused_where_they_cannot_apply():
     tx = factory()
     updates, _ = tx.update(params, tx.init(params))
     np.testing.assert_allclose(np.asarray(updates["w"]), 0.5, rtol=1e-6)
+
+
+MIXED = {  # name -> (optax.chain with mtapply links among optax's, the all-optax chain)
+    "adamw": (lambda: [L.scale_by_adam(b1=0.8), optax.add_decayed_weights(0.01),
+                       L.scale_by_learning_rate(0.05)],
+              lambda: [optax.scale_by_adam(b1=0.8), optax.add_decayed_weights(0.01),
+                       optax.scale_by_learning_rate(0.05)]),
+    "masked-trace": (lambda: [optax.clip(1.0), L.add_decayed_weights(0.1, MASKS["callable"]),
+                              L.trace(0.9, nesterov=True), optax.scale(-0.1)],
+                     lambda: [optax.clip(1.0), optax.add_decayed_weights(0.1, MASKS["callable"]),
+                              optax.trace(0.9, nesterov=True), optax.scale(-0.1)]),
+    # (a float64 schedule: optax.linear_schedule's float32 value is rounded eagerly and not
+    # under jit, where XLA drops the round trip, so optax's own eager and jitted runs differ)
+    "schedule": (lambda: [L.scale_by_rms(decay=0.8, initial_scale=0.1), optax.scale_by_adam(),
+                          L.scale_by_schedule(lambda count: -0.1 / (1.0 + 0.5 * count))],
+                 lambda: [optax.scale_by_rms(decay=0.8, initial_scale=0.1), optax.scale_by_adam(),
+                          optax.scale_by_schedule(lambda count: -0.1 / (1.0 + 0.5 * count))]),
+}
+SUMMED = {  # the same, with links whose sums are float32 as the kernel's: optax's to 1e-6
+    "clip-by-global-norm": (
+        lambda: [L.clip_by_global_norm(1.0), optax.scale_by_adam(), L.scale(-0.1)],
+        lambda: [optax.clip_by_global_norm(1.0), optax.scale_by_adam(), optax.scale(-0.1)]),
+    "trust-ratio": (lambda: [L.scale_by_belief(), optax.add_decayed_weights(0.01),
+                             L.scale_by_trust_ratio(), optax.scale(-0.05)],
+                    lambda: [optax.scale_by_belief(), optax.add_decayed_weights(0.01),
+                             optax.scale_by_trust_ratio(), optax.scale(-0.05)]),
+}
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("name", list(MIXED))
+def test_links_run_inside_optax_chain_beside_optax_links(name, jit):
+    ours, theirs = MIXED[name]
+    _assert_equal_runs(optax.chain(*ours()), optax.chain(*theirs()), seed=6, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("name", list(SUMMED))
+def test_summing_links_run_inside_optax_chain(name, jit):
+    ours, theirs = SUMMED[name]
+    _assert_equal_runs(optax.chain(*ours()), optax.chain(*theirs()), seed=7, rtol=1e-6,
+                       atol=1e-8, jit=jit)
+
+
+def test_a_link_is_a_gradient_transformation_of_its_own():
+    link = L.trace(0.5)
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+    state = link.init(params)
+    assert int(state.count) == 0
+    updates, state = link.update(params, state)  # trace reads no params: none needed
+    updates, state = link.update(params, state, loss=1.0)  # optax's extra arguments: ignored
+    np.testing.assert_allclose(np.asarray(updates["w"]), 1.5 * np.arange(3.0))
+    assert int(state.count) == 2
+    assert link._transformation() is link._transformation()  # made once
+    copied = __import__("copy").deepcopy(link)
+    assert "_optax" not in vars(copied) and copied.update_text == link.update_text
+    with pytest.raises(ValueError, match="reads the params"):
+        L.add_decayed_weights(0.1).update(params, L.add_decayed_weights(0.1).init(params))
+    with pytest.raises(TypeError, match="scales by a learning rate it was not given"):
+        optax.chain(L.scale_by_learning_rate()).init(params)
+
+
+def test_links_import_jax_only_when_run_in_optax():
+    import subprocess
+    import sys
+
+    code = ("import sys, mtapply\n"
+            "from mtapply.rules import library as L\n"
+            "link = L.scale_by_adam()\n"
+            "mtapply.chain(link, L.scale_by_learning_rate())\n"
+            "assert 'jax' not in sys.modules and 'optax' not in sys.modules\n"
+            "link.init([__import__('numpy').ones(3, 'float32')])\n"
+            "assert 'jax' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

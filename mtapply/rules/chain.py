@@ -21,6 +21,11 @@ keeps the masks (`rule.masks`, by the chain's names); `mtapply.optax` applies th
 exist there; the torch and functional forms take such a hyperparameter per param group or per
 tensor instead.
 
+A link is also an optax GradientTransformation (`init`, `update`): in `optax.chain` beside
+optax's own links it runs alone, as `mtapply.optax.transformation(chain(link))` with its
+hyperparameters' values (made at its first use; jax and optax are imported only then). Links
+chained with `chain` run as one kernel; each link in optax.chain is a kernel of its own.
+
 A link may schedule a hyperparameter (`schedules`: name -> a function of the step count from 0,
 as optax's schedules): `mtapply.optax` evaluates it at each update (traced, under jit too) and
 passes the value to the kernel as a per-step scalar, as it passes the learning rate; the chain
@@ -69,6 +74,39 @@ class Link:
                      f"{self.update_text}\nparam = param + {OUTPUT}", self.sums or None,
                      self.finish, totals=self.totals or None)
         self.state = alone.program.slots[2:]
+
+    # -- optax: a link is a GradientTransformation of its own (init, update), which
+    # optax.chain takes beside optax's links
+
+    def init(self, params):
+        """optax's GradientTransformation.init: the state of this link run alone, as
+        `mtapply.optax.transformation(mtapply.chain(link))` (made at the first use: mtapply
+        imports jax and optax only then)."""
+        return self._transformation().init(params)
+
+    def update(self, updates, state, params=None, **extra_args):
+        """optax's GradientTransformation.update (optax's extra arguments are ignored): the
+        link's kernel over the tree, its hyperparameters the link's values; params where
+        the link reads them (add_decayed_weights, scale_by_trust_ratio)."""
+        return self._transformation().update(updates, state, params, **extra_args)
+
+    def _transformation(self):
+        made = self.__dict__.get("_optax")
+        if made is None:
+            from .. import optax as mtx  # only here: the rules never need jax
+
+            rule = chain(self)
+            learning_rate = rule.hyper.get("lr")
+            if "lr" in rule.hyper and learning_rate is None:
+                raise TypeError(f"link {self.name!r} scales by a learning rate it was not given: "
+                                f"in optax.chain it runs alone, so give it one "
+                                f"(scale_by_learning_rate(1e-3)), or chain it with mtapply.chain "
+                                f"and pass learning_rate to mtapply.optax.transformation")
+            made = self._optax = mtx.transformation(rule, learning_rate)
+        return made
+
+    def __getstate__(self):  # (pickles and copies make their transformation again)
+        return {key: value for key, value in self.__dict__.items() if key != "_optax"}
 
     def __repr__(self) -> str:
         return f"mtapply.rules.chain.Link({self.name!r}, slots={self.slots_text!r})"
