@@ -282,6 +282,12 @@ class RuleOptimizer(RuleBased):
         if "lr" not in rule.hyper:
             raise TypeError(f"rule {rule.name!r} has no lr: a torch optimizer's param groups "
                             f"(and LR schedulers) drive the rule's lr hyperparameter; declare one")
+        masks = getattr(rule, "masks", None)
+        if masks:  # optax's masks are pytrees of the params: torch has param groups instead
+            name = sorted(masks)[0]
+            raise ValueError(f"rule {rule.name!r} masks {name!r} with an optax mask, which a torch "
+                             f"optimizer cannot apply: make the link without mask= and give "
+                             f"{name} per param group (e.g. {name}=0.0 in a group of biases)")
         unknown = sorted(set(hyper) - set(rule.hyper))
         if unknown:
             raise TypeError(f"rule {rule.name!r} has no hyperparameter {unknown[0]!r} (it takes "

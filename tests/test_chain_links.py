@@ -322,3 +322,18 @@ def test_links_import_jax_only_when_run_in_optax():
             "link.init([__import__('numpy').ones(3, 'float32')])\n"
             "assert 'jax' in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_masked_chain_is_refused_as_a_torch_optimizer():
+    """torch has param groups, not pytrees: a mask it cannot apply is refused, naming the fix."""
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    chain = mtapply.chain(L.scale_by_adam(), L.add_decayed_weights(0.01, mask={"w": True}),
+                          L.scale_by_learning_rate())
+    param = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="per param group"):
+        mt.optimizer(chain, [param], lr=1e-3)
+    unmasked = mtapply.chain(L.scale_by_adam(), L.add_decayed_weights(0.01),
+                             L.scale_by_learning_rate())
+    mt.optimizer(unmasked, [param], lr=1e-3)  # the same chain without a mask is taken
