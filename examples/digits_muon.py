@@ -3,8 +3,10 @@
 The reference is torch's pair, torch.optim.Muon for the matrices and torch.optim.AdamW for the
 biases; beside it runs mtapply.torch.Muon, one optimizer whose `use_muon=False` group is the
 AdamW. Both start from the same weights and see the same batches. Prints the curves and the
-test accuracies; saves a PNG when matplotlib is installed. Exits with status 1 when the curves
-part early, or when mtapply's run tests clearly worse (see the comment at EARLY_RTOL).
+test accuracies; saves a PNG when matplotlib is installed. Exits with status 1 when the mean
+training losses of the first 4 epochs differ by more than 1e-2 (relative), or when mtapply's
+test accuracy is more than 0.03 below torch's (later epochs, at losses of 1e-2 and below, wander
+apart like any two runs: Newton-Schulz in bfloat16 rounds some elements the other way).
 
     python examples/digits_muon.py [--device cpu|cuda] [--epochs 20] [--out examples/out]
 """
@@ -15,7 +17,8 @@ import sys
 
 import torch
 from _curves import output_path, relative_gaps, save_plot
-from digits_torch import accuracy, example_parser, load_data, lockstep
+from digits_torch import (accuracy, curve_check, example_parser, load_data, lockstep,
+                         parse_example_args)
 
 import mtapply.torch
 
@@ -61,7 +64,7 @@ def optimizers(args, models) -> dict:
 
 
 def main(argv=None) -> int:
-    args = example_parser(__doc__.splitlines()[0], 0.02).parse_args(argv)
+    args = parse_example_args(example_parser(__doc__, 0.02), argv)
     x_train, y_train, x_test, y_test = load_data(args.seed, args.device)
     torch.manual_seed(args.seed)
     first = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
@@ -83,8 +86,12 @@ def main(argv=None) -> int:
           f"over all (not checked: see the comment at EARLY_RTOL)")
     save_plot(output_path(args.out, "digits_muon.png"), [curves[n] for n in names], names,
               f"digits, 64-256-256-10 MLP, Muon + AdamW, {args.device}")
-    agree = early <= EARLY_RTOL and accuracies[1] >= accuracies[0] - ACCURACY_GAP
-    print("OK: the loss curves agree" if agree else "FAIL: the loss curves disagree")
+    close, line = curve_check(names[1], names[0], gaps, EARLY_RTOL, EARLY_EPOCHS)
+    accurate = accuracies[1] >= accuracies[0] - ACCURACY_GAP
+    agree = close and accurate
+    print(f"{'OK' if agree else 'FAIL'}: {line.split(': ', 1)[1]}, and its test accuracy "
+          f"{accuracies[1]:.4f} is {'at most' if accurate else 'MORE than'} {ACCURACY_GAP:g} below "
+          f"torch's {accuracies[0]:.4f}")
     return 0 if agree else 1
 
 

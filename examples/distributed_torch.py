@@ -10,10 +10,17 @@ Every rank trains the same small MLP on its half of each global batch of fixed s
 gradients are averaged (DDP) or reduce-scattered (FSDP2, where each rank then updates only its
 own shard of every param: mtapply's optimizers step the local shards, and LARS and LAMB sum
 their per-tensor norms over the shards with an all-reduce). `--mode single` trains the same
-model on whole batches in one process: the results must agree to rounding. Rank 0 saves the
-final full params and its losses to `--out`/distributed_MODE_OPTIMIZER.pt. `--checkpoint FOLDER`
-saves the optimizer's state halfway (torch.distributed.checkpoint; 8-bit states included) and
-goes on with a new optimizer that loads it: the results are the same as without.
+model on whole batches in one process. Under torchrun, rank 0 then runs that one-process
+training too and checks the distributed run against it: it prints the largest difference between
+the final params and exits with status 1 when it is above the tolerance (1e-4 with float
+states; 2e-3 with 8-bit states, where a rounding may put a value on the neighbouring code and
+that element's later steps then differ by up to a few lr). The losses printed and plotted are
+the mean over the ranks of their half-batch losses: the whole batch's loss, as one process sees
+it. Rank 0 saves the final full params and those losses to `--out`/distributed_MODE_OPTIMIZER.pt
+and the plot beside them (.png). `--checkpoint FOLDER` saves the optimizer's state halfway
+(torch.distributed.checkpoint; 8-bit states included) and goes on with a new optimizer that
+loads it: the results are the same as without. A configuration mtapply refuses ends with its
+message and exit status 2.
 
 On GPUs (one per rank, NCCL) when torch sees them, else on the CPU (`--device cpu`: gloo, and
 mtapply's NumPy backend), DDP and FSDP2 alike; LARS and LAMB over FSDP2 shards need GPUs (on the
@@ -21,20 +28,26 @@ CPU their per-tensor norms are not summed over the shards).
 """
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import sys
-
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _curves import add_device_argument, add_out_argument, output_path, parser_for, save_plot
 
 import mtapply.torch as mt
 
-OUT = Path(__file__).resolve().parent / "out"  # git-ignored
-
 WIDTH, CLASSES, BATCH, STEPS = 96, 10, 64, 12
+# The largest difference allowed between a final param of the distributed run and the one-process
+# run's. The ranks' half-batch gradients are averaged, a few float32 roundings per step apart
+# from the whole batch's; with float states the params agree to 1.4e-7 on the CPU (1e-4 leaves
+# room for reductions in other orders on GPUs, and LARS's larger steps). With 8-bit states such
+# a rounding may put a moment on the neighbouring code, and that element's later steps then
+# differ by up to a few lr (3e-3 for AdamW, 3e-4 for Lion).
+ATOL, ATOL_8BIT = 1e-4, 2e-3
 
 
 def make_model(device):
@@ -105,10 +118,10 @@ def resumed(model, opt, optimizer: str, folder: str):
     return fresh
 
 
-def train(mode: str, optimizer: str, device_type: str, checkpoint: str | None = None) -> tuple:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if mode != "single" else (0, 1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    model = wrap(make_model(device), mode, device_type)
+def train(model, optimizer: str, device, rank: int = 0, world: int = 1,
+          checkpoint: str | None = None) -> tuple:
+    """Trains `model` (wrapped or not) on each rank's part of every global batch; returns its
+    full final params, its losses (this rank's part's) and its optimizer state's dtypes."""
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for step, (x, y) in enumerate(batches(device)):
@@ -119,39 +132,113 @@ def train(mode: str, optimizer: str, device_type: str, checkpoint: str | None = 
         loss = torch.nn.functional.cross_entropy(model(x[part]), y[part])
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.detach())
     kinds = sorted({str(value.dtype) for entry in opt.state.values() for value in entry.values()})
-    return full_params(model), losses, kinds
+    return full_params(model), torch.stack(losses), kinds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def refuse(message: str, usage: str = "") -> None:
+    """Ends the process with `message` as its last line on stderr and status 2. Under torchrun
+    every rank says it (torchrun stops the others once one has ended), and writes it to its
+    error file, so torchrun's failure summary that follows shows it as the root cause instead
+    of a pointer to its documentation."""
+    print(f"{usage}distributed_torch.py: error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # the format of torchrun's own @record, with the message for a traceback
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    sys.stdout.flush()
+    os._exit(2)  # at once: under gloo, leaving through the interpreter may abort (see main)
+
+
+def parse_args(argv=None):
+    parser = parser_for(__doc__)
     parser.add_argument("--mode", choices=("ddp", "fsdp2", "single"), default="ddp")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
     parser.add_argument("--checkpoint", metavar="FOLDER",
                         help="halfway, save the optimizer's state there and go on with a new "
                              "optimizer that loads it (torch.distributed.checkpoint)")
-    parser.add_argument("--out", default=str(OUT),
-                        help="folder for the result (default: examples/out/, git-ignored)")
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    add_out_argument(parser)
+    add_device_argument(parser, torch.cuda.is_available())
+    args = parser.parse_args(argv)
+    usage = parser.format_usage()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        refuse("--device cuda, but torch sees no CUDA device: use --device cpu (gloo)", usage)
     if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer in ("lars", "lamb"):
-        parser.error(f"--optimizer {args.optimizer} with --mode fsdp2 needs GPUs: on the CPU "
-                     f"mtapply does not sum its per-tensor norms over the shards (use --mode "
-                     f"ddp, or another --optimizer)")
-    if args.mode != "single":
+        refuse(f"--optimizer {args.optimizer} with --mode fsdp2 needs GPUs: on the CPU mtapply "
+               f"does not sum its per-tensor norms over the shards (use --mode ddp, or another "
+               f"--optimizer)", usage)
+    if args.mode != "single" and "RANK" not in os.environ:
+        refuse(f"--mode {args.mode} runs under torchrun, one process per rank: torchrun "
+               f"--nproc_per_node=2 examples/distributed_torch.py --mode {args.mode} (or --mode "
+               f"single, in one process)", usage)
+    return args
+
+
+def run(args) -> int:
+    """Trains as `args` say, and under torchrun checks the result on rank 0 against one
+    process; returns the exit status (0 agreed, 1 differed)."""
+    distributed = args.mode != "single"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
+    model = wrap(make_model(device), args.mode, args.device)
+    params, losses, state_dtypes = train(model, args.optimizer, device, rank, world,
+                                         args.checkpoint)
+    if distributed:  # the mean of the ranks' half-batch losses: the whole batch's
+        dist.all_reduce(losses)
+        losses /= world
+    losses = losses.tolist()
+    if rank != 0:
+        return 0
+    whose = "mean over ranks" if distributed else "one process"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stem = f"distributed_{args.mode}_{args.optimizer}"
+    path = Path(args.out) / f"{stem}.pt"
+    torch.save({"params": params, "losses": losses, "state_dtypes": state_dtypes}, path)
+    print(f"{args.mode} {args.optimizer} on {args.device}, {world} process(es): {len(params)} "
+          f"params, {STEPS} steps; loss ({whose}) {losses[0]:.6f} at the first step, "
+          f"{losses[-1]:.6f} at the last -> {path}")
+    if not distributed:
+        save_plot(output_path(args.out, f"{stem}.png"), [losses], ["one process"],
+                  f"{args.optimizer}, one process, {args.device}", xlabel="step",
+                  ylabel="training loss")
+        print(f"OK: trained in one process ({STEPS} steps, loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}); nothing compared here: under torchrun, --mode ddp or fsdp2 "
+              f"checks itself against this run")
+        return 0
+    reference = make_model(device)
+    one_params, one_losses, _ = train(reference, args.optimizer, device)
+    one_losses = one_losses.tolist()
+    gap = max((p - q).abs().max().item() for p, q in zip(params, one_params, strict=True))
+    atol = ATOL_8BIT if "torch.uint8" in state_dtypes else ATOL
+    print(f"one process, same optimizer and batches: loss {one_losses[-1]:.6f} at the last step; "
+          f"max |final param difference| = {gap:.3e} (tolerance {atol:g})")
+    save_plot(output_path(args.out, f"{stem}.png"), [one_losses, losses],
+              ["one process", f"{args.mode}, {world} ranks (mean over ranks)"],
+              f"{args.optimizer}, {args.mode} against one process, {args.device}",
+              xlabel="step", ylabel="training loss")
+    agree = gap <= atol
+    print(f"{'OK' if agree else 'FAIL'}: every final param of the {args.mode} run over {world} "
+          f"ranks is {'within' if agree else 'NOT within'} {atol:g} of one process's, trained "
+          f"with the same optimizer ({args.optimizer}) on the same batches (largest difference "
+          f"{gap:.2e})")
+    return 0 if agree else 1
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    distributed = args.mode != "single"
+    if distributed:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    params, losses, state_dtypes = train(args.mode, args.optimizer, args.device, args.checkpoint)
-    if args.mode == "single" or dist.get_rank() == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = Path(args.out) / f"distributed_{args.mode}_{args.optimizer}.pt"
-        torch.save({"params": params, "losses": losses, "state_dtypes": state_dtypes}, path)
-        print(f"{args.mode} {args.optimizer} on {args.device}: {len(params)} params, final loss "
-              f"on rank 0 {losses[-1]:.6f} -> {path}")
-    if args.mode != "single":
+    try:
+        status = run(args)
+    except (ValueError, TypeError) as error:  # mtapply's refusals: its message, no traceback
+        refuse(f"rank {dist.get_rank()}: {error}" if distributed else str(error))
+    if distributed:
         dist.destroy_process_group()
         if args.device == "cpu":
             # gloo's worker threads may still be releasing finished collectives, which hold
@@ -160,7 +247,8 @@ def main() -> None:
             # torch.optim too, in about one run of ten). Nothing is left to do: leave at once.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
