@@ -11,28 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mtapply.torch as mt  # noqa: E402
+from _torch_steps import run_steps as _run, seeded_grads as _grads, seeded_params as _params  # noqa: E402
 from mtapply import quantization  # noqa: E402
 from mtapply.rules import library  # noqa: E402
 
-SHAPES = [(5000,), (10,), (70, 80), (256 * 20 + 7,)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _params(seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in SHAPES]
 
-
-def _grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g).to(p.device) for p in params]
-
-
-def _run(opt, params, steps, first_seed=0):
-    for t in range(steps):
-        for p, g in zip(params, _grads(params, first_seed + t)):
-            p.grad = g
-        opt.step()
 
 
 def _lars_groups(params):
