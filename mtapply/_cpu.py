@@ -8,6 +8,7 @@ checked as the kernels check them: one out of its range makes the step write not
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import numpy as np
 
@@ -18,28 +19,60 @@ _STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
             "uint8": np.uint8}
 
 
+_VIEWS: dict = {}  # (address, numel, dtype) -> (writable view, read-only view)
+_MAX_VIEWS = 1 << 16
+SMALL = 1 << 14  # elements: non-empty tensors up to this size are stepped together (see `run`)
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+
+
 def view(ref) -> np.ndarray:
     """A flat NumPy view of a dense host tensor's memory (bfloat16 as raw uint16)."""
-    storage = _STORAGE[ref.dtype]
-    if ref.numel == 0:
-        return np.empty(0, dtype=storage)
-    buffer = (ctypes.c_char * ref.nbytes).from_address(ref.ptr)
-    return np.frombuffer(buffer, dtype=storage, count=ref.numel)
+    return _views(ref)[0]
+
+
+def _views(ref) -> tuple:
+    """(writable, read-only) flat views of a host tensor's memory, made once per address, size
+    and dtype: a view holds no memory of its own, so one made earlier at the same address sees
+    what a fresh one would."""
+    key = (ref.ptr, ref.numel, ref.dtype)
+    views = _VIEWS.get(key)
+    if views is None:
+        storage = _STORAGE[ref.dtype]
+        if ref.numel == 0:
+            raw = np.empty(0, dtype=storage)
+        else:
+            buffer = (ctypes.c_char * ref.nbytes).from_address(ref.ptr)
+            raw = np.frombuffer(buffer, dtype=storage, count=ref.numel)
+        frozen = raw.view()
+        frozen.flags.writeable = False
+        if len(_VIEWS) >= _MAX_VIEWS:
+            _VIEWS.clear()
+        views = _VIEWS[key] = (raw, frozen)
+    return views
 
 
 def load(ref, dtype) -> np.ndarray:
-    raw = view(ref)
-    if ref.dtype == "bfloat16":
-        return (raw.astype(np.uint32) << 16).view(np.float32).astype(dtype)
-    return raw.astype(dtype)
+    """A tensor's values in `dtype`: a read-only view of its memory where it is stored in
+    `dtype`, else a new array."""
+    return _convert(_views(ref)[1], ref.dtype, dtype)
+
+
+def _convert(raw: np.ndarray, storage: str, dtype) -> np.ndarray:
+    if storage == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+    return raw.astype(dtype, copy=False)
 
 
 def store(ref, values: np.ndarray) -> None:
-    raw = view(ref)
-    if ref.dtype == "bfloat16":
+    _put(view(ref), ref.dtype, values)
+
+
+def _put(raw: np.ndarray, storage: str, values) -> None:
+    """`values` written into a tensor's raw view (bfloat16 rounded to nearest)."""
+    if storage == "bfloat16":
         raw[:] = round_to_bfloat16_bits(values)
     else:
-        raw[:] = values.astype(raw.dtype)
+        np.copyto(raw, values, casting="unsafe")
 
 
 def store_stochastic(ref, values: np.ndarray, args: dict, tensor: int) -> None:
@@ -56,7 +89,8 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None) -> bool:
+def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
+        cache=None) -> bool:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
     with its row's where `rows` (mtapply._rows.Rows) is given; grads are divided by
     `grad_scale` first (AMP), in the math type, as the kernel does. With master
@@ -79,9 +113,20 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
     if spec.n_totals:  # whole-list sums: a first pass over every tensor
         totals = spec.cpu_totals((i, arrays, tensor_args(i), dtype)
                                  for i, dtype, arrays in _tensors(spec, refs, grad_scale))
-    for i, dtype, arrays in _tensors(spec, refs, grad_scale):
+    together = ()
+    if cache is not None and rows is None and totals is None and spec.cpu_batchable():
+        batches = _batches(spec, refs, cache)
+        for batch in batches:
+            _run_batch(spec, batch, args, grad_scale)
+        together = cache["together"]
+    for i, dtype, arrays in _tensors(spec, refs, grad_scale, together):
         given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
-        for name, values in spec.cpu_update(dict(arrays), given, dtype, i).items():
+        new = spec.cpu_update(dict(arrays), given, dtype, i)
+        inputs = [a for a in arrays.values() if not a.flags.writeable]  # views of the tensors
+        if inputs:  # a result that is (a view of) a tensor's memory, copied before any store
+            new = {name: np.array(values) if _aliases(values, inputs) else values
+                   for name, values in new.items()}
+        for name, values in new.items():
             if name == "params" and spec.param_mode == "delta":
                 store(refs["updates"][i], values - arrays["params"])
                 continue
@@ -94,23 +139,111 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None)
     return True
 
 
-def _tensors(spec, refs: dict, grad_scale):
+def _aliases(values, inputs: list) -> bool:
+    return (isinstance(values, np.ndarray) and values.base is not None
+            and any(np.may_share_memory(values, a) for a in inputs))
+
+
+def _tensors(spec, refs: dict, grad_scale, skip=()):
     """(index, math dtype, slot name -> values) of each non-empty tensor, as the op sees it:
-    the fp32 master as the param, zero params in the zero mode, grads unscaled."""
+    the fp32 master as the param, zero params in the zero mode, grads unscaled. Values stored
+    in the math type are read-only views of the tensors' memory."""
     first = refs[spec.slots[0]]
     for i in range(len(first)):
-        if first[i].numel == 0:
+        if first[i].numel == 0 or i in skip:
             continue
         dtype = np.float64 if first[i].dtype == "float64" else np.float32
         arrays = {name: load(column[i], dtype) for name, column in refs.items()
                   if name != "updates"}
-        if spec.master_weights:
-            arrays["params"] = arrays.pop("master_params")
-        if spec.param_mode == "zero":
-            arrays["params"] = np.zeros_like(arrays["params"])
-        if grad_scale != 1.0:
-            arrays["grads"] = arrays["grads"] / dtype(grad_scale)
-        yield i, dtype, arrays
+        yield i, dtype, _as_the_op_sees(spec, arrays, dtype, grad_scale)
+
+
+def _as_the_op_sees(spec, arrays: dict, dtype, grad_scale) -> dict:
+    if spec.master_weights:
+        arrays["params"] = arrays.pop("master_params")
+    if spec.param_mode == "zero":
+        arrays["params"] = np.zeros_like(arrays["params"])
+    if grad_scale != 1.0:
+        arrays["grads"] = arrays["grads"] / dtype(grad_scale)
+    return arrays
+
+
+class _Batch:
+    """Small tensors of one layout stepped as one: each slot's tensors read into one array,
+    the op applied once (its update is elementwise, with the same arguments for every tensor)
+    and each result written back tensor by tensor."""
+
+    def __init__(self, spec, refs: dict, indices: list):
+        self.indices = indices
+        first = refs[spec.slots[0]][indices[0]]
+        self.dtype = np.float64 if first.dtype == "float64" else np.float32
+        self.storage = {name: column[indices[0]].dtype for name, column in refs.items()}
+        self.sizes = [refs[spec.slots[0]][i].numel for i in indices]
+        ends = np.cumsum(self.sizes).tolist()
+        self.slices = [slice(end - size, end) for end, size in zip(ends, self.sizes)]
+        self.total = ends[-1]
+        self.reads = {name: [_views(column[i])[1] for i in indices] if column[indices[0]].numel
+                      else None for name, column in refs.items() if name != "updates"}
+        self.writes = {name: [_views(column[i])[0] for i in indices]
+                       for name, column in refs.items() if name in spec.written}
+        self.refs = {name: [column[i] for i in indices] for name, column in refs.items()
+                     if name == "params"} if spec.stochastic_rounding else None
+
+    def arrays(self) -> dict:
+        out = {}
+        for name, views in self.reads.items():
+            if views is None:
+                out[name] = np.empty(0, self.dtype)
+                continue
+            raw = np.concatenate(views)
+            out[name] = _convert(raw, self.storage[name], self.dtype)
+        return out
+
+
+def _batches(spec, refs: dict, cache: dict) -> list:
+    """The plan's batches of small tensors (`_Batch`), made on the first step and kept in
+    `cache` while the plan's lists are the same; `cache["together"]`: the tensors they hold."""
+    lists = tuple(refs.values())
+    kept = cache.get("lists")
+    if kept is not None and len(kept) == len(lists) and all(map(operator.is_, kept, lists)):
+        return cache["batches"]
+    groups: dict = {}
+    first = refs[spec.slots[0]]
+    for i, param in enumerate(first):
+        n = param.numel
+        if n == 0 or n > SMALL:
+            continue
+        column = [c[i] for c in lists]
+        if all(r.dtype in _FLOATS and r.numel in (0, n) and r.row_major for r in column):
+            groups.setdefault(tuple((r.dtype, r.numel == 0) for r in column), []).append(i)
+    batches = [_Batch(spec, refs, indices) for indices in groups.values() if len(indices) > 1]
+    cache.clear()
+    cache.update(lists=lists, batches=batches,
+                 together=frozenset(i for batch in batches for i in batch.indices))
+    return batches
+
+
+def _run_batch(spec, batch: _Batch, args: dict, grad_scale) -> None:
+    dtype = batch.dtype
+    arrays = _as_the_op_sees(spec, batch.arrays(), dtype, grad_scale)
+    new = spec.cpu_update(dict(arrays), args, dtype, batch.indices[0])
+    for name, values in new.items():
+        values = np.broadcast_to(values, (batch.total,))
+        targets = [name]
+        if name == "params" and spec.param_mode == "delta":
+            values, targets = values - arrays["params"], ["updates"]
+        elif name == "params" and spec.stochastic_rounding:
+            for k, (ref, part) in enumerate(zip(batch.refs["params"], batch.slices)):
+                store_stochastic(ref, values[part], args, batch.indices[k])
+            continue
+        elif name == "params" and spec.master_weights:
+            targets.append("master_params")
+        for target in targets:
+            storage = batch.storage[target]
+            bits = (round_to_bfloat16_bits(values) if storage == "bfloat16"
+                    else values.astype(_STORAGE[storage], copy=False))
+            for raw, part in zip(batch.writes[target], batch.slices):
+                np.copyto(raw, bits[part])
 
 
 def _values(spec, args: dict, rows, grad_scale):

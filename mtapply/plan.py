@@ -107,6 +107,7 @@ class Plan:
         self.device = self._refs[first][0].device if self._n else None
         self._scalars: OrderedDict = OrderedDict()
         self._latest_rows = None  # the rows of the latest step's per-tensor hyperparameters
+        self._cpu_cache: dict = {}  # the CPU backend's views of the tensors (see `_cpu.run`)
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
@@ -265,7 +266,7 @@ class Plan:
             return
         if self._cuda is None:
             if not _cpu.run(self.spec, self._refs, args, grad_scale=scale, rows=rows,
-                            found_inf=skip):
+                            found_inf=skip, cache=self._cpu_cache):
                 self._invalid_host[0] = 1.0
                 return False
         else:
@@ -352,6 +353,7 @@ class Plan:
                                                                                    chosen))
             self._repeat = None  # the tables changed
             self._refs[slot] = fresh
+            self._cpu_cache.clear()
             self._released.discard(slot)
             self._alive.pop(slot, None)
             self._addresses[slot] = addresses
@@ -426,6 +428,7 @@ class Plan:
                 if watch:
                     self._watch(slot)
                 self._refs[slot] = [dataclasses.replace(ref, obj=None) for ref in self._refs[slot]]
+                self._cpu_cache.clear()
                 self._released.add(slot)
 
     def close(self) -> None:
@@ -435,6 +438,7 @@ class Plan:
             self._refusal = _CLOSED
             self._cuda = self._repeat = self._counter = self._latest_rows = None
             self._refs = {name: [] for name in self._refs}
+            self._cpu_cache.clear()
             self._alive, self._watched, self._lost = {}, {}, {}
             self._scalars.clear()
 

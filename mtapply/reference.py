@@ -21,25 +21,52 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, bet
     """
     p, g, m, v = (np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq))
     c = lambda x: dtype(x)  # noqa: E731 - scalars enter the math in its own type, as in torch
+    # each operation as written in the comments, in that order; in place only on arrays made
+    # here (the inputs may be the caller's own, or views of tensors: never written)
     if maximize:
         g = -g
     if weight_decay != 0:
         if decoupled_weight_decay:
             p = p * c(1 - lr * weight_decay)
-        else:
-            g = g + c(weight_decay) * p
+        else:  # g = g + wd * p
+            decay = c(weight_decay) * p
+            g = np.add(g, decay, out=_into(decay, g))
     w = c(1 - beta1)
-    m = m + w * (g - m) if w < 0.5 else g - (g - m) * (c(1) - w)
-    v = v * c(beta2) + c(1 - beta2) * g * g
+    t = g - m
+    if w < 0.5:  # m = m + w * (g - m)
+        t *= w
+        m = np.add(m, t, out=_into(t, m))
+    else:  # m = g - (g - m) * (1 - w)
+        t *= c(1) - w
+        m = np.subtract(g, t, out=_into(t, g))
+    # v = v * beta2 + (1 - beta2) * g * g
+    u = c(1 - beta2) * g
+    u *= g
+    v = v * c(beta2)
+    v = np.add(v, u, out=_into(v, u))
     vmax = None
     second = v
     if amsgrad:
         vmax = np.maximum(np.asarray(max_exp_avg_sq, dtype=dtype), v)
         second = vmax
     step_size = lr / (1 - beta1**step)
-    denom = np.sqrt(second) / c(math.sqrt(1 - beta2**step)) + c(eps)
-    p = p + c(-step_size) * (m / denom)
+    # p = p + (-step_size) * (m / (sqrt(second) / sqrt(1 - beta2**step) + eps))
+    denom = np.sqrt(second, out=_into(u, second))
+    denom /= c(math.sqrt(1 - beta2**step))
+    denom += c(eps)
+    ratio = np.divide(m, denom, out=_into(denom, m))
+    ratio *= c(-step_size)
+    p = np.add(p, ratio, out=_into(ratio, p))
     return p, m, v, vmax
+
+
+def _into(made, *others):
+    """`made` (an array made by the caller) as the output of an operation with `others`, where
+    it has the operation's shape; else None (a new array)."""
+    if isinstance(made, np.ndarray) and made.shape == np.broadcast_shapes(
+            made.shape, *(np.shape(other) for other in others)):
+        return made
+    return None
 
 
 def adam8bit(param, grad, exp_avg, exp_avg_sq, *, lr, step, block=256, dtype=np.float32,

@@ -223,6 +223,12 @@ class OpSpec:
         returns False to have the CPU backend call `cpu_update` tensor by tensor."""
         return False
 
+    def cpu_batchable(self) -> bool:
+        """Whether the CPU backend may step small tensors together, one `cpu_update` for the
+        values of many tensors laid end to end: true of ops whose update is elementwise and
+        takes the same arguments for every tensor (index aside)."""
+        return False
+
     @property
     def key(self) -> tuple:
         return (self.name, self.flags)

@@ -101,6 +101,9 @@ class AdamSpec(OpSpec):
             out["max_exp_avg_sqs"] = vmax
         return out
 
+    def cpu_batchable(self) -> bool:
+        return self.decay_mask is None and self.lr_labels is None
+
     def _decay_factor(self, index: int) -> float:
         return 1.0 if self.decay_mask is None else self.decay_mask[index]
 

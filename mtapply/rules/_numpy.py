@@ -38,8 +38,18 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
     n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
     for k, name in enumerate(program.scalars):
         state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
-    return {s.name: np.broadcast_to(np.asarray(env[s.name], dtype), shape).copy()
-            for s in program.slots if s.written}
+    return {s.name: _result(env[s.name], arrays, dtype, shape) for s in program.slots
+            if s.written}
+
+
+def _result(value, arrays: dict, dtype, shape) -> np.ndarray:
+    """A written slot's values as a new array of `dtype`: an array the lines made is taken as
+    it is, anything else (a uniform value, a slot's own array) copied."""
+    if (isinstance(value, np.ndarray) and value.base is None and value.dtype == dtype
+            and value.shape == shape and value.flags.writeable
+            and not any(value is given for given in arrays.values())):
+        return value
+    return np.broadcast_to(np.asarray(value, dtype), shape).copy()
 
 
 def _environment(program: Program, arrays: dict, scalars: dict, state) -> dict:

@@ -142,6 +142,10 @@ class RuleSpec(OpSpec):
                               args.get(_cuda.TOTALS))
         return {list_name(name): values for name, values in new.items()}
 
+    def cpu_batchable(self) -> bool:
+        """Elementwise where the program takes no sums and no value per tensor."""
+        return not self.program.sums and not self.tensor_values
+
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
