@@ -96,7 +96,8 @@ class Compiled:
         source = "\n".join(["def lines(env, dtype):", *body, "    return None",
                             "def sums(env, dtype):", *prefix, f"    return [{sums}]"])
         namespace = {"np": np, "C": self._constants, "F": _ELEMENT_FUNCTIONS, "CMP": _COMPARE,
-                     "hoist": _hoist, "square": _square, "mod": _mod, "pick": _pick}
+                     "hoist": _hoist, "square": _square, "mod": _mod, "pick": _pick,
+                     "BIN": _binary_into}
         exec(compile(source, f"<rule {id(program):x}>", "exec"), namespace)  # noqa: S102
         self.lines, self.sums = namespace["lines"], namespace["sums"]
 
@@ -150,7 +151,29 @@ class Compiled:
         if isinstance(node.op, ast.Mod):  # as the kernel computes it (Python's sign convention)
             return f"mod({left}, {right})"
         operator = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(node.op))
+        if operator and sub.__name__ == "_element":  # an array made here may take the result
+            fresh = (sub.__self__._fresh(node.left), sub.__self__._fresh(node.right))
+            if any(fresh):
+                return f"BIN({_UFUNCS[operator]}, {left}, {right}, {fresh[0]}, {fresh[1]})"
         return f"({left} {operator} {right})" if operator else f"np.power({left}, {right})"
+
+    def _fresh(self, node) -> bool:
+        """Whether `_element(node)` is always a new float array that nothing else holds: the
+        result of an arithmetic operation or function on element values (not a slot, a
+        temporary, a uniform value, a comparison or a uniform choice between two values)."""
+        if self._program.kind(node).uniform:
+            return False
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.op, ast.Pow) and isinstance(node.right, ast.Constant):
+                return node.right.value in (2, 0.5)
+            return isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div))
+        if isinstance(node, ast.UnaryOp):
+            return isinstance(node.op, ast.USub) or self._fresh(node.operand)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "where":
+                return not self._program.kind(node.args[0]).uniform
+            return node.func.id in ("sqrt", "abs", "sign", "exp", "log", "min", "max", "rsqrt")
+        return False
 
 
 def compiled(program: Program) -> Compiled:
@@ -163,6 +186,25 @@ def compiled(program: Program) -> Compiled:
 
 def _hoist(value, dtype):
     return value if isinstance(value, (bool, np.bool_)) else dtype(value)
+
+
+_UFUNCS = {"+": "np.add", "-": "np.subtract", "*": "np.multiply", "/": "np.divide"}
+
+
+def _binary_into(ufunc, a, b, a_fresh: bool, b_fresh: bool):
+    """ufunc(a, b), written into `a` or `b` where that operand is a new array of this line
+    (`Compiled._fresh`) of the result's type and shape: the same values, one array fewer."""
+    if a_fresh and _fits(a, b):
+        return ufunc(a, b, out=a)
+    if b_fresh and _fits(b, a):
+        return ufunc(a, b, out=b)
+    return ufunc(a, b)
+
+
+def _fits(made, other) -> bool:
+    return (type(made) is np.ndarray and made.dtype.kind == "f"
+            and isinstance(other, (np.ndarray, np.generic)) and other.dtype == made.dtype
+            and (other.shape == made.shape or other.ndim == 0))
 
 
 def _square(x):
