@@ -43,13 +43,24 @@ def quantize_blockwise(values: np.ndarray, signed: bool, block: int = BLOCK):
     """(codes uint8 like values.reshape(-1), absmax float32 per block) of one tensor; its
     non-finite elements are stored as zero."""
     flat = np.asarray(values, np.float32).reshape(-1)
-    flat = np.where(np.isfinite(flat), flat, np.float32(0))
+    finite = np.isfinite(flat)
+    if not finite.all():
+        flat = np.where(finite, flat, np.float32(0))
     absmax = block_absmax(flat, block)
     # times the float32 reciprocal of the block's absmax (one division a block, as the kernel),
     # or divided by it where that reciprocal overflows (a subnormal absmax)
     with np.errstate(divide="ignore", over="ignore"):
         inverse = np.where(absmax > 0, np.float32(1) / np.where(absmax > 0, absmax, 1), 0)
-    inverse = np.repeat(inverse.astype(np.float32), block)[:flat.size]
+    inverse = inverse.astype(np.float32)
+    overflows = np.isinf(inverse)
+    if flat.size == absmax.size * block:  # whole blocks: each block's factor broadcast
+        blocks = flat.reshape(absmax.size, block)
+        with np.errstate(invalid="ignore", over="ignore"):
+            normalized = blocks * inverse[:, None]
+        if overflows.any():
+            normalized[overflows] = blocks[overflows] / absmax[overflows, None]
+        return guided_code(normalized.reshape(-1), signed), absmax  # as `nearest_code`
+    inverse = np.repeat(inverse, block)[:flat.size]
     scale = np.repeat(absmax, block)[:flat.size]
     with np.errstate(invalid="ignore", divide="ignore"):
         normalized = np.where(np.isinf(inverse), flat / np.where(scale > 0, scale, 1),
@@ -61,13 +72,19 @@ def dequantize_blockwise(codes: np.ndarray, absmax: np.ndarray, signed: bool,
                          block: int = BLOCK) -> np.ndarray:
     """float32 values of one tensor's codes (flat)."""
     codes = np.asarray(codes, np.uint8).reshape(-1)
-    scale = np.repeat(np.asarray(absmax, np.float32), block)[:codes.size]
-    return dynamic_map(signed)[codes] * scale
+    absmax = np.asarray(absmax, np.float32)
+    values = dynamic_map(signed)[codes]
+    if codes.size == absmax.size * block:  # whole blocks: each block's scale broadcast
+        return (values.reshape(absmax.size, block) * absmax[:, None]).reshape(-1)
+    return values * np.repeat(absmax, block)[:codes.size]
 
 
 def block_absmax(flat: np.ndarray, block: int = BLOCK) -> np.ndarray:
     """The absolute maximum of each block of a flat tensor (float32)."""
     count = n_blocks(flat.size, block)
+    if flat.size == count * block:
+        magnitudes = np.abs(np.asarray(flat, np.float32)).reshape(count, block)
+        return magnitudes.max(axis=1) if count else np.zeros(0, np.float32)
     padded = np.zeros(count * block, np.float32)
     padded[:flat.size] = np.abs(flat)
     return padded.reshape(count, block).max(axis=1) if count else np.zeros(0, np.float32)
