@@ -162,14 +162,32 @@ def guided_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
     at 1 changes no code; it codes no NaN (non-finite values are stored as zero), here 255.
     """
     x = np.asarray(normalized, np.float32).reshape(-1)
-    negative = (x.view(np.uint32) >> np.uint32(31)) if signed else np.zeros(x.size, np.uint32)
-    magnitude = np.abs(x) if signed else x  # second moments are never negative
+    # (each step in place on the arrays made here)
+    if signed:
+        negative = x.view(np.uint32) >> np.uint32(31)
+        magnitude = np.abs(x)
+    else:  # second moments are never negative
+        negative, magnitude = None, x
     # as the kernel's fmaxf, a NaN gives the floor
-    bits = np.fmin(np.fmax(magnitude, CELL_FLOOR), np.float32(1)).view(np.uint32)
-    key = bits ^ (negative * np.uint32(_MAGNITUDE))
-    cell = (bits >> np.uint32(16)) - np.uint32(CELL_LOW) + negative * np.uint32(CELLS)
-    codes = ((code_words(signed)[cell] + key) >> np.uint32(16)) & np.uint32(0xFF)
-    return np.where(np.isnan(x), 255, codes).astype(np.uint8)
+    clamped = np.fmax(magnitude, CELL_FLOOR, out=magnitude if signed else None)
+    bits = np.fmin(clamped, np.float32(1), out=clamped).view(np.uint32)
+    cell = bits >> np.uint32(16)
+    cell -= np.uint32(CELL_LOW)
+    key = bits
+    if signed:
+        key = negative * np.uint32(_MAGNITUDE)
+        key ^= bits
+        negative *= np.uint32(CELLS)
+        cell += negative
+    codes = code_words(signed)[cell]
+    codes += key
+    codes >>= np.uint32(16)
+    codes &= np.uint32(0xFF)
+    codes = codes.astype(np.uint8)
+    nan = np.isnan(x)
+    if nan.any():
+        codes[nan] = 255
+    return codes
 
 
 def nearest_code(normalized: np.ndarray, signed: bool) -> np.ndarray:
