@@ -31,6 +31,7 @@ _CALLBACK_ENV = "MTAPPLY_OPTAX_CALLBACK"
 _PLANS_PER_TREE = 4  # plans kept per tree signature, keyed by buffer addresses
 _OPERANDS_PER_CALL = 3072  # per-leaf operands and results of one call (see Engine.apply)
 _DLPACK_CPU = 1
+_CARRIED = "scalars_out"  # the column of a rule's scalar state: a step argument, not a slot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class Engine:
         statics = self.rule.statics(grads if params is None else params, treedef) if leaves else ()
         extra, scalar_state = self.rule.per_step(self.learning_rate, state.count, state)
         scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params))
+        carried = self._carried_in(state)
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
         # A leaf without elements has no step: it stays out of the calls and goes through as is.
@@ -122,7 +124,9 @@ class Engine:
                     for name, values in slots.items()} if not layouts else {}
         for part in self._parts(statics, [i for i, x in enumerate(leaves) if x.size], mode):
             outs = step(part, [(name, values if layouts else [values[i] for i in part])
-                               for name, values in slots.items()])
+                               for name, values in slots.items()], carried)
+            if carried is not None:  # the rule's scalar state, through the calls in turn
+                carried = outs.pop(_CARRIED)[0]
             for i, x in zip(part, outs.pop("updates" if mode == "delta" else "params")):
                 firsts[i] = x
             for name, values in outs.items():
@@ -131,11 +135,38 @@ class Engine:
                 else:
                     for i, x in zip(part, values):
                         per_leaf[name][i] = x
-        new_slots = [dict(zip(layouts[name].names, slots[name])) if layouts else
+        read_only = dict(zip(state_names, self.rule.slots))
+        new_slots = [getattr(state, read_only[name]) if name in self.rule.read_state else
+                     dict(zip(layouts[name].names, slots[name])) if layouts else
                      treedef.unflatten(per_leaf[name]) for name in state_names]
         return (treedef.unflatten(firsts),
                 self.rule.state_type(optax.safe_increment(state.count), *new_slots,
-                                     *scalar_state))
+                                     *scalar_state, *self._carried_out(carried)))
+
+    def _carried_in(self, state):
+        """The rule's scalar state as the step takes it (`Rule.initial_scalars`): a float32
+        array of three copies of the state's scalar fields, or None for rules without. Every
+        copy holds the latest values, so the step's parity does not matter."""
+        if not self.rule.carried:
+            return None
+        if (jax.default_backend() in ("gpu", "cuda", "rocm")
+                and os.environ.get(_CALLBACK_ENV, "ffi") != "host"):
+            raise NotImplementedError(
+                f"mtapply.optax.{self.rule.name}: the rule keeps scalar state "
+                f"({', '.join(self.rule.carried)}), which the GPU step (the XLA FFI call) does "
+                f"not carry yet: set MTAPPLY_OPTAX_CALLBACK=host before the step is traced (the "
+                f"NumPy step, through the host), step on the CPU, or use optax's own "
+                f"transformation (or mtapply.torch for the GPU kernels)")
+        values = jnp.stack([jnp.asarray(getattr(state, name), jnp.float32).reshape(())
+                            for name in self.rule.carried])
+        return jnp.concatenate([values, values, values])
+
+    def _carried_out(self, carried) -> list:
+        """The state's scalar fields from the array a step wrote (its latest values, last)."""
+        if carried is None:
+            return []
+        n = len(self.rule.carried)
+        return [carried[2 * n + k] for k in range(n)]
 
     def _parts(self, statics, stepped: list, mode: str) -> list:
         """The leaf indices of each call: the `stepped` leaves of each class of the rule (all
@@ -159,12 +190,17 @@ class Engine:
         return parts
 
     def _step_part(self, leaves, grad_leaves, scalars, statics, layouts, mode, part: list,
-                   state_part: list) -> dict:
+                   state_part: list, carried=None) -> dict:
         """Column name -> arrays after one call over the leaves at indices `part`, with
-        `state_part` the (slot, arrays) of their state."""
+        `state_part` the (slot, arrays) of their state and `carried` the rule's scalar state
+        (or None). State slots the rule only reads (Prodigy's p0) are inputs of the call."""
         mine = [leaves[i] for i in part]
-        aliased = ([("params", mine)] if mode == "inplace" else []) + state_part
+        written = [(name, arrays) for name, arrays in state_part
+                   if name not in self.rule.read_state]
+        aliased = (([("params", mine)] if mode == "inplace" else []) + written
+                   + ([(_CARRIED, [carried])] if carried is not None else []))
         read = (([("params", mine)] if mode == "delta" else [])
+                + [(name, arrays) for name, arrays in state_part if name in self.rule.read_state]
                 + [(self.rule.plan_slots[-1], [grad_leaves[i] for i in part])])
         fresh = [] if mode == "inplace" else [
             ("updates" if mode == "delta" else "params",
@@ -321,10 +357,11 @@ class _Runner:
         outs = [_XlaBuffer(b) for b in outs]
         columns = _buffers_by_column(key[2], layouts, outs,
                                      [_XlaBuffer(b) for b in inputs[:len(inputs) - n_scalars]])
+        columns, carried = _split_carried(columns)
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:
             values = [np.asarray(s).astype(np.float64).reshape(-1) for s in scalars]
-            self._step(key, columns, self.rule.host_args(values, key[0]), None)
+            self._step(key, columns, {**self.rule.host_args(values, key[0]), **carried}, None)
             return
         import cupy
 
@@ -332,7 +369,7 @@ class _Runner:
         # CuPy's pool then orders the reuse of a plan's memory on XLA's stream.
         with cupy.cuda.Device(device_id), cupy_stream(stream, device_id):
             values = [DeviceScalar(ptr=_device_address(s), obj=None) for s in scalars]
-            self._step(key, columns, self.rule.step_args(key[0], *values), stream)
+            self._step(key, columns, {**self.rule.step_args(key[0], *values), **carried}, stream)
 
     def host_callback(self, key, layouts, n_aliased, n_scalars, *inputs) -> list:
         """The host fallback: new arrays from NumPy copies, through a fresh plan."""
@@ -343,8 +380,9 @@ class _Runner:
         values = [np.asarray(s).astype(np.float64).reshape(-1)
                   for s in inputs[len(inputs) - n_scalars:]]
         reads = [np.asarray(x) for x in inputs[:len(inputs) - n_scalars]]
-        plan = Plan(self.spec(key), dict(_buffers_by_column(schema, layouts, outs, reads)))
-        plan.step(**self.rule.host_args(values, key[0]))
+        columns, carried = _split_carried(_buffers_by_column(schema, layouts, outs, reads))
+        plan = Plan(self.spec(key), dict(columns))
+        plan.step(**self.rule.host_args(values, key[0]), **carried)
         return outs
 
     def _step(self, key, columns: list, hyper: dict, stream) -> None:
@@ -421,7 +459,8 @@ def _schema(aliased, fresh, read, layouts) -> tuple:
         start += len(specs)
     start = n_aliased
     for name, arrays in read:
-        columns.append(_Column(name, "in", start, len(arrays), False))
+        flat = layouts is not None and name in layouts  # a read-only state slot's buffers
+        columns.append(_Column(name, "in", start, len(arrays), flat))
         start += len(arrays)
     return tuple(columns)
 
@@ -436,6 +475,13 @@ def _buffers_by_column(schema, layouts, outs: list, inputs: list) -> list:
             buffers = layouts[column.name].views([export(b, "state", None) for b in buffers])
         columns.append((column.name, list(buffers)))
     return columns
+
+
+def _split_carried(columns: list) -> tuple:
+    """(the plan's columns, {"scalars_out": buffer} or {}): a rule's scalar state is a step
+    argument of the plan, not one of its slots."""
+    carried = {name: buffers[0] for name, buffers in columns if name == _CARRIED}
+    return [(name, buffers) for name, buffers in columns if name != _CARRIED], carried
 
 
 def _address(buffer) -> int:

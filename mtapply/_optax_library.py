@@ -8,7 +8,7 @@ import optax
 
 from ._optax_eight_bit import with_storage
 from ._optax_make import FusedOptimizer, _fused, _refuse, _state_dtype, _transformation
-from ._optax_ops import ScheduleFreeRule, UserRule, is_number
+from ._optax_ops import DAdaptRule, ScheduleFreeRule, UserRule, is_number
 from ._optax_state import tree_state
 from .ops._spec import check_number
 from .rules import library
@@ -241,3 +241,90 @@ def schedule_free_eval_params(state, params):
         raise ValueError("schedule_free_eval_params needs the state of schedule_free_adamw")
     z, b1 = tree_state(found[0], params).z, found[0].b1
     return jax.tree.map(lambda y, zi: (y - (1.0 - b1) * zi) / b1, params, z)
+
+
+def _betas(name: str, betas) -> tuple:
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise TypeError(f"mtapply.optax.{name}: betas must be a pair (b1, b2), got "
+                        f"{betas!r}") from None
+    return b1, b2
+
+
+def _number(name: str, option: str, value):
+    if callable(value):
+        raise TypeError(f"mtapply.optax.{name}: {option} must be a number, not a schedule")
+    return value
+
+
+def _prodigy_rule(betas, beta3, eps, estim_lr0, estim_lr_coef, weight_decay,
+                  safeguard_warmup) -> UserRule:
+    b1, b2 = _betas("prodigy", betas)
+    if beta3 is None:  # optax's default, sqrt(b2)
+        beta3 = float(b2) ** 0.5 if is_number(b2) else b2 ** 0.5
+    hyper = dict(beta1=b1, beta2=b2, beta3=beta3, eps=eps, d0=estim_lr0, d_coef=estim_lr_coef,
+                 weight_decay=_number("prodigy", "weight_decay", weight_decay), growth_rate=0.0)
+    # optax.contrib.prodigy: decoupled weight decay, Adam's bias correction in the step size
+    # (computed as optax does), unbounded growth; the state starts with d = d_max = estim_lr0
+    # (which step 1 reads anyway)
+    rule = library.prodigy(decouple=True, safeguard_warmup=bool(safeguard_warmup),
+                           given_correction=True)
+    start = estim_lr0 if is_number(estim_lr0) else 0.0
+    return DAdaptRule(rule, hyper, name="prodigy", scalars={"d": start, "d_max": start})
+
+
+def prodigy(learning_rate=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, estim_lr0=1e-6,
+            estim_lr_coef=1.0, weight_decay=0.0, safeguard_warmup=False, *,
+            flat_state=True) -> optax.GradientTransformation:
+    """optax.contrib.prodigy on the rule `mtapply.rules.library.prodigy` (decouple=True,
+    use_bias_correction=True, growth_rate 0): optax's arguments and update, the step size d
+    estimated from sums over the whole tree, in one call. The state is
+    `ProdigyState(count, exp_avg, exp_avg_sq, s, p0, d, d_max, d_numerator)`: optax's
+    exp_avg, exp_avg_sq, grad_sum (s), params0 (p0), estim_lr (d, float32) and
+    numerator_weighted (d_numerator, float32), with d's running maximum d_max (equal to d).
+    A step whose sum of |s| is 0 (zero grads from the start) leaves params and d as they are
+    (optax's gives NaN). On GPUs see `mtapply.optax`: scalar state."""
+    rule = _prodigy_rule(betas, beta3, eps, estim_lr0, estim_lr_coef, weight_decay,
+                         safeguard_warmup)
+    return _transformation(rule, learning_rate, flat_state)
+
+
+def fused_prodigy(learning_rate=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, estim_lr0=1e-6,
+                  estim_lr_coef=1.0, weight_decay=0.0,
+                  safeguard_warmup=False) -> FusedOptimizer:
+    """`prodigy` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    rule = _prodigy_rule(betas, beta3, eps, estim_lr0, estim_lr_coef, weight_decay,
+                         safeguard_warmup)
+    return _fused(rule, learning_rate)
+
+
+def _dadapt_rule(betas, eps, estim_lr0, weight_decay) -> UserRule:
+    b1, b2 = _betas("dadapt_adamw", betas)
+    hyper = dict(beta1=b1, beta2=b2, eps=eps, d0=estim_lr0, growth_rate=0.0, layer_scale=1.0,
+                 weight_decay=_number("dadapt_adamw", "weight_decay", weight_decay))
+    # optax.contrib.dadapt_adamw: decoupled weight decay, Adam's bias correction in the step
+    # size (computed as optax does), unbounded growth; the state starts with d = estim_lr0
+    # (which step 1 reads anyway)
+    rule = library.dadapt_adam(decouple=True, given_correction=True)
+    return DAdaptRule(rule, hyper, name="dadapt_adamw",
+                      scalars={"d": estim_lr0 if is_number(estim_lr0) else 0.0})
+
+
+def dadapt_adamw(learning_rate=1.0, betas=(0.9, 0.999), eps=1e-8, estim_lr0=1e-6,
+                 weight_decay=0.0, *, flat_state=True) -> optax.GradientTransformation:
+    """optax.contrib.dadapt_adamw on the rule `mtapply.rules.library.dadapt_adam`
+    (decouple=True, use_bias_correction=True, growth_rate 0, layer_scale 1): optax's
+    arguments and update, d estimated from sums over the whole tree, in one call. The state is
+    `DadaptAdamState(count, exp_avg, exp_avg_sq, s, d, numerator_weighted)`: optax's
+    exp_avg, exp_avg_sq, grad_sum (s), estim_lr (d, float32) and numerator_weighted
+    (float32). A step whose sum of |s| is 0 leaves params and d as they are (optax's gives
+    NaN). On GPUs see `mtapply.optax`: scalar state."""
+    return _transformation(_dadapt_rule(betas, eps, estim_lr0, weight_decay), learning_rate,
+                           flat_state)
+
+
+def fused_dadapt_adamw(learning_rate=1.0, betas=(0.9, 0.999), eps=1e-8, estim_lr0=1e-6,
+                       weight_decay=0.0) -> FusedOptimizer:
+    """`dadapt_adamw` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
+    return _fused(_dadapt_rule(betas, eps, estim_lr0, weight_decay), learning_rate)

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from . import _optax_rules
 from ._optax_state import STATES, AdamState, LambState, LarsState, SgdState, initial_slot
@@ -45,6 +46,8 @@ class OptaxRule:
     global_norm = False  # the step takes the gradients' global L2 norm
     initial: dict = {}  # state field -> its initial value where not 0 ("params": a copy)
     scalar_fields: tuple = ()  # state fields after the slots: per-step scalars (see per_step)
+    carried: tuple = ()  # state fields last: the rule's scalar state, which its step updates
+    read_state: frozenset = frozenset()  # op slots of state fields the step only reads
     hyper: dict = {}  # op argument -> number
     dynamic: dict = {}  # op argument -> array: a scalar operand of every call
     slot_dtypes: dict = {}  # state field -> the dtype of its buffers, where not the params'
@@ -363,16 +366,15 @@ class UserRule(OptaxRule):
     (device values) given here, or, for a chain's scheduled ones (`schedules`), the schedule's
     value at the step count, computed at each update and passed as a per-step scalar."""
 
-    def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None):
+    def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None,
+                 scalars: dict | None = None):
         self.user, self.name = rule, name or rule.name
         self.initial = {slot: "params" if value == "param" else value  # as declared, or given
                         for slot, value in rule.initial.items() if value != 0.0}
         self.initial.update(initial or {})
-        if rule.scalars:
-            raise NotImplementedError(
-                f"rule {rule.name!r} keeps scalar state ({', '.join(rule.scalars)}), which "
-                f"mtapply.optax does not carry yet: step it with the rule's own step or plan "
-                f"(or mtapply.torch.optimizer)")
+        # the rule's scalar state: fields of the state, passed to each step and taken back
+        self.carried = tuple(rule.scalars)
+        self.scalar_values = {**rule.scalars, **(scalars or {})}  # before step 1
         self.has_lr = "lr" in rule.hyper
         unknown = sorted(set(hyper) - set(rule.hyper) - {"lr"})
         if unknown:
@@ -392,18 +394,24 @@ class UserRule(OptaxRule):
         # device values
         rule.spec().arguments(**({"lr": 0.0} if self.has_lr else {}), step=1.0, **self.hyper,
                               **dict.fromkeys((*self.dynamic, *self.schedules),
-                                              DeviceScalar(ptr=0, obj=None)))
-        read_only = [s.name for s in rule.program.slots[1:] if not s.written and s.name != "grad"]
-        if read_only:
-            raise NotImplementedError(f"rule {rule.name!r}: slot {read_only[0]!r} is read-only; "
-                                      f"mtapply.optax keeps only read-written slots as state")
+                                              DeviceScalar(ptr=0, obj=None)),
+                              **({"scalars_out": DeviceScalar(ptr=0, obj=None)}
+                                 if self.carried else {}))
         self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
         op_slots = dict(zip(rule.slots, rule.spec().slots))  # the op's name of each slot
         self.plan_slots = ("params", *(op_slots[name] for name in self.slots), "grads")
+        # read-only slots (Prodigy's p0, a copy of the params at first) are state the step
+        # reads and passes on as it is
+        self.read_state = frozenset(op_slots[s.name] for s in rule.program.slots[1:]
+                                    if not s.written and s.name != "grad")
         self.reads_params = _reads_params(rule.program)
-        self.state_type = _rule_state_type(rule.name, self.slots, ())
+        self.state_type = _rule_state_type(rule.name, self.slots, self.carried)
         self.masks = dict(_chained(rule, "masks"))  # a chain's links' (optax's masks)
         self.whole_list = bool(rule.program.totals)  # sums over every leaf: one call
+
+    def scalar_init(self) -> list:
+        """The rule's scalar state before step 1 (float32, as the step keeps it)."""
+        return [jnp.asarray(self.scalar_values[name], jnp.float32) for name in self.carried]
 
     def statics(self, params, treedef) -> tuple:
         """Each leaf's flags of the masks (one per masked hyperparameter), where a mask
@@ -481,6 +489,25 @@ class ScheduleFreeRule(UserRule):
 
     def fixed_args(self, statics, lr, step, ck=None, *more) -> dict:
         return dict(lr=lr, step=step, ck=ck, **self.hyper)
+
+
+class DAdaptRule(UserRule):
+    """Prodigy's and D-Adaptation's rules (made with `given_correction`) with optax.contrib's
+    bias correction: sqrt(1 - b2**t) / (1 - b1**t) computed at each step as optax computes it
+    (in the default float dtype: float32 unless jax_enable_x64), a per-step scalar."""
+
+    def __init__(self, rule, hyper: dict, name: str, scalars: dict):
+        self.betas = hyper["beta1"], hyper["beta2"]
+        super().__init__(rule, dict(hyper, correction=1.0), name=name, scalars=scalars)
+        del self.hyper["correction"]  # a step argument, computed per step
+
+    def per_step(self, learning_rate, count, state) -> tuple:
+        beta1, beta2 = self.betas
+        count_inc = optax.safe_increment(count)
+        return [((1 - beta2 ** count_inc) ** 0.5) / (1 - beta1 ** count_inc)], []
+
+    def fixed_args(self, statics, lr, step, correction=None, *more) -> dict:
+        return dict(lr=lr, step=step, correction=correction, **self.hyper)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,14 @@ A rule written with `mtapply.rule` becomes one too: `transformation(rule, learni
 `optax.inject_hyperparams`); `lion`, `adan`, `adagrad`, `rmsprop`, `adamax`, `adadelta` and
 `radam` (and their fused forms) are the shipped rules of `mtapply.rules.library` with optax's
 arguments and semantics; `nadam` and `nadamw` are `adam` and `adamw` with nesterov=True, as
-optax's.
+optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's.
+
+Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,
+d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:
+each update passes them to its one call (whole-list sums make it one) as an array of three equal
+copies and takes the latest values back. A slot the rule only reads (Prodigy's p0) is state
+passed on as it is. The FFI custom call does not carry scalar state yet: on GPUs such a step is
+refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host (the NumPy step, through the host).
 
 Hyperparameters. Each number may be an array, as `optax.inject_hyperparams` passes them (traced
 under jit): it is then a one-element operand of the step, read by the kernel from device memory
@@ -113,9 +120,10 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from ._optax_library import (adadelta, adagrad, adamax, adan, fused_adadelta, fused_adagrad,
-                             fused_adamax, fused_adan, fused_lion, fused_radam, fused_rmsprop,
-                             fused_schedule_free_adamw, lion, radam, rmsprop,
+from ._optax_library import (adadelta, adagrad, adamax, adan, dadapt_adamw, fused_adadelta,
+                             fused_adagrad, fused_adamax, fused_adan, fused_dadapt_adamw,
+                             fused_lion, fused_prodigy, fused_radam, fused_rmsprop,
+                             fused_schedule_free_adamw, lion, prodigy, radam, rmsprop,
                              schedule_free_adamw, schedule_free_eval_params)
 from ._optax_make import FusedOptimizer, _fused, _refuse, _state_dtype, _transformation
 from ._optax_muon import muon, scale_by_muon
@@ -454,12 +462,12 @@ def fused(rule, learning_rate=None, *, state_bits=None, min_8bit_size=None, unsi
 
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
-           "adagrad", "adam", "adamax", "adamw", "adan", "alias", "flat_state", "fused",
-           "fused_adadelta", "fused_adagrad", "fused_adam", "fused_adamax", "fused_adamw",
-           "fused_adan", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
-           "fused_nadam", "fused_nadamw", "fused_radam", "fused_rmsprop",
+           "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw", "flat_state",
+           "fused", "fused_adadelta", "fused_adagrad", "fused_adam", "fused_adamax",
+           "fused_adamw", "fused_adan", "fused_dadapt_adamw", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
+           "fused_nadam", "fused_nadamw", "fused_prodigy", "fused_radam", "fused_rmsprop",
            "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",
-           "muon", "nadam", "nadamw", "radam", "rmsprop", "schedule_free_adamw",
+           "muon", "nadam", "nadamw", "prodigy", "radam", "rmsprop", "schedule_free_adamw",
            "schedule_free_eval_params", "scale_by_muon", "sgd", "transformation",
            "tree_state"]
 

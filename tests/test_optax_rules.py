@@ -101,8 +101,18 @@ def test_bad_uses_are_refused():
                          update="param = param - rate * grad")
     with pytest.raises(TypeError, match="has no lr"):
         mtx.transformation(no_lr, 1e-3)
-    with pytest.raises(NotImplementedError, match="slot 'b' is read-only"):
-        mtx.fused(mtapply.rule("everything", **EVERYTHING), 1e-3)
+
+
+def test_read_only_slots_are_state_passed_on():
+    """A slot the update only reads (as Prodigy's p0) is kept in the state and passed on as
+    it is."""
+    everything = mtx.fused(mtapply.rule("everything", **EVERYTHING), 1e-3)
+    params = _tree(np.random.default_rng(0))
+    state = everything.init(params)
+    params, state = everything.step(params, params, state)
+    assert int(state.count) == 1
+    for leaf in jax.tree.leaves(mtx.tree_state(state, params).b):
+        assert not np.any(np.asarray(leaf))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])

@@ -176,12 +176,20 @@ def test_a_rule_with_scalars_in_a_torch_optimizer_keeps_them_per_group():
     assert len(opt.param_groups) == 2
 
 
-def test_mtapply_optax_refuses_rules_with_scalar_state_clearly():
+def test_mtapply_optax_carries_scalar_state_in_its_state():
+    jax = pytest.importorskip("jax")
     pytest.importorskip("optax")
+    import jax.numpy as jnp
     import mtapply.optax as mtx
 
-    with pytest.raises(NotImplementedError, match="mtapply.optax does not carry yet"):
-        mtx.transformation(library.nadam(), 1e-3)
+    tx = mtx.transformation(library.nadam(), 1e-3)
+    params = {"w": jax.device_put(jnp.ones(3, jnp.float32), jax.devices("cpu")[0])}
+    state = tx.init(params)
+    assert state._fields[-1] == "mu_product" and float(state.mu_product) == 1.0
+    for _ in range(2):
+        _, state = tx.update(params, state, params)
+    mu = [0.9 * (1 - 0.5 * 0.96 ** (t * 4e-3)) for t in (1, 2)]
+    assert float(state.mu_product) == pytest.approx(mu[0] * mu[1], rel=1e-6)
 
 
 def test_modulo_follows_python_and_picks_every_kth_step():

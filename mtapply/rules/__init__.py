@@ -229,8 +229,8 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             and scalars) sets the next step's. Each step then takes `scalars_out=`, a float32
             array on the tensors' device made from `initial_scalars()`, which it updates;
             the tensors must be on one device, with one value per hyperparameter.
-            `mtapply.torch.optimizer` keeps the array per param group; `mtapply.optax`
-            refuses such rules for now.
+            `mtapply.torch.optimizer` keeps the array per param group; `mtapply.optax` keeps
+            the scalars as fields of its state (on the CPU, or through the host callback).
 
     Raises:
         ValueError, TypeError: at once, naming the line, for unknown names, a write to a

@@ -436,22 +436,25 @@ def adam(decoupled_weight_decay: bool = False, maximize: bool = False) -> Rule:
 
 @functools.lru_cache(maxsize=None)
 def prodigy(decouple: bool = True, use_bias_correction: bool = False,
-            safeguard_warmup: bool = False) -> Rule:
+            safeguard_warmup: bool = False, given_correction: bool = False) -> Rule:
     """Prodigy (Mishchenko and Defazio 2023), as prodigyopt.Prodigy: Adam whose step size d is
     estimated from the run, d = d_coef * sum(numerator) / sum(|s|) over the whole list, kept
     between steps as scalar state with its running maximum and numerator (d and d_max start
     at d0 at step 1; they are kept in float32, so "d is still d0" is taken to a millionth).
     growth_rate 0 stands for prodigyopt's unbounded growth (inf); a step whose denominator is
-    zero (zero grads) leaves the params and d as they are, as there."""
+    zero (zero grads) leaves the params and d as they are, as there. `given_correction`: the
+    bias correction is the hyperparameter `correction`, given at each step (mtapply.optax
+    computes it as optax.contrib does), in place of use_bias_correction's."""
     g = "grad" if decouple else "grad + weight_decay * param"
-    correction = "sqrt(1 - beta2 ** step) / (1 - beta1 ** step)" if use_bias_correction else "1"
+    correction = _correction(use_bias_correction, given_correction)
     s_rate = "d_now / d0 * d_now" if safeguard_warmup else "d_now / d0 * dlr"
     decay = "param * weight_decay * dlr" if decouple else "0"
     return rule("prodigy", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw s:rw p0:r=param",
                 hyper=dict(lr=(1.0, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
                            beta3=(None, BETA), eps=(1e-8, NON_NEGATIVE),
                            weight_decay=(0.0, NON_NEGATIVE), d0=(1e-6, "> 0"),
-                           d_coef=(1.0, NON_NEGATIVE), growth_rate=(0.0, NON_NEGATIVE)),
+                           d_coef=(1.0, NON_NEGATIVE), growth_rate=(0.0, NON_NEGATIVE),
+                           **_correction_hyper(given_correction)),
                 scalars={"d": 0.0, "d_max": 0.0, "d_numerator": 0.0},
                 totals={"numerator": "d_now / d0 * dlr * g * (p0 - param)",
                         "denominator": "abs(s)"},
@@ -477,20 +480,22 @@ def prodigy(decouple: bool = True, use_bias_correction: bool = False,
 
 
 @functools.lru_cache(maxsize=None)
-def dadapt_adam(decouple: bool = False, use_bias_correction: bool = False) -> Rule:
+def dadapt_adam(decouple: bool = False, use_bias_correction: bool = False,
+                given_correction: bool = False) -> Rule:
     """D-Adaptation Adam (Defazio and Mishchenko 2023), as dadaptation.DAdaptAdam: Adam whose
     step size d is estimated from the run, d_hat = numerator / ((1 - sqrt(beta2)) sum(|s|)) over
     the whole list, d = max(d, min(d_hat, d growth_rate)), kept between steps as scalar state
     with its weighted numerator (d starts at d0 at step 1). growth_rate 0 stands for unbounded
-    growth (inf); a step whose sum of |s| is zero leaves the params and d as they are."""
+    growth (inf); a step whose sum of |s| is zero leaves the params and d as they are.
+    `given_correction` as in `prodigy`."""
     g = "grad" if decouple else "grad + weight_decay * param"
-    correction = "sqrt(1 - beta2 ** step) / (1 - beta1 ** step)" if use_bias_correction else "1"
+    correction = _correction(use_bias_correction, given_correction)
     decay = "param * weight_decay * dlr" if decouple else "0"
     return rule("dadapt_adam", slots="param:rw grad:r exp_avg:rw exp_avg_sq:rw s:rw",
                 hyper=dict(lr=(1.0, LR), beta1=(0.9, BETA), beta2=(0.999, BETA),
                            eps=(1e-8, NON_NEGATIVE), weight_decay=(0.0, NON_NEGATIVE),
                            d0=(1e-6, "> 0"), growth_rate=(0.0, NON_NEGATIVE),
-                           layer_scale=(1.0, NON_NEGATIVE)),
+                           layer_scale=(1.0, NON_NEGATIVE), **_correction_hyper(given_correction)),
                 scalars={"d": 0.0, "numerator_weighted": 0.0},
                 totals={"numerator": "layer_scale * dlr * term", "s_l1": "layer_scale * abs(s)"},
                 update=f"""
@@ -509,6 +514,18 @@ def dadapt_adam(decouple: bool = False, use_bias_correction: bool = False) -> Ru
                     numerator_weighted = where(s_l1 == 0, where(step == 1, 0, numerator_weighted), weighted)
                     param = where(s_l1 == 0, param, param - {decay} - exp_avg / (sqrt(exp_avg_sq) + eps))
                 """)
+
+
+def _correction(use_bias_correction: bool, given: bool) -> str:
+    """The factor of the step size d * lr: Adam's bias correction sqrt(1 - beta2**t) / (1 -
+    beta1**t), computed, given as the hyperparameter `correction`, or none."""
+    if given:
+        return "correction"
+    return "sqrt(1 - beta2 ** step) / (1 - beta1 ** step)" if use_bias_correction else "1"
+
+
+def _correction_hyper(given: bool) -> dict:
+    return {"correction": (None, NON_NEGATIVE)} if given else {}
 
 
 # -- links: gradient transformations for `mtapply.chain`, named and behaving as optax's --------
