@@ -441,66 +441,48 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
         super()._launch_group(index, group, bound, grad_scale, found_inf)
 
     def _first_step(self, group, params, grad_scale, found_inf) -> None:
-        if self.state_bits == 8:
-            self._first_eight_bit_step(group, params, grad_scale, found_inf)
-            return
-        fresh = {}
-        for p in params:
-            fresh[p] = {"momentum_buffer": self._moment(group, "momentum_buffer", p)}
-            if self.master_weights:  # the master its state holds, else one made from the param
-                self._keep_master(p, self.state[p])
-                if MASTER in self.state[p]:
-                    fresh[p][MASTER] = self.state[p][MASTER]
-        by_device: dict = {}  # params with fp32 masters apart
+        """The first step of params without momentum buffers: torch's step=1 (the buffers set
+        to the grad) over new state, one launch per device (params with fp32 masters apart);
+        with state_bits=8 the library rule in 8 bits, the buffers stored as codes."""
+        fresh = {p: self._first_state(group, p) for p in params}
+        by_device: dict = {}
         for p in params:
             by_device.setdefault((p.device, MASTER in fresh[p]), []).append(p)
         for (device, master), members in by_device.items():
             part = Part(None, members, None, None)
             lists = PlanLists(fresh, members, [p.grad for p in members], local_tensor)
-            hyper = dict(self._hyper(group, device), step=1)
+            options = dict(self._hyper(group, device), step=1,
+                           stochastic_rounding=self._counts(group),
+                           grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
             if lists.staging:
                 lists.staging.before([p.grad for p in members])
-            _sgd.sgd_step(lists.bound, lists.grads, lists.state("momentum_buffer"), **hyper,
-                          master_params=lists.state(MASTER) if master else None,
-                          nesterov=group["nesterov"], maximize=group["maximize"],
-                          stochastic_rounding=self._counts(group),
-                          grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
+            if self.state_bits == 8:
+                rule = self._eight_bit_rule(group)
+                rule.step(lists.bound, lists.grads, *map(lists.state, rule.slots[2:]), **options)
+            else:
+                _sgd.sgd_step(lists.bound, lists.grads, lists.state("momentum_buffer"), **options,
+                              master_params=lists.state(MASTER) if master else None,
+                              nesterov=group["nesterov"], maximize=group["maximize"])
             if lists.staging:
                 lists.staging.after()
         _bump_versions(params)
         for p in params:
-            self.state[p]["momentum_buffer"] = fresh[p]["momentum_buffer"]
+            self.state[p].update(fresh[p])
             if self._counts(group):
                 self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
 
-    def _first_eight_bit_step(self, group, params, grad_scale, found_inf) -> None:
-        """The first step of params without 8-bit buffers: the rule at step 1 (the buffers
-        set to the grad, then stored in 8 bits) over new state."""
-        rule = self._eight_bit_rule(group)
-        fresh = {}
-        for p in params:
+    def _first_state(self, group, p) -> dict:
+        """A param's new momentum buffer (8-bit codes and scales with state_bits=8), and the
+        fp32 master its state holds or one made from the param."""
+        if self.state_bits == 8:
             codes, scales = self._eight_bit_slot(group, "momentum_buffer", p)
-            fresh[p] = {"momentum_buffer": codes, "momentum_buffer_absmax": scales}
-        by_device: dict = {}
-        for p in params:
-            by_device.setdefault(p.device, []).append(p)
-        for device, members in by_device.items():
-            part = Part(None, members, None, None)
-            lists = PlanLists(fresh, members, [p.grad for p in members], local_tensor)
-            hyper = dict(self._hyper(group, device), step=1)
-            if lists.staging:
-                lists.staging.before([p.grad for p in members])
-            rule.step(lists.bound, lists.grads, *map(lists.state, rule.slots[2:]), **hyper,
-                      stochastic_rounding=self._counts(group),
-                      grad_scale=part.on_device(grad_scale), found_inf=part.on_device(found_inf))
-            if lists.staging:
-                lists.staging.after()
-        _bump_versions(params)
-        for p in params:
-            for name, value in fresh[p].items():
-                self.state[p][name] = value
-            if self._counts(group):
-                self.state[p]["step"] = torch.tensor(1.0)  # the first step is taken
+            return {"momentum_buffer": codes, "momentum_buffer_absmax": scales}
+        entry = {"momentum_buffer": self._moment(group, "momentum_buffer", p)}
+        if self.master_weights:
+            self._keep_master(p, self.state[p])
+            if MASTER in self.state[p]:
+                entry[MASTER] = self.state[p][MASTER]
+        return entry
 
     def _library_rule(self, group):
         from .rules import library
