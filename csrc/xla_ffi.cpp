@@ -99,6 +99,7 @@ std::string describe_error(const char* what, CUresult code) {
 struct Group {
   std::vector<CUfunction> functions;  // one per pass
   unsigned blocks = 0;
+  unsigned threads = 0;               // per block
   std::vector<uint64_t> words;        // the kernel's argument struct
   CUdeviceptr records = 0;            // device address of the records
   int slots = 0;                      // addresses per record
@@ -116,7 +117,6 @@ struct DevicePlan {
 };
 
 struct Plan {
-  unsigned threads = 256;
   std::vector<int64_t> elements;         // per buffer of the call (results, then arguments)
   std::vector<int32_t> scalar_words;     // argument word receiving each scalar's address
   std::vector<int32_t> scalar_operands;  // the scalar's index among the call's buffers
@@ -255,7 +255,7 @@ ffi::Error run(Plan& plan, DevicePlan& device, CUstream stream, const Buffers& b
     for (Group& group : device.groups) {
       if (group.blocks == 0) continue;
       void* params[] = {group.words.data()};
-      CUresult e = cu.launch(group.functions[pass], group.blocks, 1, 1, plan.threads, 1, 1, 0, stream, params, nullptr);
+      CUresult e = cu.launch(group.functions[pass], group.blocks, 1, 1, group.threads, 1, 1, 0, stream, params, nullptr);
       if (e) return ffi::Error::Internal(describe_error("cuLaunchKernel", e));
     }
   }
@@ -305,12 +305,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mta_ffi_step, step,
 // `scalar_operands[k]` (a one-element float32 array). Returns its id, or -1 for a scalar
 // operand outside the buffers.
 extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_words,
-                                   const int32_t* scalar_operands, int32_t threads, int32_t buffers,
+                                   const int32_t* scalar_operands, int32_t buffers,
                                    const int64_t* elements) {
   for (int k = 0; k < n_scalars; ++k)
     if (scalar_operands[k] < 0 || scalar_operands[k] >= buffers) return -1;
   auto plan = std::make_unique<Plan>();
-  plan->threads = static_cast<unsigned>(threads);
   plan->elements.assign(elements, elements + buffers);
   plan->scalar_words.assign(scalar_words, scalar_words + n_scalars);
   plan->scalar_operands.assign(scalar_operands, scalar_operands + n_scalars);
@@ -320,12 +319,13 @@ extern "C" int64_t mta_plan_create(int32_t n_scalars, const int32_t* scalar_word
   return id;
 }
 
-// Adds a launch group on `device`: its kernel (one function per pass), grid, argument words,
-// the device address of its records, and per tensor its element count and, for each slot, the
+// Adds a launch group on `device`: its kernel (one function per pass), grid, threads per block,
+// argument words, the device address of its records, and per tensor its element count and, for each slot, the
 // call's buffer holding it and its byte offset there (several tensors may share one buffer).
 // Returns 0, -1 for an unknown plan, or -2 for a buffer index outside the call's buffers.
 extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t passes,
-                                      const uint64_t* functions, uint32_t blocks, int32_t n_words,
+                                      const uint64_t* functions, uint32_t blocks, uint32_t threads,
+                                      int32_t n_words,
                                       const uint64_t* words, uint64_t records, int32_t tensors,
                                       int32_t slots, const int64_t* numels, const int32_t* operands,
                                       const int64_t* offsets) {
@@ -336,6 +336,7 @@ extern "C" int32_t mta_plan_add_group(int64_t plan_id, int32_t device, int32_t p
   Group group;
   for (int p = 0; p < passes; ++p) group.functions.push_back(reinterpret_cast<CUfunction>(functions[p]));
   group.blocks = blocks;
+  group.threads = threads;
   group.words.assign(words, words + n_words);
   group.records = records;
   group.slots = slots;

@@ -31,10 +31,10 @@ class Launcher:
         self._interrupted = False  # a step's launches stopped part way: counts may be left
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
-            source = spec.source(group.dtypes)
+            threads = spec.threads_for(group.dtypes, group.numels)
+            source = spec.source(group.dtypes, threads)
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes))
-            threads = spec.threads_for(group.dtypes, group.numels)
             self.launches.append([KernelLaunch(f, threads, group.n_blocks, spec.arg_fields)
                                   for f in functions])
             self.tables.append(None)

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from . import _native, _source
+from . import _native
 from ._launch import field_word
 from ._launcher import Launcher
 from .ops._spec import DeviceScalar
@@ -63,10 +63,10 @@ def _configure(lib) -> None:
     i32, i64, u32, u64, ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
                                ctypes.c_void_p)
     lib.mta_plan_create.restype = i64
-    lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32, i32, ptr]
+    lib.mta_plan_create.argtypes = [i32, ptr, ptr, i32, ptr]
     lib.mta_plan_add_group.restype = i32
-    lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, i32, ptr, u64, i32, i32, ptr, ptr,
-                                       ptr]
+    lib.mta_plan_add_group.argtypes = [i64, i32, i32, ptr, u32, u32, i32, ptr, u64, i32, i32, ptr,
+                                       ptr, ptr]
     lib.mta_plan_refresh.restype = i32
     lib.mta_plan_refresh.argtypes = [i64, i32, ptr, ptr]
     lib.mta_plan_records.restype = i32
@@ -128,7 +128,7 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
     scalar_words = _i32([words[n] for n in names])
     operand_of = _i32([scalar_operands[n] for n in names])
     plan_id = lib.mta_plan_create(len(names), scalar_words.ctypes.data, operand_of.ctypes.data,
-                                  _source.BLOCK_THREADS, len(elements), elements.ctypes.data)
+                                  len(elements), elements.ctypes.data)
     if plan_id < 0:
         raise ValueError("mtapply: a plan's scalar operand is outside the call's buffers")
     args = spec.arguments(**hyper)
@@ -169,7 +169,8 @@ def _add_group(lib, plan_id, device_id, group, table, passes, args, operands, of
     operands = np.ascontiguousarray(operands, np.int32)
     offsets = np.ascontiguousarray(offsets, np.int64)
     status = lib.mta_plan_add_group(
-        plan_id, device_id, len(passes), functions.ctypes.data, passes[0].n_blocks, len(words),
+        plan_id, device_id, len(passes), functions.ctypes.data, passes[0].n_blocks,
+        passes[0].threads, len(words),
         words.ctypes.data, table.ptr + group.records_offset, len(numels), operands.shape[1],
         numels.ctypes.data, operands.ctypes.data, offsets.ctypes.data)
     if status != 0:

@@ -182,7 +182,43 @@ def test_100000_tensors_plan_into_one_launch():
 def test_a_block_is_one_warp_exactly_where_every_chunk_takes_one_vector_pass_of_it(numels, dtypes):
     threads = _source.block_threads(numels, CHUNK, dtypes)
     fits = max(numels, default=0) <= 32 * _source.vector_width(dtypes)
-    assert threads == (32 if fits else _source.BLOCK_THREADS)
+    if fits:
+        assert threads == 32
+    else:
+        idle = _source.idle_share(numels, CHUNK, _source.BLOCK_THREADS * _source.vector_width(dtypes))
+        narrow = idle > _source.IDLE_SHARE
+        assert threads == (_source.NARROW_THREADS if narrow else _source.BLOCK_THREADS)
+
+
+def _idle_by_walking(numels, chunk, stride):
+    """The idle element slots of a walk in strides, counted chunk by chunk and stride by stride."""
+    used = slots = 0
+    for n in numels:
+        for begin in range(0, n, chunk):
+            for start in range(begin, min(begin + chunk, n), stride):
+                slots += stride
+                used += min(stride, min(begin + chunk, n) - start)
+    return 1 - used / slots if slots else 0.0
+
+
+@given(numels=st.lists(st.integers(0, 3 * CHUNK), max_size=20),
+       stride=st.sampled_from([128, 512, 1024, 2048]))
+def test_the_idle_share_is_that_of_walking_every_chunk_in_strides(numels, stride):
+    assert _source.idle_share(numels, CHUNK, stride) == pytest.approx(_idle_by_walking(numels, CHUNK, stride))
+
+
+def test_lists_of_short_chunks_get_blocks_of_128_threads_and_their_kernels_say_so():
+    from mtapply import REGISTRY
+
+    adam, fp32 = REGISTRY["adam"](), ("float32",) * 4
+    ragged = np.random.default_rng(0).integers(256, 4097, size=1000)  # 18% of 256-thread strides idle
+    full = np.array([768 * 2304, 768 * 768, 50257 * 768, 768])  # gpt2's shapes: full chunks
+    assert adam.threads_for(fp32, ragged) == _source.NARROW_THREADS == 128
+    assert adam.threads_for(fp32, full) == _source.BLOCK_THREADS
+    assert "#define MTA_BLOCK 128\n" in adam.source(fp32, 128)
+    for threads in (32, 256):  # a warp runs the whole block's kernel: its chunk ends in one stride
+        assert "#define MTA_BLOCK 256\n" in adam.source(fp32, threads)
+    assert REGISTRY["lars"]().threads_for(fp32, ragged) == _source.BLOCK_THREADS  # block sums
 
 
 def test_small_tensors_get_narrow_blocks_unless_a_pass_sums_over_the_block():
@@ -193,7 +229,7 @@ def test_small_tensors_get_narrow_blocks_unless_a_pass_sums_over_the_block():
     adam = REGISTRY["adam"]()
     assert adam.threads_for(fp32, tiny) == 32  # 100 elements: 25 threads of 4
     assert adam.threads_for(fp32, np.array([128])) == 32
-    assert adam.threads_for(fp32, np.array([129])) == _source.BLOCK_THREADS
+    assert adam.threads_for(fp32, np.array([129])) == _source.NARROW_THREADS  # one stride, 87% idle
     assert adam.threads_for(("bfloat16",) * 4, np.array([256])) == 32  # vectors of 8
     assert adam.threads_for(fp32, mixed) == _source.BLOCK_THREADS
     assert adam.threads_for(fp32, np.array([], np.int64)) == 32

@@ -183,11 +183,13 @@ class OpSpec:
                      for name in self.device_scalars
                      if f"{self.field_of(name)}_ptr" in self.arg_fields)
 
-    def source(self, dtypes: tuple) -> str:
-        """The CUDA source of the op's kernel for a group whose slots have these dtypes."""
+    def source(self, dtypes: tuple, threads: int = _source.BLOCK_THREADS) -> str:
+        """The CUDA source of the op's kernel for a group whose slots have these dtypes,
+        launched with `threads` per block (`threads_for`)."""
         return _source.variant_source(self.kernel_file, self.functors_for(dtypes), dtypes,
                                       self.flags, self.chunk_for(dtypes), self.device_checks(),
-                                      (HEADER_BYTES, self.arg_members))
+                                      (HEADER_BYTES, self.arg_members),
+                                      _source.kernel_block(threads))
 
     @property
     def arg_members(self) -> tuple:

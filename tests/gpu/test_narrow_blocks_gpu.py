@@ -1,7 +1,7 @@
-"""Blocks of one warp over lists of small tensors (mtapply._source.block_threads): every element
-of every tensor stepped once, on the vector path and on the scalar path (views not 16-byte
-aligned), against the CPU path; per-tensor rows checked on the device by a warp; passes that
-sum over a block keep whole blocks."""
+"""Blocks of one warp, or of 128 threads, over lists of small tensors
+(mtapply._source.block_threads): every element of every tensor stepped once, on the vector path
+and on the scalar path (views not 16-byte aligned), against the CPU path; per-tensor rows
+checked on the device by a warp; passes that sum over a block keep whole blocks."""
 import numpy as np
 import pytest
 
@@ -62,11 +62,57 @@ def test_adam_over_small_tensors_in_warp_blocks_follows_the_cpu_path(dtype, offs
         assert got[-1] == pytest.approx(want[-1], rel=rtol, abs=1e-6 if rtol < 1e-3 else 2e-2)
 
 
-def test_one_tensor_past_a_warps_chunk_gives_the_launch_whole_blocks():
+def test_one_tensor_past_a_warps_chunk_gives_the_launch_wider_blocks():
     lists = _lists(3, [100] * 50 + [129], torch.float32, 1)
     plan = mtapply.sgd_plan(*lists)
-    assert _threads(plan) == {_source.BLOCK_THREADS}
+    assert _threads(plan) == {_source.NARROW_THREADS}
     assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 50, torch.float32, 1))) == {32}
+    assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 50 + [40_000], torch.float32, 1))) == {
+        _source.BLOCK_THREADS}
+
+
+def _ragged(n, seed):
+    """Sizes from a warp's chunk to a whole chunk: most chunks end part way through a stride."""
+    return [int(x) for x in np.random.default_rng(seed).integers(129, 2 * _source.CHUNK_ELEMENTS, n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adam_over_ragged_tensors_in_blocks_of_128_follows_the_cpu_path(dtype, offset):
+    sizes = _ragged(300, 5)
+    gpu = _lists(4, sizes, dtype, 6, offset)
+    cpu = _host(gpu)
+    poisoned = [x.clone() for x in gpu[0]]
+    plan = mtapply.adam_plan(*gpu)
+    assert _threads(plan) == {_source.NARROW_THREADS}
+    for t in range(1, 4):
+        plan.step(lr=5e-2, step=t, weight_decay=0.01)
+        mtapply.adam_step(*cpu, lr=5e-2, step=t, weight_decay=0.01)
+    torch.cuda.synchronize()
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 2e-2)
+    for i, (got, want, before) in enumerate(zip(gpu[0], cpu[0], poisoned)):
+        got = got.float().cpu().numpy()
+        assert not np.array_equal(got, before.float().cpu().numpy()), f"param {i} not stepped"
+        if dtype == torch.bfloat16:  # the CPU path kept float32 params: round as the GPU stores
+            want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"param {i} ({sizes[i]} elements)")
+
+
+def test_a_rule_over_ragged_tensors_in_blocks_of_128_follows_the_cpu_path():
+    from mtapply.rules import library
+
+    lion = library.lion()
+    sizes = _ragged(200, 7)
+    gpu = _lists(3, sizes, torch.float32, 8)
+    cpu = _host(gpu)
+    plan = lion.plan(*gpu)
+    assert _threads(plan) == {_source.NARROW_THREADS}
+    for _ in range(3):
+        plan.step(lr=1e-2, weight_decay=0.1)
+        lion.step(*cpu, lr=1e-2, weight_decay=0.1)
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(gpu[0], cpu[0])):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"param {i}")
 
 
 def test_per_tensor_rows_with_device_values_are_checked_by_a_warp():

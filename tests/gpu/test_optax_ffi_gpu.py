@@ -390,3 +390,26 @@ def test_an_out_of_range_injected_lr_goes_through_as_in_optax(gpu, form):
     for name, leaf in new.items():
         values = np.asarray(leaf)
         assert values.size == 0 or np.isnan(values).all(), name
+
+
+def test_ragged_leaves_in_blocks_of_128_follow_optax(gpu):
+    """Leaves whose chunks mostly end part way through a stride run in blocks of 128 threads;
+    the handler launches each group with its own block size (a kernel built for 128 threads
+    launched with 256 would step elements twice)."""
+    from mtapply import _source
+
+    rng = np.random.default_rng(6)
+    sizes = rng.integers(129, 2 * _source.CHUNK_ELEMENTS, 150)
+    assert _source.block_threads(sizes, _source.CHUNK_ELEMENTS, ("float32",) * 4) == 128
+
+    def tree():
+        return {f"p{i}": jax.device_put(jnp.asarray(rng.standard_normal(int(n)), jnp.float32), gpu)
+                for i, n in enumerate(sizes)}
+
+    params, grads_seq = tree(), [tree() for _ in range(20)]
+    for form in ("fused", "transformation"):
+        mine, _, lowered = _run(_make("adam", form), form, params, grads_seq, False)
+        assert _custom_calls(lowered).count("mtapply_step") == 1
+        theirs, _, _ = _run(optax.adam(1e-3), "optax", params, grads_seq, False)
+        for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
