@@ -67,7 +67,7 @@ def test_one_tensor_past_a_warps_chunk_gives_the_launch_wider_blocks():
     plan = mtapply.sgd_plan(*lists)
     assert _threads(plan) == {_source.NARROW_THREADS}
     assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 50, torch.float32, 1))) == {32}
-    assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 50 + [40_000], torch.float32, 1))) == {
+    assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 5 + [400_000], torch.float32, 1))) == {
         _source.BLOCK_THREADS}
 
 
