@@ -145,3 +145,28 @@ def test_per_tensor_group_labels_in_jax_step_as_the_groups(monkeypatch):
         for got, want in zip(loop.params, data.params):
             torch.testing.assert_close(torch.from_numpy(np.asarray(got)), want.detach(),
                                        rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["rmsprop8bit", "adagrad8bit", "sgd8bit", "ademamix8bit"])
+def test_8_bit_twin_rows_keep_8_bit_state_and_follow_their_float_rows_on_the_cpu(name):
+    from mtapply.bench.ops import OPS
+
+    op = OPS[name]
+    shapes = [(10,), (5000,), (0,), (4097,)]
+    results, notes = {}, {}
+    for competitor in ("mtapply", "mtapply-fp32"):
+        data = op.make_data(shapes, torch.device("cpu"), seed=0)
+        start = [p.detach().clone() for p in data.params]
+        stepper = op.COMPETITORS[competitor].build(data)
+        for _ in range(3):
+            stepper.step()
+        results[competitor] = [(p.detach() - s) for p, s in zip(data.params, start)]
+        notes[competitor] = stepper.note
+    for k, (got, want) in enumerate(zip(results["mtapply"], results["mtapply-fp32"])):
+        if want.numel():  # (a second moment's smallest codes move single elements more)
+            assert want.abs().mean() > 0
+            assert (got - want).abs().mean() <= 0.05 * want.abs().mean(), f"{name} params[{k}]"
+    slots = op.BYTES_PER_PARAM - 12 >> 1
+    eight = float(notes["mtapply"].split()[1])  # about a byte per slot and element
+    assert slots * 0.95 < eight < slots * 1.1, notes["mtapply"]
+    assert float(notes["mtapply-fp32"].split()[1]) > 3.9 * slots

@@ -2,7 +2,7 @@
 "op:" header line), BYTES_PER_PARAM (the floor's numerator), REFERENCE (the competitor every
 row is divided by), DEFAULT_WORKLOADS, TARGETS (workload -> (metric, limit) for mtapply's
 rows, or a tuple of such pairs where a workload has several targets), make_data(shapes, device,
-seed) and COMPETITORS (name -> Competitor).
+seed) and COMPETITORS (name -> Competitor); twins8bit makes several such ops from a table.
 
 An op whose data can be other than fp32 also has DTYPES (the workload `Dtypes` its make_data takes
 as a fourth argument) and bytes_per_param(dtypes) (the floor's numerator for them); the others run
@@ -10,11 +10,12 @@ fp32 workloads only. A new op adds such a module and one entry here.
 """
 from __future__ import annotations
 
-from . import adam, adam8bit, adam_groups, clipped, lars, lion, lion8bit, muon, prodigy, sgd
+from . import (adam, adam8bit, adam_groups, clipped, lars, lion, lion8bit, muon, prodigy, sgd,
+               twins8bit)
 from .workloads import FP32, dtypes
 
 OPS = {op.NAME: op for op in (adam, sgd, lars, lion, adam8bit, adam_groups, lion8bit,
-                                clipped, prodigy, muon)}
+                                *twins8bit.OPS, clipped, prodigy, muon)}
 
 
 def all_competitors() -> list:
