@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode ddp
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lamb
+    torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lamb8bit
     python examples/distributed_torch.py --mode single
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer adamw8bit \
         --checkpoint /tmp/optimizer-checkpoint
@@ -24,7 +25,9 @@ message and exit status 2.
 
 On GPUs (one per rank, NCCL) when torch sees them, else on the CPU (`--device cpu`: gloo, and
 mtapply's NumPy backend), DDP and FSDP2 alike; LARS and LAMB over FSDP2 shards need GPUs (on the
-CPU their per-tensor norms are not summed over the shards).
+CPU their per-tensor norms are not summed over the shards). `--optimizer` NAME8bit keeps the
+optimizer's state in 8 bits (state_bits=8; SGD, LARS, LAMB, RMSprop, Adagrad, AdEMAMix, Lion
+and AdamW).
 """
 from __future__ import annotations
 
@@ -99,6 +102,16 @@ OPTIMIZERS = {
                                              min_8bit_size=1024),
     "lion8bit": lambda params: mt.Lion(params, lr=3e-4, weight_decay=0.1, state_bits=8,
                                        min_8bit_size=1024),
+    "sgd8bit": lambda params: mt.SGD(params, lr=0.05, momentum=0.9, state_bits=8,
+                                     min_8bit_size=1024),
+    "lars8bit": lambda params: mt.LARS(params, lr=0.5, momentum=0.9, weight_decay=1e-3,
+                                       trust_coefficient=0.02, state_bits=8, min_8bit_size=1024),
+    "lamb8bit": lambda params: mt.LAMB(params, lr=3e-3, weight_decay=0.05, max_grad_norm=1.0,
+                                       state_bits=8, min_8bit_size=1024),
+    "rmsprop8bit": lambda params: mt.RMSprop(params, lr=1e-4, state_bits=8, min_8bit_size=1024),
+    "adagrad8bit": lambda params: mt.Adagrad(params, lr=1e-3, state_bits=8, min_8bit_size=1024),
+    "ademamix8bit": lambda params: mt.AdEMAMix(params, lr=1e-3, weight_decay=0.05, state_bits=8,
+                                               min_8bit_size=1024),
 }
 
 
@@ -165,7 +178,7 @@ def parse_args(argv=None):
     usage = parser.format_usage()
     if args.device == "cuda" and not torch.cuda.is_available():
         refuse("--device cuda, but torch sees no CUDA device: use --device cpu (gloo)", usage)
-    if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer in ("lars", "lamb"):
+    if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer.startswith(("lars", "lamb")):
         refuse(f"--optimizer {args.optimizer} with --mode fsdp2 needs GPUs: on the CPU mtapply "
                f"does not sum its per-tensor norms over the shards (use --mode ddp, or another "
                f"--optimizer)", usage)
