@@ -64,7 +64,17 @@ def _convert(raw: np.ndarray, storage: str, dtype) -> np.ndarray:
 
 
 def store(ref, values: np.ndarray) -> None:
-    _put(view(ref), ref.dtype, values)
+    raw = view(ref)
+    _put(raw if np.ndim(values) <= 1 else shaped(raw, ref), ref.dtype, values)
+
+
+def shaped(flat: np.ndarray, ref) -> np.ndarray:
+    """A flat array in a tensor's memory order viewed in the tensor's shape and strides."""
+    if ref.row_major:
+        return flat.reshape(ref.shape)
+    strides = tuple(s * flat.itemsize for s in ref.strides)
+    return np.lib.stride_tricks.as_strided(flat, ref.shape, strides,
+                                           writeable=flat.flags.writeable)
 
 
 def _put(raw: np.ndarray, storage: str, values) -> None:
@@ -78,6 +88,10 @@ def _put(raw: np.ndarray, storage: str, values) -> None:
 def store_stochastic(ref, values: np.ndarray, args: dict, tensor: int) -> None:
     """bfloat16 params rounded stochastically, with the bits the kernel draws for them."""
     seed = int(args["seed_lo"]) | int(args["seed_hi"]) << 32
+    if np.ndim(values) > 1:  # the bits are keyed by memory order
+        in_memory = np.empty(ref.numel, np.float32)
+        shaped(in_memory, ref)[...] = values
+        values = in_memory
     view(ref)[:] = round_to_bfloat16_stochastic(values, seed, int(args["step"]), tensor)
 
 
@@ -155,6 +169,8 @@ def _tensors(spec, refs: dict, grad_scale, skip=()):
         dtype = np.float64 if first[i].dtype == "float64" else np.float32
         arrays = {name: load(column[i], dtype) for name, column in refs.items()
                   if name != "updates"}
+        if spec.cpu_shaped:
+            arrays = {name: shaped(values, refs[name][i]) for name, values in arrays.items()}
         yield i, dtype, _as_the_op_sees(spec, arrays, dtype, grad_scale)
 
 

@@ -60,6 +60,8 @@ class OpSpec:
     # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
     # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
     slot_formats: dict = {}
+    # cpu_update takes each tensor's values shaped as the tensor (else flat): factored rules
+    cpu_shaped: bool = False
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
     uniform_hyper: bool = False  # one value per hyperparameter for the list (no per-tensor rows)
     ranges: dict = {}  # device scalar -> its Range, where RANGES does not give it (else ANY)

@@ -12,8 +12,10 @@
     lion.step(params, grads, exp_avgs, lr=1e-4)        # one launch per dtype group, in place
     plan = lion.plan(params, grads, exp_avgs)          # bound once: plan.step(lr=1e-4)
 
-Per-tensor reductions (`sums=`, as LARS and LAMB need) add a first pass; `library` holds the
-optimizers shipped as rules (Lion, Adan, Adagrad, RMSprop, schedule-free AdamW).
+Per-tensor reductions (`sums=`, as LARS and LAMB need) add a first pass; factored slots
+(`NAME:rw@row`, `@col`, `@unfactored`, read with `row_mean` and `col_mean`: Adafactor's second
+moment, see `_factored`) run on the CPU for now; `library` holds the optimizers shipped as
+rules (Lion, Adan, Adagrad, RMSprop, schedule-free AdamW, Adafactor).
 
 The update is checked when the rule is made (`_language`), then generated twice from the same
 checked program: a CUDA functor on mtapply's chunk walker (`_cuda`, compiled by NVRTC like the
@@ -27,6 +29,7 @@ import textwrap
 
 from .. import _calls
 from ..plan import Plan
+from ._factored import FULL, is_factored, slot_shape
 from ._language import check_hyper, parse, parse_slots
 from ._quantized import QuantizedRule
 from ._spec import RuleSpec
@@ -133,6 +136,10 @@ class Rule:
                                  f"among the 8-bit slots {chosen}")
         if not chosen:
             raise ValueError(f"rule {self.name!r} writes no state slot: nothing to keep in 8 bits")
+        factored = [s.name for s in self.program.slots if s.name in chosen and s.form != FULL]
+        if factored:
+            raise ValueError(f"rule {self.name!r}: {factored[0]!r} is a factored slot, kept in "
+                             f"float: name the other slots in slots=")
         # a first pass over 8-bit slots stores nothing: the update computes them again, which
         # is the same computation only where no scalar state changes between the passes
         summed = [name for name in chosen if name in self.program.first_pass_slots]
@@ -143,8 +150,19 @@ class Rule:
         return QuantizedRule(self, chosen, unsigned, int(threshold))
 
     def cuda_source(self) -> str:
-        """The CUDA functor the rule generates (compiled after mtapply's chunk walker)."""
+        """The CUDA functor the rule generates (compiled after mtapply's chunk walker);
+        NotImplementedError for a rule that runs on the CPU only (factored slots)."""
+        self.spec().refuse_cuda()
         return self.spec().functor_text
+
+    def state_shapes(self, shape, min_dim_size: int = 1) -> dict:
+        """State slot name -> the shape of its tensor beside a param of `shape`: the param's,
+        or for factored slots (see `mtapply.rules._factored`) a row or column vector where
+        the param is factored (two or more dimensions, the last two each at least
+        `min_dim_size`), and (0,) for a slot the param does not keep."""
+        factored = is_factored(tuple(shape), min_dim_size)
+        return {s.name: slot_shape(s.form, tuple(shape), factored)
+                for s in self.program.slots[1:] if s.name != "grad"}
 
     def plan(self, *lists, master_params=None, stochastic_rounding=False, table_mode=None,
              stream=None):
@@ -180,6 +198,7 @@ class Rule:
         """The rule's name, slots (with their access) and hyperparameters (with their defaults;
         None: required), and the names of its per-tensor sums, if any."""
         slots = " ".join(f"{s.name}:{'rw' if s.written else 'r'}"
+                         + (f"@{s.form}" if s.form != FULL else "")
                          + (f"={s.initial:g}" if isinstance(s.initial, float) and s.initial
                             else f"={s.initial}" if isinstance(s.initial, str) else "")
                          for s in self.program.slots)
@@ -207,7 +226,11 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
         slots: the per-param tensors as "NAME:r" or "NAME:rw", in the order `step` takes their
             lists: "param:rw" first, and "grad:r" among them. A state slot may declare its
             first value, "NAME:rw=1e-6" or "NAME:rw=param" (a copy of the param), which
-            mtapply.torch and mtapply.optax give new state (0 where none is declared).
+            mtapply.torch and mtapply.optax give new state (0 where none is declared), and
+            its form, "NAME:rw@row", "@col" or "@unfactored": factored state, one value per
+            row or column of a param's last two dimensions (`state_shapes`; the update
+            reads row_mean(x) and col_mean(x) and chooses with `A if factored else B`).
+            Rules with factored slots run on the CPU for now.
         hyper: name -> default of each scalar hyperparameter (None: required), or name ->
             (default, range), the range a step accepts: ">= 0", "> 0", "<= 1", "< 1", or an
             interval "[0, 1)" (any brackets). Each may be a number (finite, in its range, or

@@ -20,6 +20,17 @@ and boolean (a comparison) or numeric. Per-tensor sums (and finish lines compute
 are uniform too: the kernel's functor computes uniform values once per block of one tensor.
 Both code generators walk the same checked `Program`.
 
+Factored slots (`mtapply.rules._factored`) keep a matrix's row or column vector: a slot declared
+`NAME:rw@row` holds one value per row of the param's last two dimensions, `@col` one per
+column, and `@unfactored` one per element for params that are not factored. `row_mean(x)`
+and `col_mean(x)` are the means of x over each row (the last axis) and each column (the
+second-to-last); `A if factored else B` is A for factored params and B for the others, and
+`numel` is the param's number of elements. Values are classed by the matrix axes they vary
+along too (an element value along both, a row value along the rows), and by where they exist
+(for factored params only, unfactored ones only, or both): a line that assigns a `@row` or
+`@col` slot runs for factored params only, one that assigns an `@unfactored` slot for the
+others.
+
 Each hyperparameter is declared with its default (None: required) and optionally the range a
 step accepts, as `(default, "RANGE")`: ">= 0", "> 0", "<= 1", "< 1", or an interval "[0, 1)",
 "(0, 1]", "[0, 1]", "(0, 1)". Every value given to a step is a finite number within its range.
@@ -34,13 +45,17 @@ from dataclasses import dataclass, field
 
 from .._ranges import FINITE, Range
 from .._ranges import parse as parse_range
+from ._factored import AXES, COL, FACTORED_ONLY, FORMS, FULL, ROW, UNFACTORED, UNFACTORED_ONLY
 
 FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
-             "max": 2, "where": 3}
+             "max": 2, "where": 3, "row_mean": 1, "col_mean": 1}
+MEANS = {"row_mean": "c", "col_mean": "r"}  # the matrix axis each mean reduces
 BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**", ast.Mod: "%"}
 COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
            ast.NotEq: "!="}
 STEP = "step"
+NUMEL = "numel"  # the param's number of elements (a per-tensor number)
+FACTORED = "factored"  # the test of `A if factored else B`
 # step arguments that are not hyperparameters: stochastic rounding's seed and its kernel words
 STEP_OPTIONS = frozenset({"seed", "seed_lo", "seed_hi", "sr_tensor_array"})
 
@@ -50,6 +65,7 @@ class Slot:
     name: str
     written: bool
     initial: object = 0.0  # a state slot's first value: a number, or "param" (a copy of it)
+    form: str = FULL  # row, col, unfactored: a factored slot (mtapply.rules._factored)
 
 
 @dataclass(frozen=True)
@@ -60,12 +76,15 @@ class Line:
     target: str
     expr: ast.expr
     text: str
+    only: str | None = None  # runs for factored (or unfactored) params only
 
 
 @dataclass(frozen=True)
 class Kind:
     uniform: bool
     boolean: bool = False
+    axes: frozenset = AXES[FULL]  # the matrix axes a non-uniform value varies along
+    only: str | None = None  # exists for factored (or unfactored) params only
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,27 @@ class Program:
 
     def kind(self, node) -> Kind:
         return self.kinds[id(node)]
+
+    @property
+    def factored(self) -> bool:
+        """Whether the rule has factored slots (its params step as factored or not)."""
+        return any(s.form != FULL for s in self.slots)
+
+    @functools.cached_property
+    def cpu_only(self) -> str:
+        """Why the rule has no CUDA functor ("" where it has one): factored slots, row and
+        column means and `numel` run on the CPU for now."""
+        for s in self.slots:
+            if s.form != FULL:
+                return f"slot {s.name!r} is factored ({s.name}:rw@{s.form})"
+        exprs = [line.expr for line in self.lines] + [s.expr for s in self.sums]
+        for expr in exprs:
+            for node in ast.walk(expr):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) in MEANS:
+                    return f"it reads {node.func.id}()"
+                if isinstance(node, ast.Name) and node.id == NUMEL:
+                    return f"it reads {NUMEL}"
+        return ""
 
     @functools.cached_property
     def first_pass_slots(self) -> frozenset:
@@ -159,10 +199,11 @@ class Program:
 
 
 def parse_slots(text: str) -> tuple:
-    """"param:rw grad:r exp_avg:rw nu:rw=1e-6 z:rw=param" -> Slots. param comes first (rw,
-    or r for a rule that only keeps state, such as an average of the params), grad (read) is
-    among them; a state slot may declare its first value (a number, or `param`: a copy of the
-    param), 0 where it does not."""
+    """"param:rw grad:r exp_avg:rw nu:rw=1e-6 z:rw=param v_row:rw@row" -> Slots. param comes
+    first (rw, or r for a rule that only keeps state, such as an average of the params), grad
+    (read) is among them; a state slot may declare its form (@row, @col, @unfactored: see
+    `mtapply.rules._factored`) and its first value (a number, or `param`: a copy of the
+    param, for slots of one value per element), 0 where it does not."""
     if not isinstance(text, str):
         raise TypeError(f"slots must be a string like \"param:rw grad:r exp_avg:rw\", got "
                         f"{type(text).__name__}")
@@ -170,16 +211,22 @@ def parse_slots(text: str) -> tuple:
     for word in text.split():
         name, _, mode = word.partition(":")
         mode, equals, start = mode.partition("=")
+        mode, at, form = mode.partition("@")
         if not name.isidentifier() or keyword.iskeyword(name) or mode not in ("r", "rw"):
             raise ValueError(f"slots: {word!r} is not NAME:r or NAME:rw")
         initial = _initial(word, start) if equals else 0.0
-        if equals and name in ("param", "grad"):
-            raise ValueError(f"slots: {word!r}: only state slots declare a first value")
-        if name in FUNCTIONS or name == STEP:
+        if (equals or at) and name in ("param", "grad"):
+            raise ValueError(f"slots: {word!r}: only state slots declare a first value or "
+                             f"a form")
+        form = _form(word, form) if at else FULL
+        if initial == "param" and form in (ROW, COL):
+            raise ValueError(f"slots: {word!r}: a row or column slot starts at a number, not "
+                             f"at a copy of the param")
+        if name in FUNCTIONS or name in (STEP, NUMEL, FACTORED):
             raise ValueError(f"slots: {name!r} is a reserved name")
         if any(s.name == name for s in slots):
             raise ValueError(f"slots: {name!r} is declared twice")
-        slots.append(Slot(name, mode == "rw", initial))
+        slots.append(Slot(name, mode == "rw", initial, form))
     if not slots or slots[0].name != "param":
         raise ValueError("slots must begin with param:rw (the tensors the rule updates), or "
                          "param:r for a rule that only keeps state")
@@ -189,6 +236,14 @@ def parse_slots(text: str) -> tuple:
         raise ValueError("slots must include grad:r (the gradients, unscaled by AMP's "
                          "grad_scale)")
     return tuple(slots)
+
+
+def _form(word: str, text: str) -> str:
+    if text not in FORMS:
+        raise ValueError(f"slots: {word!r}: a slot's form is @row, @col or @unfactored (one "
+                         f"value per row or column of a factored param, or per element of an "
+                         f"unfactored one)")
+    return text
 
 
 def _initial(word: str, text: str):
@@ -214,7 +269,8 @@ def check_hyper(hyper: dict, slots: tuple) -> tuple:
     for name, declared in hyper.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"hyper: {name!r} is not a valid name")
-        if name in taken or name in FUNCTIONS or name == STEP or name in STEP_OPTIONS:
+        if (name in taken or name in FUNCTIONS or name in (STEP, NUMEL, FACTORED)
+                or name in STEP_OPTIONS):
             raise ValueError(f"hyper: {name!r} is already a slot or a reserved name")
         default, ranges[name] = declared, FINITE
         if isinstance(declared, tuple):
@@ -285,7 +341,7 @@ def _check_sums(sums, slots: tuple, hyper: dict, what: str) -> dict:
         return {}
     if not isinstance(sums, dict):
         raise TypeError(f"{what} must be a dict of name -> expression, got {type(sums).__name__}")
-    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP}
+    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP, NUMEL, FACTORED}
     for name, text in sums.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"{what}: {name!r} is not a valid name")
@@ -308,7 +364,8 @@ def _check_scalars(scalars, slots: tuple, hyper: dict, sums: dict, totals: dict)
         raise ValueError("scalars cannot be combined with per-tensor sums: a scalar holds one "
                          "value for the whole list (sums over the whole list, `totals`, may "
                          "feed it)")
-    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP} | set(totals)
+    taken = {s.name for s in slots} | set(hyper) | set(FUNCTIONS) | {STEP, NUMEL, FACTORED} | set(
+        totals)
     checked = {}
     for name, value in scalars.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -368,6 +425,10 @@ class _Checker:
         kind = self.expr(expr)
         if kind.boolean:
             raise TypeError(f"{self.where}: a sum adds numbers, not a comparison")
+        if kind.only:
+            raise ValueError(f"{self.where}: a sum adds over the elements of every param, but "
+                             f"this exists for {kind.only} params only: give the others a "
+                             f"value with `A if factored else B`")
         return Sum(name, expr, text, whole)
 
     def line(self, number: int, text: str, what: str = "update", per_tensor=False) -> Line:
@@ -393,25 +454,66 @@ class _Checker:
             raise ValueError(f"{self.where}: scalar state {target!r} holds one value for the "
                              f"whole list: assign it from numbers, hyperparameters, step and "
                              f"scalars, not from slots")
+        only = kind.only
         if target in self.slots:
             if not self.slots[target].written:
                 raise ValueError(f"{self.where}: slot {target!r} is read-only (declared "
                                  f"{target}:r)")
+            only = self._slot_line(self.slots[target], kind)
             self.assigned.add(target)
-        elif (target in self.program.hyper or target == STEP or target in FUNCTIONS
-              or target in self.sum_names):
+        elif (target in self.program.hyper or target in (STEP, NUMEL, FACTORED)
+              or target in FUNCTIONS or target in self.sum_names):
             raise ValueError(f"{self.where}: {target!r} is a hyperparameter or reserved name "
                              f"and cannot be assigned")
         else:
             self.temporaries[target] = kind
-        return Line(number, target, expr, text)
+        return Line(number, target, expr, text, only)
+
+    def _slot_line(self, slot: Slot, kind: Kind) -> str | None:
+        """Which params a line assigning `slot` runs for (None: all), checking that its
+        value exists for them and varies only along the slot's axes."""
+        if slot.form == FULL:
+            if kind.only:
+                raise ValueError(f"{self.where}: slot {slot.name!r} is kept for every param, "
+                                 f"but this value exists for {kind.only} params only: give "
+                                 f"the others one with `A if factored else B`")
+            return None
+        if slot.form == UNFACTORED:
+            if kind.only == FACTORED_ONLY:
+                raise ValueError(f"{self.where}: slot {slot.name!r} is @unfactored, but this "
+                                 f"value exists for factored params only")
+            return UNFACTORED_ONLY
+        if kind.only == UNFACTORED_ONLY:
+            raise ValueError(f"{self.where}: slot {slot.name!r} is @{slot.form}, but this "
+                             f"value exists for unfactored params only")
+        if not kind.uniform and not kind.axes <= AXES[slot.form]:
+            other = "columns" if slot.form == ROW else "rows"
+            mean = "row_mean" if slot.form == ROW else "col_mean"
+            raise ValueError(f"{self.where}: slot {slot.name!r} holds one value per "
+                             f"{slot.form}, but this value varies along the {other}: take "
+                             f"its {mean}()")
+        return FACTORED_ONLY
 
     def expr(self, node) -> Kind:
         kind = self._kind(node)
         self.program.kinds[id(node)] = kind
         return kind
 
+    def _join(self, kinds, boolean: bool = False) -> Kind:
+        """The kind of a value computed from values of `kinds`."""
+        onlys = {k.only for k in kinds} - {None}
+        if len(onlys) > 1:
+            raise ValueError(f"{self.where}: mixes values of factored params (@row and @col "
+                             f"slots, row_mean, col_mean) with values of unfactored ones: "
+                             f"choose between them with `A if factored else B`")
+        uniform = all(k.uniform for k in kinds)
+        axes = frozenset().union(*(k.axes for k in kinds if not k.uniform))
+        return Kind(uniform=uniform, boolean=boolean, axes=axes,
+                    only=onlys.pop() if onlys else None)
+
     def _kind(self, node) -> Kind:
+        if isinstance(node, ast.IfExp):
+            return self._if_factored(node)
         if isinstance(node, ast.Constant):
             if (isinstance(node.value, bool) or not isinstance(node.value, (int, float))
                     or not math.isfinite(node.value)):
@@ -426,19 +528,34 @@ class _Checker:
             right = self._numeric(node.right, BINARY[type(node.op)])
             if isinstance(node.op, (ast.Div, ast.Mod)) and _is_zero(node.right):
                 raise ValueError(f"{self.where}: division by the literal 0")
-            return Kind(uniform=left.uniform and right.uniform)
+            return self._join((left, right))
         if isinstance(node, ast.Compare):
             if len(node.ops) != 1 or type(node.ops[0]) not in COMPARE:
                 raise ValueError(f"{self.where}: one comparison (< <= > >= == !=) at a time")
             left = self._numeric(node.left, "a comparison")
             right = self._numeric(node.comparators[0], "a comparison")
-            return Kind(uniform=left.uniform and right.uniform, boolean=True)
+            return self._join((left, right), boolean=True)
         if isinstance(node, ast.Call):
             return self._call(node)
         token = ast.get_source_segment(self.text, node) or type(node).__name__
         raise ValueError(f"{self.where}: {type(node).__name__} ({token}) is not part of the rule "
-                         f"language (numbers, names, + - * / ** %, comparisons, where() and "
+                         f"language (numbers, names, + - * / ** %, comparisons, where(), "
+                         f"`A if factored else B` and "
                          f"{', '.join(f for f in FUNCTIONS if f != 'where')})")
+
+    def _if_factored(self, node: ast.IfExp) -> Kind:
+        """`A if factored else B`: A for factored params, B for the others."""
+        if not (isinstance(node.test, ast.Name) and node.test.id == FACTORED):
+            token = ast.get_source_segment(self.text, node) or "IfExp"
+            raise ValueError(f"{self.where}: IfExp ({token}) is `A if factored else B` only "
+                             f"(per element choices: where(cond, a, b))")
+        body = self._numeric(node.body, "`A if factored else B`")
+        orelse = self._numeric(node.orelse, "`A if factored else B`")
+        if body.only == UNFACTORED_ONLY or orelse.only == FACTORED_ONLY:
+            raise ValueError(f"{self.where}: in `A if factored else B`, A is for factored "
+                             f"params and B for unfactored ones")
+        return Kind(uniform=body.uniform and orelse.uniform,
+                    axes=frozenset().union(*(k.axes for k in (body, orelse) if not k.uniform)))
 
     def _name(self, name: str) -> Kind:
         if name in self.sum_names:
@@ -447,9 +564,16 @@ class _Checker:
                                  f"the values before the first line that uses a sum)")
             return Kind(uniform=True)
         if name in self.slots:
-            return Kind(uniform=False)
-        if name in self.program.hyper or name == STEP or name in self.program.scalars:
+            form = self.slots[name].form
+            only = (FACTORED_ONLY if form in (ROW, COL) else
+                    UNFACTORED_ONLY if form == UNFACTORED else None)
+            return Kind(uniform=False, axes=AXES[form], only=only)
+        if (name in self.program.hyper or name in (STEP, NUMEL)
+                or name in self.program.scalars):
             return Kind(uniform=True)
+        if name == FACTORED:
+            raise ValueError(f"{self.where}: {FACTORED!r} is only the test of `A if factored "
+                             f"else B`")
         if name in self.temporaries:
             return self.temporaries[name]
         raise ValueError(f"{self.where}: unknown name {name!r} (slots: "
@@ -479,9 +603,22 @@ class _Checker:
             if not cond.boolean:
                 raise TypeError(f"{self.where}: where()'s first argument must be a comparison")
             a, b = (self._numeric(arg, "where()") for arg in node.args[1:])
-            return Kind(uniform=cond.uniform and a.uniform and b.uniform)
+            return self._join((cond, a, b))
         kinds = [self._numeric(arg, f"{name}()") for arg in node.args]
-        return Kind(uniform=all(k.uniform for k in kinds))
+        if name in MEANS:
+            return self._mean(name, kinds[0])
+        return self._join(kinds)
+
+    def _mean(self, name: str, kind: Kind) -> Kind:
+        """row_mean and col_mean: means over a factored param's rows or columns."""
+        if kind.uniform:
+            raise ValueError(f"{self.where}: {name}() of a value that is the same for every "
+                             f"element is that value")
+        if kind.only == UNFACTORED_ONLY:
+            raise ValueError(f"{self.where}: {name}() is a mean over a factored param's "
+                             f"{'rows' if name == 'row_mean' else 'columns'}, of a value of "
+                             f"unfactored params")
+        return Kind(uniform=False, axes=kind.axes - {MEANS[name]}, only=FACTORED_ONLY)
 
 
 def _is_zero(node) -> bool:

@@ -5,6 +5,11 @@ float64 (as the functor's constructor does, once per launch) and rounded to the 
 element values use it; element values are computed in the math type (float32, or float64 for
 float64 params). x**2 is x*x and x**0.5 is sqrt(x) in both.
 
+A factored rule's param is stepped as factored or not (`factored`, see `_factored`): its values
+come as a stack of matrices with row and column slots beside them, and the lines run are that
+mode's (`A if factored else B` picks its branch; row_mean and col_mean are NumPy means over
+the last and the second-to-last axis, a fixed summation order).
+
 Each program is translated once into Python functions of NumPy calls (`compiled`), so that a
 step costs the NumPy operations themselves rather than a walk of the expression trees.
 """
@@ -14,32 +19,35 @@ import ast
 
 import numpy as np
 
-from ._language import STEP, Program
+from ._factored import COL, FACTORED_ONLY, ROW, UNFACTORED, UNFACTORED_ONLY
+from ._language import NUMEL, STEP, Program
 
 _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np.exp,
                       "log": np.log, "min": np.fmin, "max": np.fmax}
 
 
 def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
-             totals=None) -> dict:
+             totals=None, factored: bool | None = None) -> dict:
     """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
     `scalars`: hyperparameter (and step) name -> float; `state`: the float32 array of the
     rule's scalar state (see `Rule.initial_scalars`), updated here; `totals`: the whole-list
-    sums, in `program.totals` order (`whole_sums`)."""
-    shape = next(iter(arrays.values())).shape
+    sums, in `program.totals` order (`whole_sums`); `factored`: for a factored rule, whether
+    the param steps as factored (its slots then of the `_factored.canonical_shape`s), and
+    only the slots it keeps are given back."""
     env = _environment(program, arrays, scalars, state)
     with np.errstate(all="ignore"):
         if program.sums:  # each tensor's sums, and the list's
-            env.update(zip((s.name for s in program.sums), tensor_sums(program, arrays, scalars,
-                                                                       dtype, state)))
+            env.update(zip((s.name for s in program.sums),
+                           tensor_sums(program, arrays, scalars, dtype, state, factored)))
             if program.totals:
                 env.update(zip((t.name for t in program.totals), map(np.float64, totals)))
-        compiled(program).lines(env, dtype)
+        compiled(program, factored).lines(env, dtype)
     n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
     for k, name in enumerate(program.scalars):
         state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
-    return {s.name: _result(env[s.name], arrays, dtype, shape) for s in program.slots
-            if s.written}
+    kept = {ROW: factored, COL: factored, UNFACTORED: not factored}
+    return {s.name: _result(env[s.name], arrays, dtype, arrays[s.name].shape)
+            for s in program.slots if s.written and kept.get(s.form, True)}
 
 
 def _result(value, arrays: dict, dtype, shape) -> np.ndarray:
@@ -59,19 +67,23 @@ def _environment(program: Program, arrays: dict, scalars: dict, state) -> dict:
     env.update({name: np.float64(state[(1 - parity) * n_state + k])
                 for k, name in enumerate(program.scalars)})
     env.update(arrays)
+    env[NUMEL] = np.float64(arrays["param"].size)
     return env
 
 
-def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None) -> list:
+def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None,
+                factored: bool | None = None) -> list:
     """The first pass over one tensor: its lines before the first use of a sum, on copies, then
     each sum of `program.sums` over the tensor's elements, as a float64 of a float32 (the
-    kernel adds in float32 in a fixed order; here in float64, rounded once)."""
-    shape = next(iter(arrays.values())).shape
+    kernel adds in float32 in a fixed order; here in float64, rounded once). A rule that runs
+    on the CPU only keeps float64 sums of float64 params."""
+    shape = arrays["param"].shape
     first = _environment(program, arrays, scalars, state)
+    keep = program.cpu_only and dtype == np.float64
     with np.errstate(all="ignore"):
-        return [np.float64(np.float32(np.sum(np.broadcast_to(np.asarray(value, np.float64),
-                                                             shape))))
-                for value in compiled(program).sums(first, dtype)]
+        sums = [np.sum(np.broadcast_to(np.asarray(value, np.float64), shape))
+                for value in compiled(program, factored).sums(first, dtype)]
+    return [np.float64(total if keep else np.float32(total)) for total in sums]
 
 
 def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
@@ -86,11 +98,14 @@ def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
 
 class Compiled:
     """A program as two Python functions of (env, dtype): `lines` runs every line into env;
-    `sums` runs the prefix lines into env and returns each sum's element values."""
+    `sums` runs the prefix lines into env and returns each sum's element values. `factored`:
+    a factored rule's mode (the lines of the other mode left out)."""
 
-    def __init__(self, program: Program):
-        self._program, self._constants = program, []
-        body = [f"    env[{line.target!r}] = {self._value(line.expr)}" for line in program.lines]
+    def __init__(self, program: Program, factored: bool | None = None):
+        self._program, self._constants, self._factored = program, [], factored
+        skipped = UNFACTORED_ONLY if factored else FACTORED_ONLY
+        body = [f"    env[{line.target!r}] = {self._value(line.expr)}"
+                if line.only != skipped else "    pass" for line in program.lines]
         prefix = body[:program.prefix]
         sums = ", ".join(self._element(total.expr) for total in program.sums)
         source = "\n".join(["def lines(env, dtype):", *body, "    return None",
@@ -106,6 +121,8 @@ class Compiled:
         return self._uniform(node) if self._program.kind(node).uniform else self._element(node)
 
     def _element(self, node) -> str:
+        if isinstance(node, ast.IfExp):  # `A if factored else B`: the mode's branch
+            return self._element(node.body if self._factored else node.orelse)
         if self._program.kind(node).uniform:  # hoisted: computed in float64, then rounded
             return f"hoist({self._uniform(node)}, dtype)"
         if isinstance(node, ast.Name):  # a slot, or a temporary of element values
@@ -113,6 +130,8 @@ class Compiled:
         return self._apply(node, self._element, "dtype(1)")
 
     def _uniform(self, node) -> str:
+        if isinstance(node, ast.IfExp):
+            return self._uniform(node.body if self._factored else node.orelse)
         if isinstance(node, ast.Constant):
             self._constants.append(np.float64(node.value))
             return f"C[{len(self._constants) - 1}]"
@@ -137,6 +156,8 @@ class Compiled:
             return f"{'np.where' if sub == self._element else 'pick'}({', '.join(args)})"
         if name == "rsqrt":
             return f"({one} / np.sqrt({args[0]}))"
+        if name in _MEAN_AXES:  # over each row (the last axis) or column, of the stack
+            return f"np.mean({args[0]}, axis={_MEAN_AXES[name]}, keepdims=True)"
         return f"F[{name!r}]({', '.join(args)})"
 
     @staticmethod
@@ -169,19 +190,27 @@ class Compiled:
             return isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div))
         if isinstance(node, ast.UnaryOp):
             return isinstance(node.op, ast.USub) or self._fresh(node.operand)
+        if isinstance(node, ast.IfExp):
+            return self._fresh(node.body if self._factored else node.orelse)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id == "where":
                 return not self._program.kind(node.args[0]).uniform
-            return node.func.id in ("sqrt", "abs", "sign", "exp", "log", "min", "max", "rsqrt")
+            return node.func.id in ("sqrt", "abs", "sign", "exp", "log", "min", "max", "rsqrt",
+                                    "row_mean", "col_mean")
         return False
 
 
-def compiled(program: Program) -> Compiled:
-    """The program's NumPy functions, made on first use and kept with the program."""
-    functions = program.__dict__.get("_numpy")
+def compiled(program: Program, factored: bool | None = None) -> Compiled:
+    """The program's NumPy functions (those of a factored rule's mode), made on first use and
+    kept with the program."""
+    made = program.__dict__.setdefault("_numpy", {})
+    functions = made.get(factored)
     if functions is None:
-        functions = program.__dict__["_numpy"] = Compiled(program)
+        functions = made[factored] = Compiled(program, factored)
     return functions
+
+
+_MEAN_AXES = {"row_mean": -1, "col_mean": -2}
 
 
 def _hoist(value, dtype):

@@ -38,7 +38,7 @@ class QuantizedRuleSpec(RuleSpec):
         self.scale_slots = tuple(scale_name(s) for s in self.eight_bit)
         self.slots = self.slots + self.scale_slots
         self.written = self.written | set(self.scale_slots)
-        self.slot_formats = {**{list_name(s): (("uint8", "float32"), True) for s in self.eight_bit},
+        self.slot_formats = {**self.slot_formats, **{list_name(s): (("uint8", "float32"), True) for s in self.eight_bit},
                              **{s: (("float32",), False) for s in self.scale_slots}}
         mask = sum(1 << names.index(s) for s in self.eight_bit)
         unsigned_mask = sum(1 << names.index(s) for s in self.unsigned)

@@ -9,8 +9,10 @@ import numpy as np
 
 from .. import _cpu, _source
 from .._ranges import ANY
+from .._validate import SUPPORTED_DTYPES
 from ..ops._spec import OpSpec, number_or_device_scalar, seed_words
-from . import _cuda, _numpy
+from . import _cuda, _factored, _numpy
+from ._factored import FULL
 from ._language import STEP, Program
 
 
@@ -27,6 +29,10 @@ class RuleSpec(OpSpec):
                              f"stochastic_rounding are for rules that update the params")
         self.program = program
         self.rule_name = name
+        if program.factored:  # shaped by the engine's checks here, not by ingestion
+            names = [list_name(s.name) for s in program.slots if s.form != FULL]
+            self.slot_formats = {n: (SUPPORTED_DTYPES, False) for n in names}
+            self.cpu_shaped = True
         # hyperparameters fixed with the plan, one value per tensor (kernel arrays)
         self.tensor_values = _tensor_values(name, program, tensor_values or {})
         stochastic = bool(stochastic_rounding)
@@ -135,26 +141,87 @@ class RuleSpec(OpSpec):
             arrays[_cuda.array_field(name)] = values
         return arrays
 
+    def refuse_cuda(self) -> None:
+        """NotImplementedError for a rule that has no CUDA functor (`Program.cpu_only`)."""
+        if self.program.cpu_only:
+            raise NotImplementedError(
+                f"rule {self.rule_name!r} runs on the CPU only for now: {self.program.cpu_only}"
+                f", and factored slots (and row_mean, col_mean, numel) have no CUDA kernel "
+                f"yet; step these tensors on the CPU")
+
+    def check_tensors(self, refs: dict) -> None:
+        super().check_tensors(refs)
+        params = refs[self.slots[0]]
+        if any(ref.device[0] == "cuda" for ref in params):
+            self.refuse_cuda()
+        if self.program.factored:
+            for i, param in enumerate(params):
+                self._check_factored(refs, i, param)
+
+    def _check_factored(self, refs: dict, i: int, param) -> None:
+        """A param's factored slots hold the vectors of a factored param, or are empty beside
+        full @unfactored slots (`mtapply.rules._factored`)."""
+        forms = [s for s in self.program.slots if s.form != FULL]
+        sizes: dict = {}
+        for s in forms:
+            sizes.setdefault(s.form, []).append(refs[list_name(s.name)][i].numel)
+        if _factored.mode_of(param.shape, sizes) is not None:
+            return
+        shapes = {mode: {s.name: _factored.slot_shape(s.form, param.shape, mode) for s in forms}
+                  for mode in ((True, False) if len(param.shape) >= 2 else (False,))}
+        given = ", ".join(f"{list_name(s.name)}[{i}] {refs[list_name(s.name)][i].shape}"
+                          for s in forms)
+        expected = " or ".join(", ".join(f"{n} {shape}" for n, shape in each.items())
+                               for each in shapes.values())
+        raise ValueError(f"rule {self.rule_name!r}: params[{i}] has shape {param.shape} but "
+                         f"{given}: its factored slots are {expected} (shape (0,): none; see "
+                         f"Rule.state_shapes)")
+
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
-        rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}
+        rule_arrays, factored, shapes = self._rule_arrays(arrays)
         state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
         new = _numpy.evaluate(self.program, rule_arrays, self._scalars(args, index), dtype, state,
-                              args.get(_cuda.TOTALS))
-        return {list_name(name): values for name, values in new.items()}
+                              args.get(_cuda.TOTALS), factored)
+        return {list_name(name): values.reshape(shapes[name]) if shapes else values
+                for name, values in new.items()}
+
+    def _rule_arrays(self, arrays: dict) -> tuple:
+        """(slot name -> values, whether the param steps factored, slot name -> the shape its
+        results are given back in (None: as they come)). A factored rule's arrays come in
+        their tensors' shapes (`cpu_shaped`) and go to the program as
+        `_factored.canonical_shape`s (all flat for an unfactored param)."""
+        rule_arrays = {s.name: arrays[list_name(s.name)] for s in self.program.slots}
+        if not self.program.factored:
+            return rule_arrays, None, None
+        shape = rule_arrays["param"].shape
+        forms = {s.name: s.form for s in self.program.slots}
+        sizes: dict = {}
+        for name, form in forms.items():
+            if form != FULL:
+                sizes.setdefault(form, []).append(rule_arrays[name].size)
+        factored = bool(_factored.mode_of(shape, sizes))
+        shapes = {name: values.shape for name, values in rule_arrays.items()}
+        for name, values in rule_arrays.items():
+            if factored and forms[name] != _factored.UNFACTORED:  # (those stay empty)
+                rule_arrays[name] = values.reshape(_factored.canonical_shape(forms[name], shape))
+            else:
+                rule_arrays[name] = values.reshape(-1)
+        return rule_arrays, factored, shapes
 
     def cpu_batchable(self) -> bool:
         """Elementwise where the program takes no sums and no value per tensor."""
-        return not self.program.sums and not self.tensor_values
+        return not self.program.sums and not self.tensor_values and not self.program.factored
 
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
-        return _numpy.whole_sums(self.program, [
-            _numpy.tensor_sums(self.program, {s.name: arrays[list_name(s.name)]
-                                              for s in self.program.slots},
-                               self._scalars(args, index), dtype,
-                               _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None)
-            for index, arrays, args, dtype in tensors])
+        def sums(index, arrays, args, dtype):
+            rule_arrays, factored, _ = self._rule_arrays(arrays)
+            return _numpy.tensor_sums(self.program, rule_arrays, self._scalars(args, index),
+                                      dtype, _cpu.view(args[_cuda.SCALARS].ref)
+                                      if self.outputs else None, factored)
+
+        return _numpy.whole_sums(self.program, [sums(*tensor) for tensor in tensors])
 
     def _scalars(self, args: dict, index: int) -> dict:
         """Each hyperparameter's (and the step's) value for tensor `index`."""
@@ -191,7 +258,8 @@ def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) 
     made = program.__dict__.setdefault("_specs", {})
     key = (stochastic, arrays, store_first)
     if key not in made:
-        text = _cuda.functor_source(program, _STRUCT, stochastic, arrays, store_first)
+        text = (_cuda.functor_source(program, _STRUCT, stochastic, arrays, store_first)
+                if not program.cpu_only else _cpu_only_text(program))
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         struct = f"Rule_{digest}"
         scalars = (*(h for h in program.hyper if h not in arrays), STEP)
@@ -204,6 +272,15 @@ def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) 
             _cuda.arg_fields(program, arrays), _cuda.arg_members(program, arrays), scalars,
             {name: _cuda.field_name(name) for name in scalars})
     return made[key]
+
+
+def _cpu_only_text(program: Program) -> str:
+    """What stands for the functors of a rule that has none (`Program.cpu_only`): its lines,
+    so that its digest tells it apart."""
+    lines = [f"// {s.name}:{'rw' if s.written else 'r'}@{s.form}" for s in program.slots]
+    lines += [f"// {line.text}" for line in program.lines]
+    lines += [f"// sum {s.name} = {s.text}" for s in program.sums]
+    return "\n".join(["// runs on the CPU only: " + program.cpu_only, *lines]) + "\n"
 
 
 def _tensor_values(rule: str, program: Program, given: dict) -> dict:
