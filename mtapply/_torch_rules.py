@@ -17,6 +17,7 @@ from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
 from ._torch_state import MASTER, check_eight_bit_slots, own_options, refuse_other_state_bits
 from .ops._spec import check_number, seed_words
 from .rules import library
+from .rules._factored import COL, FULL, ROW, UNFACTORED, is_factored, slot_shape
 
 
 class RuleBased(FusedOptimizer):
@@ -30,6 +31,9 @@ class RuleBased(FusedOptimizer):
 
     _merges_groups = True
     _UNSIGNED_STATE: tuple = ()  # state slots that hold values >= 0 (finer 8-bit codes)
+    # a rule with factored slots keeps them for params of two or more dimensions whose last
+    # two are each at least this size (torch.optim.Adafactor: every such param)
+    _min_dim_size_to_factor = 1
 
     def __init__(self, params, defaults, flat_grads=False, state_bits=32, min_8bit_size=4096,
                  stochastic_rounding=False, seed=0, master_weights=False):
@@ -118,14 +122,38 @@ class RuleBased(FusedOptimizer):
                 f"one device, give each a grad at every step (zero_grad(set_to_none=False) "
                 f"keeps zeros), and give the groups number lrs")
 
+    def _factored_shapes(self, group, p) -> dict:
+        """The shapes of the factored slots that `p` keeps (see `mtapply.rules._factored`):
+        @row and @col where it is factored, @unfactored where not; empty for a rule without
+        factored slots."""
+        program = self._rule(group).program
+        if not program.factored:
+            return {}
+        factored = is_factored(tuple(p.shape), self._min_dim_size_to_factor)
+        kept = {ROW: factored, COL: factored, UNFACTORED: not factored}
+        return {s.name: slot_shape(s.form, tuple(p.shape), factored)
+                for s in program.slots if s.form != FULL and kept[s.form]}
+
+    def _state_names(self, group, p) -> tuple:
+        """The state slots a param keeps (a factored rule's, by the param's shape)."""
+        program, kept = self._rule(group).program, self._factored_shapes(group, p)
+        absent = {s.name for s in program.slots if s.form != FULL and s.name not in kept}
+        return tuple(name for name in self._stepping_rule(group).slots[1:]
+                     if name != "grad" and name not in absent)
+
     def _init_state(self, group, p, state) -> None:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         rule = self._stepping_rule(group)
-        missing = [name for name in rule.slots[1:] if name != "grad" and name not in state]
+        missing = [name for name in self._state_names(group, p) if name not in state]
         source = state.get(MASTER, p)  # a state that starts at the param: at its fp32 master
+        shapes = self._factored_shapes(group, p)
         for name in missing:
-            if self.state_bits == 8 and name in rule.eight_bit:
+            if name in shapes:  # a row or column vector, or a full @unfactored slot
+                state[name] = torch.full(shapes[name], float(rule.initial[name]),
+                                         dtype=self._state_dtype(group, name, p),
+                                         device=p.device)
+            elif self.state_bits == 8 and name in rule.eight_bit:
                 state[name], state[f"{name}_absmax"] = self._eight_bit_state(
                     rule, name, p, self._initial(group, p, name))
             elif not name.endswith("_absmax"):  # (made with its slot)
@@ -182,8 +210,8 @@ class RuleBased(FusedOptimizer):
 
     def _required_state(self, group, param) -> tuple:
         rule = self._stepping_rule(group)  # `step` where the update reads it
-        return (("step",) if rule.program.uses_step else ()) + tuple(
-            name for name in rule.slots[1:] if name != "grad") + tuple(rule.scalars)
+        return ((("step",) if rule.program.uses_step else ()) + self._state_names(group, param)
+                + tuple(rule.scalars))
 
     def _bind(self, key, options, group, params, grads):
         bound = super()._bind(key, options, group, params, grads)
@@ -249,9 +277,17 @@ class RuleBased(FusedOptimizer):
     def _make_plan(self, group, lists):
         given, rule = {"param": lists.bound, "grad": lists.grads}, self._stepping_rule(group)
         masters = {} if lists.masters is None else {"master_params": lists.masters}  # (not 8-bit)
-        return rule.plan(*(given[name] if name in given else lists.state(name)
-                           for name in rule.slots), stochastic_rounding=self._stochastic(group),
-                         **masters)
+        factored = {s.name for s in rule.program.slots if s.form != FULL}
+        return rule.plan(*(given[name] if name in given else
+                           self._factored_state(lists, name) if name in factored else
+                           lists.state(name) for name in rule.slots),
+                         stochastic_rounding=self._stochastic(group), **masters)
+
+    def _factored_state(self, lists, name: str) -> list:
+        """Each param's tensor of factored slot `name` as kept (vectors, made contiguous), or
+        an empty one where the param keeps none."""
+        return [self.state[p].get(name, torch.empty(0, device=p.device))
+                for p in lists.params]
 
     def _values(self, group) -> dict:
         hyper = self._rule_hyper(group)

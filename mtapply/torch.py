@@ -1,6 +1,6 @@
 """Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
-Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop, Lion, Adan, ScheduleFreeAdamW, and any
-user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
+Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop, Adafactor (on the CPU for now), Lion, Adan,
+ScheduleFreeAdamW, and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of
 `torch.optim.Adam` / `AdamW` / `SGD` (per param: a 0-d float32 `step`, `exp_avg`, `exp_avg_sq`,
@@ -91,6 +91,7 @@ from ._torch_binding import (Part, data_addresses, is_dtensor, local_tensor, loc
                              shard_groups)
 from ._torch_checks import check_adam_args, check_one_element, check_torch_adam_flags
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, by_group, group_owners, laid_out_as
+from ._torch_adafactor import Adafactor
 from ._torch_adaptive import DAdaptAdam, Prodigy
 from ._torch_rules import (Adadelta, Adagrad, Adamax, Adan, AdEMAMix, Lion, NAdam, RAdam,
                            RMSprop, RuleOptimizer, ScheduleFreeAdamW, optimizer)
@@ -100,7 +101,7 @@ from .plan import Plan
 from .torch_galore import GaLoreAdamW
 from .torch_muon import Muon
 
-__all__ = ["LAMB", "LARS", "SGD", "Adadelta", "Adagrad", "Adam", "Adam8bit", "Adamax", "AdamW",
+__all__ = ["LAMB", "LARS", "SGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "Adam8bit", "Adamax", "AdamW",
            "AdamW8bit", "Adan", "AdEMAMix", "DAdaptAdam",
            "GaLoreAdamW", "Lion", "Muon", "NAdam", "Prodigy", "RAdam", "RMSprop",
            "RuleOptimizer", "ScheduleFreeAdamW", "optimizer"]
@@ -109,7 +110,7 @@ _GRAD = operator.attrgetter("grad")
 _DEREF = weakref.ref.__call__
 
 # The rule-run optimizers are this module's, to users, reprs and pickles alike.
-for _public in (Adadelta, Adagrad, Adamax, Adan, AdEMAMix, DAdaptAdam, Lion, NAdam, Prodigy,
+for _public in (Adadelta, Adafactor, Adagrad, Adamax, Adan, AdEMAMix, DAdaptAdam, Lion, NAdam, Prodigy,
                 RAdam, RMSprop, RuleOptimizer, ScheduleFreeAdamW, optimizer):
     _public.__module__ = __name__
 

@@ -668,6 +668,38 @@ def _lerp(start: str, end: str, weight: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def adafactor(maximize: bool = False) -> Rule:
+    """torch.optim.Adafactor (Shazeer and Stern 2018, with torch's lr and eps1), per tensor at
+    step t: g = grad (-grad with maximize); w = t^beta2_decay (1 - beta2_t); a factored param
+    (two or more dimensions) lerps its row and column means of g^2 into row_var and col_var by
+    w, and estimates V = row_var col_var / max(mean(row_var), eps1); an unfactored one lerps
+    g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)); p = p (1 - lr
+    weight_decay) - alpha / max(1, RMS(u) / d) u with alpha = max(eps2, RMS(p)) min(lr,
+    1 / sqrt(t)), RMS(p) of the param before the step. RMS(p) and RMS(u) come from sums of a
+    first pass. Factored slots: runs on the CPU for now."""
+    g = "-grad" if maximize else "grad"
+    return rule("adafactor",
+                slots="param:rw grad:r row_var:rw@row col_var:rw@col variance:rw@unfactored",
+                hyper=dict(lr=(1e-2, LR), beta2_decay=(-0.8, "<= 0"), eps1=(None, NON_NEGATIVE),
+                           eps2=(1e-3, NON_NEGATIVE), d=(1.0, ">= 1"),
+                           weight_decay=(0.0, NON_NEGATIVE)),
+                sums={"p2": "param * param", "u2": "u * u"},
+                update=f"""
+                    g = {g}
+                    w = step ** beta2_decay
+                    g2 = g * g
+                    row_var = {_lerp("row_var", "row_mean(g2)", "w")}
+                    col_var = {_lerp("col_var", "col_mean(g2)", "w")}
+                    variance = {_lerp("variance", "g2", "w")}
+                    v = row_var * col_var / max(col_mean(row_var), eps1) if factored else variance
+                    u = g * rsqrt(max(v, eps1 * eps1))
+                    alpha = max(eps2, sqrt(p2 / numel)) * min(lr, 1 / sqrt(step))
+                    scale = alpha / max(1, sqrt(u2 / numel) / d)
+                    param = param * (1 - lr * weight_decay) - scale * u
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def muon_momentum(nesterov: bool = True) -> Rule:
     """torch.optim.Muon's momentum, the first of its three passes (`mtapply.torch.Muon`): the
     buffer lerps toward the grad, b = lerp(b, g, 1 - momentum), and the matrix to orthogonalize
@@ -694,7 +726,7 @@ def muon_apply() -> Rule:
                 update="param = param * (1 - lr * weight_decay) - (lr * scale) * grad")
 
 
-__all__ = ["adadelta", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
+__all__ = ["adadelta", "adafactor", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
            "adamax_optax", "adan", "ademamix", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw", "sgd",
            # links

@@ -1,0 +1,51 @@
+"""`mtapply.torch.Adafactor`: torch.optim.Adafactor run by the rule `library.adafactor`, whose
+second moment is factored (row and column vectors) for params of two or more dimensions."""
+from __future__ import annotations
+
+import torch
+
+from ._torch_checks import check_adafactor_args
+from ._torch_rules import RuleBased
+from .rules import library
+
+
+class Adafactor(RuleBased):
+    """`torch.optim.Adafactor` (same arguments, defaults and state: `row_var` and `col_var`,
+    shaped (..., rows, 1) and (..., 1, cols), for params of two or more dimensions, `variance`
+    for the others, and `step`), so checkpoints move between the two both ways. `eps[0]`
+    None is the machine epsilon of the group's first param's dtype (that of its first param
+    with a grad), as torch.optim takes it. `foreach` is accepted for compatibility. Factored
+    slots run on the CPU for now: params on a GPU are refused before anything is written."""
+
+    _UNSIGNED_STATE = ("row_var", "col_var", "variance")
+    _OPTION_NAMES = {"eps1": "eps[0]", "eps2": "eps[1]"}
+
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0,
+                 weight_decay=0.0, *, foreach=None, maximize=False, flat_grads=False):
+        check_adafactor_args(lr, beta2_decay, eps, d, weight_decay)
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
+                        weight_decay=weight_decay, foreach=foreach, maximize=maximize)
+        super().__init__(params, defaults, flat_grads)
+
+    def _rule(self, group):
+        return library.adafactor(bool(group["maximize"]))
+
+    def _rule_hyper(self, group) -> dict:
+        eps1, eps2 = group["eps"]
+        return dict(lr=group["lr"], beta2_decay=group["beta2_decay"],
+                    eps1=self._machine_epsilon(group) if eps1 is None else eps1, eps2=eps2,
+                    d=group["d"], weight_decay=group["weight_decay"])
+
+    @staticmethod
+    def _machine_epsilon(group) -> float:
+        params = group["params"]
+        first = next((p for p in params if p.grad is not None), params[0] if params else None)
+        dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+        return float(torch.finfo(dtype).eps)
+
+    def _check_group(self, index: int, group) -> None:
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"param group {index}: eps must be a pair (eps1 or None, eps2), "
+                             f"got {eps!r}")
+        super()._check_group(index, group)
