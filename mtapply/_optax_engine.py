@@ -149,14 +149,6 @@ class Engine:
         copy holds the latest values, so the step's parity does not matter."""
         if not self.rule.carried:
             return None
-        if (jax.default_backend() in ("gpu", "cuda", "rocm")
-                and os.environ.get(_CALLBACK_ENV, "ffi") != "host"):
-            raise NotImplementedError(
-                f"mtapply.optax.{self.rule.name}: the rule keeps scalar state "
-                f"({', '.join(self.rule.carried)}), which the GPU step (the XLA FFI call) does "
-                f"not carry yet: set MTAPPLY_OPTAX_CALLBACK=host before the step is traced (the "
-                f"NumPy step, through the host), step on the CPU, or use optax's own "
-                f"transformation (or mtapply.torch for the GPU kernels)")
         values = jnp.stack([jnp.asarray(getattr(state, name), jnp.float32).reshape(())
                             for name in self.rule.carried])
         return jnp.concatenate([values, values, values])
@@ -327,6 +319,10 @@ class Engine:
         first_scalar = n_results + len(inputs) - n_scalars
         scalar_operands = {name: first_scalar + value.obj for name, value in hyper.items()
                            if isinstance(value, DeviceScalar)}
+        carried = by_name.get(_CARRIED)
+        if carried is not None:  # the rule's scalar state, stepped in place in its result
+            hyper[_CARRIED] = DeviceScalar(ptr=0, obj=_CARRIED)
+            scalar_operands[_CARRIED] = carried.start
         devices = sorted({d.local_hardware_id if d.local_hardware_id is not None else d.id
                           for d in jax.local_devices(backend="gpu")})
         elements = [int(np.prod(x.shape, dtype=np.int64)) for x in buffers]

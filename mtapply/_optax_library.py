@@ -284,7 +284,7 @@ def prodigy(learning_rate=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, estim_l
     exp_avg, exp_avg_sq, grad_sum (s), params0 (p0), estim_lr (d, float32) and
     numerator_weighted (d_numerator, float32), with d's running maximum d_max (equal to d).
     A step whose sum of |s| is 0 (zero grads from the start) leaves params and d as they are
-    (optax's gives NaN). On GPUs see `mtapply.optax`: scalar state."""
+    (optax's gives NaN). See `mtapply.optax`: scalar state."""
     rule = _prodigy_rule(betas, beta3, eps, estim_lr0, estim_lr_coef, weight_decay,
                          safeguard_warmup)
     return _transformation(rule, learning_rate, flat_state)
@@ -319,7 +319,7 @@ def dadapt_adamw(learning_rate=1.0, betas=(0.9, 0.999), eps=1e-8, estim_lr0=1e-6
     `DadaptAdamState(count, exp_avg, exp_avg_sq, s, d, numerator_weighted)`: optax's
     exp_avg, exp_avg_sq, grad_sum (s), estim_lr (d, float32) and numerator_weighted
     (float32). A step whose sum of |s| is 0 leaves params and d as they are (optax's gives
-    NaN). On GPUs see `mtapply.optax`: scalar state."""
+    NaN). See `mtapply.optax`: scalar state."""
     return _transformation(_dadapt_rule(betas, eps, estim_lr0, weight_decay), learning_rate,
                            flat_state)
 

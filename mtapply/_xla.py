@@ -122,8 +122,8 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
     if operands.size and (operands.min() < 0 or operands.max() >= len(elements)):
         raise ValueError(f"mtapply: a plan's operand index is outside the call's "
                          f"{len(elements)} buffers")
-    words = {name: field_word(spec.arg_fields, f"{spec.field_of(name)}_ptr")
-             for name in scalar_operands if f"{spec.field_of(name)}_ptr" in spec.arg_fields}
+    words = {name: field_word(spec.arg_fields, _pointer_field(spec, name))
+             for name in scalar_operands if _pointer_field(spec, name) is not None}
     names = list(words)
     scalar_words = _i32([words[n] for n in names])
     operand_of = _i32([scalar_operands[n] for n in names])
@@ -143,6 +143,16 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
                        operands[group.indices], offsets[group.indices])
     _plans[plan_id] = launchers
     return plan_id
+
+
+def _pointer_field(spec, name: str) -> str | None:
+    """The argument word that takes the address of `name`'s buffer: a device scalar's pointer
+    (`<field>_ptr`), or an output array's own word (a rule's scalar state); None if the op has
+    neither."""
+    field = spec.field_of(name)
+    if f"{field}_ptr" in spec.arg_fields:
+        return f"{field}_ptr"
+    return field if field.endswith("_out") and field in spec.arg_fields else None
 
 
 def _device_launcher(spec, dtypes, numels, pointers, device_id) -> Launcher:

@@ -24,8 +24,8 @@ Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`
 d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:
 each update passes them to its one call (whole-list sums make it one) as an array of three equal
 copies and takes the latest values back. A slot the rule only reads (Prodigy's p0) is state
-passed on as it is. The FFI custom call does not carry scalar state yet: on GPUs such a step is
-refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host (the NumPy step, through the host).
+passed on as it is. On GPUs the FFI custom call steps that array in place in its result (an
+aliased output), as it does the state slots: no host round trip.
 
 Hyperparameters. Each number may be an array, as `optax.inject_hyperparams` passes them (traced
 under jit): it is then a one-element operand of the step, read by the kernel from device memory

@@ -413,3 +413,46 @@ def test_ragged_leaves_in_blocks_of_128_follow_optax(gpu):
         theirs, _, _ = _run(optax.adam(1e-3), "optax", params, grads_seq, False)
         for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
+@pytest.mark.parametrize("form", ["transformation", "fused"])
+def test_scalar_state_steps_in_the_ffi_call_as_optax_contrib(gpu, name, form, monkeypatch):
+    """Prodigy and D-Adaptation keep their step size d in the state: the FFI call steps that
+    array in place in its result (one mtapply_step, no callback), as the buffer callback does
+    (the same kernels: bit for bit), following optax.contrib's jitted steps on a noisy
+    quadratic, where d grows."""
+    from optax import contrib
+
+    rng = np.random.default_rng(3)
+    target, params = _tree(rng, gpu), jax.tree.map(jnp.zeros_like, _tree(rng, gpu))
+    noise = [jax.tree.map(lambda g: 0.1 * g, _tree(rng, gpu)) for _ in range(STEPS)]
+
+    def run(tx, fused):
+        def step(p, s, n):
+            g = jax.tree.map(lambda p, t, n: 2 * (p - t) + n, p, target, n)
+            if fused:
+                return tx.step(p, g, s)
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+        for n in noise:
+            p, s = jitted(p, s, n)
+        return p, s, jitted.lower(p, s, noise[0])
+
+    make = getattr(mtx, name if form == "transformation" else f"fused_{name}")
+    got_p, got_s, lowered = run(make(), form == "fused")
+    targets = _custom_calls(lowered)
+    assert targets.count("mtapply_step") == 1 and not [t for t in targets if "callback" in t]
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "buffer")
+    same_p, same_s, _ = run(make(), form == "fused")
+    for got, want in zip(jax.tree.leaves((got_p, got_s)), jax.tree.leaves((same_p, same_s))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want_p, want_s, _ = run(getattr(contrib, name)(), False)
+    d, want_d = float(mtx.tree_state(got_s, got_p).d), float(want_s.estim_lr)
+    assert want_d > 1e-5 and d == pytest.approx(want_d, rel=1e-3)  # d grew, as optax's did
+    for got, want in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(np.abs(want).max(initial=0), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * scale)
