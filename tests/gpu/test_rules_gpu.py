@@ -394,3 +394,30 @@ def test_a_global_norm_chain_through_the_ffi_call_follows_optax(form):
         want, their_state = their_step(want, their_state, g)
     for got, expected in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+
+
+CLIPPED_SGD = dict(slots="param:rw grad:r",
+                   hyper=dict(lr=(None, ">= 0"), max_norm=(1.0, "> 0"), global_norm=(None, ">= 0")),
+                   update="param = param - lr * grad * min(1, max_norm / (global_norm + 1e-6))")
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_a_global_norm_from_l2_norms_is_a_device_hyperparameter(framework):
+    """A rule that clips by a global norm it takes as a hyperparameter: the one-element norm
+    mtapply.l2_norms leaves on the GPU goes in as it is, and the step is the CPU path's with the
+    norm computed there."""
+    rule = mtapply.rule("clipped_sgd", **CLIPPED_SGD)
+    params, grads = _lists(2, 7)
+    host = _host([params, grads])
+    if framework == "cupy":
+        cupy = pytest.importorskip("cupy")
+        params, grads = ([cupy.from_dlpack(x) for x in column] for column in (params, grads))
+    for step in range(3):
+        _, total = mtapply.l2_norms(grads)
+        rule.step(params, grads, lr=0.1, max_norm=2.0, global_norm=total)
+        _, host_total = mtapply.l2_norms(host[1])
+        rule.step(*host, lr=0.1, max_norm=2.0, global_norm=host_total)
+    for i, (got, want) in enumerate(zip(params, host[0])):
+        got = torch.from_dlpack(got).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"param {i}")
+        assert not np.array_equal(got, _numpy(_lists(1, 7)[0][i])) or got.size == 0
