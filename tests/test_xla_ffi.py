@@ -30,7 +30,7 @@ def _group(lib, plan, numels, operands, offsets, device=0, slots=2):
     offsets = np.ascontiguousarray(offsets, np.int64)
     words = np.arange(20, dtype=np.uint64)
     functions = np.zeros(2, np.uint64)
-    assert lib.mta_plan_add_group(plan, device, 2, functions.ctypes.data, 7, len(words),
+    assert lib.mta_plan_add_group(plan, device, 2, functions.ctypes.data, 7, 256, len(words),
                                   words.ctypes.data, 0, len(numels), slots, numels.ctypes.data,
                                   operands.ctypes.data, offsets.ctypes.data) == 0
 
@@ -50,7 +50,7 @@ def _refresh(lib, plan, addresses, groups, device=0):
 
 def test_records_follow_the_buffers_and_only_moved_words_are_uploaded(lib):
     words, operands = np.array([14], np.int32), np.array([4], np.int32)
-    plan = lib.mta_plan_create(1, words.ctypes.data, operands.ctypes.data, 256, 5,
+    plan = lib.mta_plan_create(1, words.ctypes.data, operands.ctypes.data, 5,
                                _elements(5).ctypes.data)
     # three tensors, slot 0 in buffers 0..2, slot 1 all in buffer 3 at byte offsets
     _group(lib, plan, [5, 0, 9], [[0, 3], [1, 3], [2, 3]], [[0, 0], [0, 32], [0, 48]])
@@ -72,7 +72,7 @@ def test_records_follow_the_buffers_and_only_moved_words_are_uploaded(lib):
 
 def test_groups_and_devices_are_kept_apart(lib):
     none = np.zeros(1, np.int32)
-    plan = lib.mta_plan_create(0, none.ctypes.data, none.ctypes.data, 256, 4,
+    plan = lib.mta_plan_create(0, none.ctypes.data, none.ctypes.data, 4,
                                _elements(4).ctypes.data)
     _group(lib, plan, [4], [[0, 1]], [[0, 0]], device=0)
     _group(lib, plan, [6], [[2, 3]], [[0, 16]], device=0)
@@ -96,15 +96,15 @@ def test_indices_outside_the_calls_buffers_are_refused_at_registration(lib):
     """A plan never reads an address past the call's buffers: a scalar or slot operand at or
     beyond the call's buffer count is refused when registered."""
     words, outside = np.array([14], np.int32), np.array([3], np.int32)
-    assert lib.mta_plan_create(1, words.ctypes.data, outside.ctypes.data, 256, 3,
+    assert lib.mta_plan_create(1, words.ctypes.data, outside.ctypes.data, 3,
                                _elements(3).ctypes.data) == -1
     inside = np.array([2], np.int32)
-    plan = lib.mta_plan_create(1, words.ctypes.data, inside.ctypes.data, 256, 3,
+    plan = lib.mta_plan_create(1, words.ctypes.data, inside.ctypes.data, 3,
                                _elements(3).ctypes.data)
     assert plan > 0
     numels, operands = np.array([4], np.int64), np.array([[0, 3]], np.int32)
     offsets, functions = np.zeros((1, 2), np.int64), np.zeros(2, np.uint64)
-    assert lib.mta_plan_add_group(plan, 0, 2, functions.ctypes.data, 7, 1, words.ctypes.data, 0,
-                                  1, 2, numels.ctypes.data, operands.ctypes.data,
-                                  offsets.ctypes.data) == -2
+    assert lib.mta_plan_add_group(plan, 0, 2, functions.ctypes.data, 7, 256, 1,
+                                  words.ctypes.data, 0, 1, 2, numels.ctypes.data,
+                                  operands.ctypes.data, offsets.ctypes.data) == -2
     lib.mta_plan_destroy(plan)
