@@ -233,6 +233,14 @@ class OpSpec:
         takes the same arguments for every tensor (index aside)."""
         return False
 
+    def cpu_in_place(self, args: dict, dtype):
+        """For a `cpu_batchable` op, its update written straight into the tensors' memory: a
+        function (arrays, dests, scratch) of one range of elements, with `n_buffers`, the
+        number of scratch arrays it takes: arrays are read-only views of each list of `slots`,
+        dests writable views of each written one, in that order, all in `dtype` (see
+        mtapply._cpu `_run_in_place`); or None to have the CPU backend call `cpu_update`."""
+        return None
+
     @property
     def key(self) -> tuple:
         return (self.name, self.flags)

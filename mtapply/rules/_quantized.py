@@ -85,6 +85,9 @@ class QuantizedRuleSpec(RuleSpec):
                             [(name, refs[name][i]) for name in self.scale_slots], "state",
                             "the rule's state(params)")
 
+    def cpu_in_place(self, args: dict, dtype):
+        return None  # 8-bit slots are dequantized and quantized around the rule's update
+
     def _dequantized(self, arrays: dict) -> dict:
         """The arrays with each 8-bit slot's values in float32, as the kernel reads them (float32
         state as it is)."""

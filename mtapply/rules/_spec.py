@@ -212,6 +212,17 @@ class RuleSpec(OpSpec):
         """Elementwise where the program takes no sums and no value per tensor."""
         return not self.program.sums and not self.tensor_values and not self.program.factored
 
+    def cpu_in_place(self, args: dict, dtype):
+        """The update of `cpu_update` written into the tensors' memory (`_numpy.in_place`,
+        its slots in the order of `slots`), or None (a rule with sums or scalar state, or one
+        `cpu_batchable` refuses)."""
+        if not self.cpu_batchable():
+            return None
+        update = _numpy.in_place(self.program, self._scalars(args, 0), dtype)
+        if update is not None:
+            update.n_buffers = _numpy.compiled(self.program).n_buffers
+        return update
+
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
