@@ -1,14 +1,19 @@
-"""The CPU backend: the same ops on host memory, with NumPy, slowly but with the same semantics.
+"""The CPU backend: the same ops on host memory, with NumPy, with the same semantics.
 
 Tensors are viewed in place through their addresses (zero copy); the math runs in float32 for
 16- and 32-bit storage and float64 for float64, then rounds back to the storage type. Values
 given as one-element float32 arrays (device scalars on a GPU) are read when the step runs and
 checked as the kernels check them: one out of its range makes the step write nothing.
+Elementwise ops step small tensors together, and tensors stored in the math type straight in
+their memory, a range of elements at a time, on up to MTAPPLY_CPU_THREADS threads.
 """
 from __future__ import annotations
 
 import ctypes
 import operator
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -22,6 +27,10 @@ _STORAGE = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
 _VIEWS: dict = {}  # (address, numel, dtype) -> (writable view, read-only view)
 _MAX_VIEWS = 1 << 16
 SMALL = 1 << 14  # elements: non-empty tensors up to this size are stepped together (see `run`)
+CHUNK = 1 << 16  # elements an in-place update takes at a time: its scratch arrays stay cached
+THREAD_MIN = 1 << 18  # elements of in-place work worth one more thread
+_SCRATCH = threading.local()
+_POOL = None  # (process id, ThreadPoolExecutor)
 _FLOATS = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -132,7 +141,7 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
         batches = _batches(spec, refs, cache)
         for batch in batches:
             _run_batch(spec, batch, args, grad_scale)
-        together = cache["together"]
+        together = cache["together"] | _run_in_place(spec, cache, args, grad_scale)
     for i, dtype, arrays in _tensors(spec, refs, grad_scale, together):
         given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
         new = spec.cpu_update(dict(arrays), given, dtype, i)
@@ -233,9 +242,10 @@ def _batches(spec, refs: dict, cache: dict) -> list:
         if all(r.dtype in _FLOATS and r.numel in (0, n) and r.row_major for r in column):
             groups.setdefault(tuple((r.dtype, r.numel == 0) for r in column), []).append(i)
     batches = [_Batch(spec, refs, indices) for indices in groups.values() if len(indices) > 1]
+    together = frozenset(i for batch in batches for i in batch.indices)
     cache.clear()
-    cache.update(lists=lists, batches=batches,
-                 together=frozenset(i for batch in batches for i in batch.indices))
+    cache.update(lists=lists, batches=batches, together=together,
+                 pieces=_in_place_pieces(spec, refs, together))
     return batches
 
 
@@ -260,6 +270,103 @@ def _run_batch(spec, batch: _Batch, args: dict, grad_scale) -> None:
                     else values.astype(_STORAGE[storage], copy=False))
             for raw, part in zip(batch.writes[target], batch.slices):
                 np.copyto(raw, bits[part])
+
+
+def _in_place_pieces(spec, refs: dict, skip) -> list:
+    """(index, math dtype, read-only views, writable views) of each run of up to `CHUNK`
+    elements of the tensors, other than `skip`, whose every list is stored in the math type
+    in memory of its own: those `_run_in_place` may update straight in their memory. Views
+    in the order of `spec.slots`, the writable ones of the lists it writes."""
+    if (spec.param_mode != "inplace" or spec.master_weights or spec.stochastic_rounding
+            or set(refs) != set(spec.slots)):
+        return []
+    written = [name for name in spec.slots if name in spec.written]
+    pieces = []
+    for i, param in enumerate(refs[spec.slots[0]]):
+        n = param.numel
+        math = "float64" if param.dtype == "float64" else "float32"
+        column = [refs[name][i] for name in spec.slots]
+        if i in skip or n == 0 or not all(r.dtype == math and r.numel == n and r.row_major
+                                          for r in column):
+            continue
+        reads = [_views(r)[1] for r in column]
+        writes = [_views(refs[name][i])[0] for name in written]
+        if any(np.may_share_memory(view, other) for view, name in zip(writes, written)
+               for other, read in zip(reads, spec.slots) if read != name):
+            continue
+        for start in range(0, n, CHUNK):
+            part = slice(start, min(start + CHUNK, n))
+            pieces.append((i, _STORAGE[math], tuple(v[part] for v in reads),
+                           tuple(v[part] for v in writes)))
+    return pieces
+
+
+def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
+    """Steps the plan's in-place pieces (`_in_place_pieces`) with the op's `cpu_in_place`,
+    spread over `_threads()` threads where there is enough work (NumPy lets go of the GIL in
+    its loops); the indices of the tensors stepped (none where the op has no such update)."""
+    pieces = cache["pieces"]
+    if not pieces or grad_scale != 1.0:
+        return frozenset()
+    updates = {}
+    for _, dtype, _, _ in pieces:
+        if dtype not in updates:
+            updates[dtype] = spec.cpu_in_place(args, dtype)
+            if updates[dtype] is None:
+                return frozenset()
+    shares = _shares(pieces, _threads())
+    if len(shares) == 1:
+        _step_pieces(shares[0], updates)
+    else:
+        done = [_pool().submit(_step_pieces, share, updates) for share in shares[1:]]
+        _step_pieces(shares[0], updates)
+        for future in done:
+            future.result()
+    indices = cache.get("in_place")
+    if indices is None:
+        indices = cache["in_place"] = frozenset(i for i, _, _, _ in pieces)
+    return indices
+
+
+def _step_pieces(pieces: list, updates: dict) -> None:
+    scratch = _SCRATCH.__dict__.setdefault("arrays", {})  # this thread's: dtype -> arrays
+    with np.errstate(all="ignore"):
+        for _, dtype, arrays, dests in pieces:
+            update = updates[dtype]
+            buffers = scratch.setdefault(dtype, [])
+            while len(buffers) < update.n_buffers:
+                buffers.append(np.empty(CHUNK, dtype))
+            size = len(dests[0])
+            update(arrays, dests, buffers if size == CHUNK else [b[:size] for b in buffers])
+
+
+def _shares(pieces: list, threads: int) -> list:
+    """The pieces in at most `threads` runs of about equal numbers of elements; one run where
+    they are too few to be worth a thread's start."""
+    sizes = np.cumsum([len(dests[0]) for _, _, _, dests in pieces])
+    threads = min(threads, int(sizes[-1]) // THREAD_MIN + 1, len(pieces))
+    if threads <= 1:
+        return [pieces]
+    bounds = np.searchsorted(sizes, sizes[-1] * np.arange(1, threads) / threads, "right").tolist()
+    return [pieces[a:b] for a, b in zip([0, *bounds], [*bounds, len(pieces)]) if b > a]
+
+
+def _threads() -> int:
+    """MTAPPLY_CPU_THREADS, else the CPUs this process may run on (at most 8)."""
+    configured = os.environ.get("MTAPPLY_CPU_THREADS")
+    if configured:
+        return max(1, int(configured))
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return min(len(cpus), 8)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads in-place pieces are stepped on, made again in a forked child (whose copy
+    has no threads)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=7, thread_name_prefix="mtapply-cpu"))
+    return _POOL[1]
 
 
 def _values(spec, args: dict, rows, grad_scale):
