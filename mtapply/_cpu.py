@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -244,8 +245,9 @@ def _batches(spec, refs: dict, cache: dict) -> list:
     batches = [_Batch(spec, refs, indices) for indices in groups.values() if len(indices) > 1]
     together = frozenset(i for batch in batches for i in batch.indices)
     cache.clear()
-    cache.update(lists=lists, batches=batches, together=together,
-                 pieces=_in_place_pieces(spec, refs, together))
+    pieces = _in_place_pieces(spec, refs, together)
+    cache.update(lists=lists, batches=batches, together=together, pieces=pieces,
+                 in_place_elements=sum(len(dests[0]) for _, _, _, dests in pieces))
     return batches
 
 
@@ -303,8 +305,9 @@ def _in_place_pieces(spec, refs: dict, skip) -> list:
 
 def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
     """Steps the plan's in-place pieces (`_in_place_pieces`) with the op's `cpu_in_place`,
-    spread over `_threads()` threads where there is enough work (NumPy lets go of the GIL in
-    its loops); the indices of the tensors stepped (none where the op has no such update)."""
+    on up to `_threads()` threads, one more for each THREAD_MIN elements (NumPy lets go of
+    the GIL in its loops); the indices of the tensors stepped (none where the op has no such
+    update)."""
     pieces = cache["pieces"]
     if not pieces or grad_scale != 1.0:
         return frozenset()
@@ -314,41 +317,35 @@ def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
             updates[dtype] = spec.cpu_in_place(args, dtype)
             if updates[dtype] is None:
                 return frozenset()
-    shares = _shares(pieces, _threads())
-    if len(shares) == 1:
-        _step_pieces(shares[0], updates)
-    else:
-        done = [_pool().submit(_step_pieces, share, updates) for share in shares[1:]]
-        _step_pieces(shares[0], updates)
-        for future in done:
-            future.result()
+    threads = min(_threads(), cache["in_place_elements"] // THREAD_MIN + 1, len(pieces))
+    order = queue.SimpleQueue()  # each piece once, to whichever thread is free first
+    for piece in pieces:
+        order.put(piece)
+    done = [_pool().submit(_step_pieces, order, updates) for _ in range(threads - 1)]
+    _step_pieces(order, updates)
+    for future in done:
+        future.result()
     indices = cache.get("in_place")
     if indices is None:
         indices = cache["in_place"] = frozenset(i for i, _, _, _ in pieces)
     return indices
 
 
-def _step_pieces(pieces: list, updates: dict) -> None:
-    scratch = _SCRATCH.__dict__.setdefault("arrays", {})  # this thread's: dtype -> arrays
+def _step_pieces(order: queue.SimpleQueue, updates: dict) -> None:
+    """Steps pieces taken from `order` until it is empty, with this thread's scratch arrays."""
+    scratch = _SCRATCH.__dict__.setdefault("arrays", {})  # dtype -> arrays of CHUNK elements
     with np.errstate(all="ignore"):
-        for _, dtype, arrays, dests in pieces:
+        while True:
+            try:
+                _, dtype, arrays, dests = order.get_nowait()
+            except queue.Empty:
+                return
             update = updates[dtype]
             buffers = scratch.setdefault(dtype, [])
             while len(buffers) < update.n_buffers:
                 buffers.append(np.empty(CHUNK, dtype))
             size = len(dests[0])
             update(arrays, dests, buffers if size == CHUNK else [b[:size] for b in buffers])
-
-
-def _shares(pieces: list, threads: int) -> list:
-    """The pieces in at most `threads` runs of about equal numbers of elements; one run where
-    they are too few to be worth a thread's start."""
-    sizes = np.cumsum([len(dests[0]) for _, _, _, dests in pieces])
-    threads = min(threads, int(sizes[-1]) // THREAD_MIN + 1, len(pieces))
-    if threads <= 1:
-        return [pieces]
-    bounds = np.searchsorted(sizes, sizes[-1] * np.arange(1, threads) / threads, "right").tolist()
-    return [pieces[a:b] for a, b in zip([0, *bounds], [*bounds, len(pieces)]) if b > a]
 
 
 def _threads() -> int:

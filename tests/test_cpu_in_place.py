@@ -96,11 +96,12 @@ def _assert_same_bits(got_lists, want_lists):
             assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("threads", ["1", "3"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name,rule", RULES, ids=[name for name, _ in RULES])
 def test_in_place_steps_as_one_by_one(name, rule, dtype, threads, monkeypatch):
     monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
+    monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 12)  # a thread for every piece here
     _assert_same_bits(_run(rule, dtype, True), _run(rule, dtype, False))
 
 
