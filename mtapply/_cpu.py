@@ -352,9 +352,13 @@ def _threads() -> int:
     """MTAPPLY_CPU_THREADS, else the CPUs this process may run on (at most 8)."""
     configured = os.environ.get("MTAPPLY_CPU_THREADS")
     if configured:
-        return max(1, int(configured))
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return min(len(cpus), 8)
+        if not configured.strip().isdigit() or int(configured) < 1:
+            raise ValueError(f"MTAPPLY_CPU_THREADS={configured!r}: give a number of threads, 1 "
+                             f"or more")
+        return int(configured)
+    if hasattr(os, "sched_getaffinity"):
+        return min(len(os.sched_getaffinity(0)), 8)
+    return min(os.cpu_count() or 1, 8)
 
 
 def _pool() -> ThreadPoolExecutor:

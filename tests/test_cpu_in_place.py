@@ -142,3 +142,7 @@ def test_threads_follow_the_environment(monkeypatch):
     assert _cpu._threads() == 3
     monkeypatch.delenv("MTAPPLY_CPU_THREADS")
     assert 1 <= _cpu._threads() <= 8
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("MTAPPLY_CPU_THREADS", bad)
+        with pytest.raises(ValueError, match="MTAPPLY_CPU_THREADS"):
+            _cpu._threads()
