@@ -141,9 +141,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    from mtapply import _cpu
+
     rows = measure(torch, args.rows, args.cases, args.steps, args.rounds)
-    print(f"optimizer.step() on CPU tensors, fp32, {torch.get_num_threads()} torch threads "
-          f"(median ms of {args.rounds} interleaved rounds of {args.steps} steps)")
+    print(f"optimizer.step() on CPU tensors, fp32, {torch.get_num_threads()} torch threads, "
+          f"{_cpu._threads()} mtapply threads (median ms of {args.rounds} interleaved rounds of "
+          f"{args.steps} steps)")
     print(format_rows(rows))
 
 
