@@ -60,7 +60,7 @@ def in_place(program: Program, scalars: dict, dtype):
     values in `dtype`, in slot order; `dests`: writable views of the written slots' memory, in
     slot order; `scratch`: `compiled(program).n_buffers` arrays of the values' shape and
     `dtype`. Runs under the caller's np.errstate."""
-    if program.factored:  # (its lines depend on the param's mode: `evaluate`)
+    if program.cpu_only:  # factored slots, means, numel: lines of the param's mode (`evaluate`)
         return None
     functions = compiled(program)
     if functions.into is None or program.sums or program.scalars:
@@ -108,7 +108,8 @@ def _environment(program: Program, arrays: dict, scalars: dict, state) -> dict:
     env.update({name: np.float64(state[(1 - parity) * n_state + k])
                 for k, name in enumerate(program.scalars)})
     env.update(arrays)
-    env[NUMEL] = np.float64(arrays["param"].size)
+    if "param" in arrays:  # (`in_place` prepares the uniform lines without arrays)
+        env[NUMEL] = np.float64(arrays["param"].size)
     return env
 
 
@@ -154,7 +155,7 @@ class Compiled:
         source = "\n".join(["def lines(env, dtype):", *body, "    return None",
                             "def sums(env, dtype):", *prefix, f"    return [{sums}]"])
         into = _Into(self, program)
-        split = None if program.factored else into.sources()  # (factored: `lines` only)
+        split = None if program.cpu_only else into.sources()  # (those run `lines` only)
         if split is not None:
             source = "\n".join([source, *split])
         self.n_buffers = into.n_buffers
