@@ -1,6 +1,5 @@
 """Rules with 8-bit state on the GPU: the generic 8-bit walk (kernels/quantized.cuh) against the
-rule's NumPy path between dequantizing and quantizing (rules with per-tensor sums too, LAMB's
-over its 8-bit moments), over a list with a big tensor (first and
+rule's NumPy path between dequantizing and quantizing (a rule with per-tensor sums too), over a list with a big tensor (first and
 last elements checked), partial last blocks, views not 16-byte aligned, float32 state for small
 params, bf16 params, non-finite values stored as zero, and device scalars in a CUDA graph."""
 import numpy as np
@@ -19,9 +18,7 @@ RULES = {"lion": (library.lion, (), dict(lr=1e-3, weight_decay=0.1)),
          "lars": (_optax_rules.lars, (), dict(lr=0.1, momentum=0.9, weight_decay=1e-4,
                                               trust_coefficient=0.01)),
          "adam": (library.adam, ("exp_avg_sq",), dict(lr=1e-2, weight_decay=0.1)),
-         "adan": (library.adan, ("n",), dict(lr=1e-2, weight_decay=0.02)),
-         # per-tensor sums over the 8-bit moments: the first pass on the 8-bit walk too
-         "lamb": (library.lamb, ("exp_avg_sq",), dict(lr=1e-2, weight_decay=0.01))}
+         "adan": (library.adan, ("n",), dict(lr=1e-2, weight_decay=0.02))}
 
 
 def _random_state(rule, params, rng):
