@@ -18,7 +18,11 @@ A rule written with `mtapply.rule` becomes one too: `transformation(rule, learni
 `optax.inject_hyperparams`); `lion`, `adan`, `adagrad`, `rmsprop`, `adamax`, `adadelta` and
 `radam` (and their fused forms) are the shipped rules of `mtapply.rules.library` with optax's
 arguments and semantics; `nadam` and `nadamw` are `adam` and `adamw` with nesterov=True, as
-optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's.
+optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's. `adafactor` is
+optax.adafactor (its arguments and its state, the chain's tuple) on the rule
+`library.adafactor_optax`, factored over each param's two largest dimensions as optax's; it
+runs on the CPU (no CUDA kernel for factored rules yet: a GPU step is refused when traced) and
+has no fused form.
 
 Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,
 d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:
@@ -120,6 +124,7 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
+from ._optax_adafactor import adafactor
 from ._optax_library import (adadelta, adagrad, adamax, adan, dadapt_adamw, fused_adadelta,
                              fused_adagrad, fused_adamax, fused_adan, fused_dadapt_adamw,
                              fused_lion, fused_prodigy, fused_radam, fused_rmsprop,
@@ -462,7 +467,8 @@ def fused(rule, learning_rate=None, *, state_bits=None, min_8bit_size=None, unsi
 
 
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
-           "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw", "flat_state",
+           "adafactor", "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw",
+           "flat_state",
            "fused", "fused_adadelta", "fused_adagrad", "fused_adam", "fused_adamax",
            "fused_adamw", "fused_adan", "fused_dadapt_adamw", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
            "fused_nadam", "fused_nadamw", "fused_prodigy", "fused_radam", "fused_rmsprop",

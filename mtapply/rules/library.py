@@ -700,6 +700,45 @@ def adafactor(maximize: bool = False) -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def adafactor_optax(clipping: bool = True, param_scale: bool = True,
+                    momentum: bool = False) -> Rule:
+    """optax.adafactor (Shazeer and Stern 2018, optax's chain of links), per tensor: g2 = grad^2
+    + eps; a factored param lerps its row and column means of g2 into row_var and col_var by
+    1 - decay and scales the grad by 1 / sqrt(row_var col_var / mean(row_var)), an unfactored
+    one keeps variance (g2's average), 1 / sqrt(variance). Then, each where its flag is on:
+    the update divided by max(1, RMS(u) / clipping_threshold); times lr; times max(RMS(p),
+    1e-3), RMS(p) of the param before the step; an ema of decay `momentum` (not debiased) taken
+    as the update; plus weight_decay p. p -= the update. `decay` is the step's (optax: 1 - (t -
+    decay_offset)^-decay_rate, in float32; the adapter passes it), and the adapter moves a
+    param's two largest dimensions last (optax factors over those)."""
+    clipped = "scaled / max(1, sqrt(s2 / numel) / clipping_threshold)" if clipping else "scaled"
+    scale = "max(sqrt(p2 / numel), 1e-3)" if param_scale else "1"
+    hyper = dict(lr=(1.0, LR), decay=None, eps=(1e-30, NON_NEGATIVE),
+                 clipping_threshold=(1.0, "> 0"), weight_decay=(0.0, NON_NEGATIVE))
+    slots = "param:rw grad:r row_var:rw@row col_var:rw@col variance:rw@unfactored"
+    ema = ""
+    if momentum:
+        hyper["momentum"] = (0.9, "[0, 1]")
+        slots += " ema:rw"
+        ema = """
+                    ema = (1 - momentum) * u + momentum * ema
+                    u = ema"""
+    return rule("adafactor_optax", slots=slots, hyper=hyper,
+                sums={**({"s2": "scaled * scaled"} if clipping else {}),
+                      **({"p2": "param * param"} if param_scale else {})},
+                update=f"""
+                    g2 = grad * grad + eps
+                    row_var = decay * row_var + (1 - decay) * row_mean(g2)
+                    col_var = decay * col_var + (1 - decay) * col_mean(g2)
+                    variance = decay * variance + (1 - decay) * g2
+                    v = row_var * col_var / col_mean(row_var) if factored else variance
+                    scaled = grad * rsqrt(v)
+                    u = (lr * {scale}) * ({clipped}){ema}
+                    param = param - (u + weight_decay * param)
+                """)
+
+
+@functools.lru_cache(maxsize=None)
 def muon_momentum(nesterov: bool = True) -> Rule:
     """torch.optim.Muon's momentum, the first of its three passes (`mtapply.torch.Muon`): the
     buffer lerps toward the grad, b = lerp(b, g, 1 - momentum), and the matrix to orthogonalize
@@ -726,7 +765,7 @@ def muon_apply() -> Rule:
                 update="param = param * (1 - lr * weight_decay) - (lr * scale) * grad")
 
 
-__all__ = ["adadelta", "adafactor", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
+__all__ = ["adadelta", "adafactor", "adafactor_optax", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
            "adamax_optax", "adan", "ademamix", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw", "sgd",
            # links

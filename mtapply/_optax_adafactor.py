@@ -1,0 +1,258 @@
+"""mtapply.optax.adafactor: optax.adafactor run by the rule `mtapply.rules.library.adafactor_optax`.
+
+The state is optax's own (the chain's tuple: `FactoredState(count, v_row, v_col, v)`, the
+schedule's count, `EmaState` with momentum), so the two transformations' states are
+interchangeable. optax factors a param over its two largest dimensions; the rule factors over
+the last two. Each update therefore moves those two dimensions last (keeping their order), a
+transpose of the param and grad only where they are not last already (never for matrices), and
+turns optax's row and column vectors into the rule's (..., rows, 1) and (..., 1, cols) slots and
+back: small arrays, reshaped by XLA around the one call.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._optax_engine import _CALLBACK_ENV, Engine
+from ._optax_make import _refuse, _state_dtype
+from ._optax_ops import UserRule
+from .rules import library
+
+
+class _Layout(NamedTuple):
+    """How one param steps: `axes` (the largest dimension and the second largest, optax's
+    order) where it is factored, else None; `perm` moves the two last for the rule."""
+
+    axes: tuple | None
+    perm: tuple
+
+    @property
+    def moved(self) -> bool:
+        return self.perm != tuple(range(len(self.perm)))
+
+
+def _layout(shape: tuple, factored: bool, min_dim_size: int) -> _Layout:
+    """optax's choice for a param of `shape`: factored over its two largest dimensions when
+    the smaller of the two is at least `min_dim_size`. Ties are ordered by NumPy's default
+    argsort, as optax orders them."""
+    identity = tuple(range(len(shape)))
+    if not factored or len(shape) < 2:
+        return _Layout(None, identity)
+    order = np.argsort(shape)
+    largest, second = int(order[-1]), int(order[-2])
+    if shape[second] < min_dim_size:
+        return _Layout(None, identity)
+    pair = sorted((largest, second))
+    return _Layout((largest, second), tuple(i for i in identity if i not in pair) + tuple(pair))
+
+
+def _to_rule(x, layout: _Layout):
+    return jnp.transpose(x, layout.perm) if layout.moved else x
+
+
+def _from_rule(x, layout: _Layout):
+    return jnp.transpose(x, np.argsort(layout.perm)) if layout.moved else x
+
+
+def _empty(dtype):
+    return jnp.zeros((0,), dtype)
+
+
+def _rule_vectors(v_row, v_col, layout: _Layout) -> tuple:
+    """(row_var, col_var) of the rule from optax's v_row (the mean over the largest dimension)
+    and v_col (over the second largest): the rule's row_var is the mean over the last
+    dimension, the larger index of the two."""
+    largest, second = layout.axes
+    by_axis = {largest: v_row, second: v_col}
+    last, before = max(layout.axes), min(layout.axes)
+    return (_to_rule(jnp.expand_dims(by_axis[last], last), layout),
+            _to_rule(jnp.expand_dims(by_axis[before], before), layout))
+
+
+def _optax_vectors(row_var, col_var, layout: _Layout) -> tuple:
+    """optax's (v_row, v_col) from the rule's row_var and col_var (`_rule_vectors` reversed)."""
+    last, before = max(layout.axes), min(layout.axes)
+    by_axis = {last: jnp.squeeze(_from_rule(row_var, layout), last),
+               before: jnp.squeeze(_from_rule(col_var, layout), before)}
+    largest, second = layout.axes
+    return by_axis[largest], by_axis[second]
+
+
+def _static_int(option: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"mtapply.optax.adafactor: {option} must be a Python int (it shapes the "
+                        f"state), got {value!r}; with optax.inject_hyperparams name it in "
+                        f"static_args")
+    return int(value)
+
+
+def _static_bool(option: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"mtapply.optax.adafactor: {option} must be a bool (it chooses the "
+                        f"update's lines), got {value!r}; with optax.inject_hyperparams name it "
+                        f"in static_args")
+    return bool(value)
+
+
+def _number(option: str, value):
+    if callable(value):
+        raise TypeError(f"mtapply.optax.adafactor: {option} must be a number, not a schedule")
+    return value
+
+
+def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, decay_offset=0,
+              multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
+              dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30, factored=True,
+              weight_decay_mask=None) -> optax.GradientTransformation:
+    """optax.adafactor on the rule `mtapply.rules.library.adafactor_optax`: optax's arguments,
+    defaults and state (its chain's tuple, `FactoredState` first), one call per update.
+
+    learning_rate is a number, an array or a schedule (None: no scaling, as optax's);
+    min_dim_size_to_factor, factored, multiply_by_parameter_scale and whether clipping_threshold
+    and momentum are None shape the step and are Python values; decay_rate, decay_offset,
+    clipping_threshold, momentum, weight_decay_rate and eps may be arrays. weight_decay_mask
+    only takes its default. Runs on the CPU (the factored rule has no CUDA kernel yet): under a
+    GPU backend the step is refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host."""
+    _refuse("adafactor", weight_decay_mask=(weight_decay_mask, None))
+    factored = _static_bool("factored", factored)
+    min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
+    rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
+                           clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps)
+    engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
+    # optax's own init: the same state, so that either transformation takes the other's
+    init = optax.adafactor(learning_rate, min_dim, decay_rate, decay_offset,
+                           multiply_by_parameter_scale, clipping_threshold, momentum,
+                           dtype_momentum, weight_decay_rate, eps, factored).init
+
+    def step(grads, state, params):
+        if params is None:
+            raise ValueError("mtapply.optax.adafactor reads the params: call "
+                             "update(grads, state, params)")
+        _refuse_gpu(rule)
+        return _update(engine, rule, factored, min_dim, grads, state, params)
+
+    jitted = jax.jit(step)
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args  # arguments for other transformations of a chain (loss, ...)
+        return jitted(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipping_threshold,
+                    momentum, dtype_momentum, weight_decay_rate, eps) -> UserRule:
+    """The rule of these options: None (clipping, momentum) and False leave a link's line
+    out; the numbers are its hyperparameters."""
+    param_scale = _static_bool("multiply_by_parameter_scale", multiply_by_parameter_scale)
+    _state_dtype("adafactor", "dtype_momentum", dtype_momentum)
+    weight_decay = 0.0 if weight_decay_rate is None else weight_decay_rate
+    hyper = dict(eps=_number("eps", eps), weight_decay=_number("weight_decay_rate", weight_decay))
+    if clipping_threshold is not None:
+        hyper["clipping_threshold"] = _number("clipping_threshold", clipping_threshold)
+    if momentum is not None:
+        hyper["momentum"] = _number("momentum", momentum)
+    lines = library.adafactor_optax(clipping_threshold is not None, param_scale,
+                                    momentum is not None)
+    return _AdafactorRule(lines, hyper, _number("decay_rate", decay_rate),
+                          _number("decay_offset", decay_offset))
+
+
+class _AdafactorRule(UserRule):
+    """The rule with optax's second-moment decay at each step, 1 - (count - decay_offset +
+    1)^-decay_rate, computed as optax computes it (in float32), a per-step scalar."""
+
+    def __init__(self, rule, hyper: dict, decay_rate, decay_offset):
+        self.decay_rate, self.decay_offset = decay_rate, decay_offset
+        super().__init__(rule, dict(hyper, decay=0.0), name="adafactor")
+        del self.hyper["decay"]  # a step argument, computed per step
+
+    def per_step(self, learning_rate, count, state) -> tuple:
+        t = jnp.asarray(count - self.decay_offset + 1, jnp.float32)
+        return [1.0 - t ** -jnp.asarray(self.decay_rate, jnp.float32)], []
+
+    def fixed_args(self, statics, lr, step, decay=None, *more) -> dict:
+        return dict(lr=lr, step=step, decay=decay, **self.hyper)
+
+
+def _refuse_gpu(rule: UserRule) -> None:
+    """NotImplementedError, when the step is traced for a GPU, for a rule without CUDA kernel
+    (the GPU call would otherwise fail inside XLA's run, far from the cause)."""
+    reason = rule.user.program.cpu_only
+    if (reason and jax.default_backend() in ("gpu", "cuda", "rocm")
+            and os.environ.get(_CALLBACK_ENV, "ffi") != "host"):
+        raise NotImplementedError(
+            f"mtapply.optax.{rule.name}: the rule {rule.user.name!r} runs on the CPU only for "
+            f"now ({reason}), and has no CUDA kernel: set MTAPPLY_OPTAX_CALLBACK=host before "
+            f"the step is traced (the NumPy step, through the host), step on the CPU, or use "
+            f"optax.{rule.name}")
+
+
+def _update(engine: Engine, rule: UserRule, factored: bool, min_dim: int, grads, state,
+            params):
+    """(updates, state) of one step: optax's state into the rule's slots, one engine call,
+    and back."""
+    leaves, treedef = jax.tree.flatten(params)
+    grad_leaves = treedef.flatten_up_to(grads)
+    rms_state = next(s for s in state if isinstance(s, optax.FactoredState))
+    ema_state = next((s for s in state if isinstance(s, optax.EmaState)), None)
+    v_rows, v_cols, vs = (treedef.flatten_up_to(t) for t in
+                          (rms_state.v_row, rms_state.v_col, rms_state.v))
+    layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
+    slots = {name: [] for name in rule.slots}
+    for i, (x, layout) in enumerate(zip(leaves, layouts)):
+        if layout.axes is None:
+            row_var, col_var, variance = _empty(x.dtype), _empty(x.dtype), vs[i]
+        else:
+            row_var, col_var = _rule_vectors(v_rows[i], v_cols[i], layout)
+            variance = _empty(vs[i].dtype)
+        slots["row_var"].append(row_var)
+        slots["col_var"].append(col_var)
+        slots["variance"].append(variance)
+        if ema_state is not None:
+            slots["ema"].append(_to_rule(treedef.flatten_up_to(ema_state.ema)[i], layout))
+    inner = rule.state_type(rms_state.count, *(treedef.unflatten(slots[name])
+                                               for name in rule.slots))
+    moved = [treedef.unflatten([_to_rule(x, l) for x, l in zip(xs, layouts)])
+             for xs in (leaves, grad_leaves)]
+    updates, inner = engine.apply(moved[0], moved[1], inner, mode="delta")
+    updates = treedef.unflatten([_from_rule(u, l) for u, l in
+                                 zip(treedef.flatten_up_to(updates), layouts)])
+    return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)
+
+
+def _new_state(state: tuple, inner, treedef, layouts: list, v_rows: list, v_cols: list,
+               vs: list) -> tuple:
+    """optax's chain state after the step: the factored moments and the ema from the rule's
+    state, every count of the chain's links one more."""
+    rows, cols, variances = (treedef.flatten_up_to(getattr(inner, name))
+                             for name in ("row_var", "col_var", "variance"))
+    v_row, v_col, v = [], [], []
+    for i, layout in enumerate(layouts):
+        if layout.axes is None:
+            v_row.append(v_rows[i])
+            v_col.append(v_cols[i])
+            v.append(variances[i])
+        else:
+            new_row, new_col = _optax_vectors(rows[i], cols[i], layout)
+            v_row.append(new_row)
+            v_col.append(new_col)
+            v.append(vs[i])  # optax's placeholder of a factored param
+    new = []
+    for link in state:
+        if isinstance(link, optax.FactoredState):
+            link = link._replace(count=inner.count, v_row=treedef.unflatten(v_row),
+                                 v_col=treedef.unflatten(v_col), v=treedef.unflatten(v))
+        elif isinstance(link, optax.EmaState):
+            ema = [_from_rule(x, l) for x, l in zip(treedef.flatten_up_to(inner.ema), layouts)]
+            link = link._replace(count=optax.safe_increment(link.count),
+                                 ema=treedef.unflatten(ema))
+        elif "count" in getattr(link, "_fields", ()):  # the learning rate schedule's
+            link = link._replace(count=optax.safe_increment(link.count))
+        new.append(link)
+    return tuple(new)

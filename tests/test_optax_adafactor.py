@@ -1,0 +1,175 @@
+"""mtapply.optax.adafactor against optax.adafactor: params and state over 50 steps (float32
+here, float64 under jax_enable_x64 in a fresh interpreter), jitted and eager, for option sets
+and shapes that factor (largest dimensions last or not) and that do not (1-D, 0-D, dimensions
+below min_dim_size_to_factor, factored=False); the state's layout (optax's own) and what is
+refused, a GPU step among it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mtapply.optax as mtx  # noqa: E402
+
+STEPS = 50
+CPU = jax.devices("cpu")[0]
+# factored by default: "matrix" (rows > cols), "wide" (cols > rows), "stack" (3-D, its largest
+# dimensions first and last), "first" (3-D, largest first); not: "small" (below 128), "bias",
+# "scalar"
+SHAPES = {"matrix": (160, 130), "wide": (128, 200), "stack": (140, 3, 129),
+          "first": (300, 130, 2), "small": (6, 40), "bias": (7,), "scalar": ()}
+
+CASES = [
+    {},
+    dict(learning_rate=0.01),
+    dict(learning_rate=optax.linear_schedule(0.02, 0.001, STEPS), momentum=0.9,
+         weight_decay_rate=0.01),
+    dict(learning_rate=0.05, multiply_by_parameter_scale=False, clipping_threshold=None,
+         decay_rate=0.7, decay_offset=-3, eps=1e-20),
+    dict(learning_rate=0.01, min_dim_size_to_factor=4, momentum=0.5, dtype_momentum=None),
+    dict(learning_rate=0.01, factored=False, clipping_threshold=0.5),
+]
+IDS = ["defaults", "lr", "schedule-momentum-wd", "no-scale-no-clip-decay", "min-dim-4",
+       "unfactored"]
+
+
+def _params(dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return jax.device_put({k: jnp.asarray(rng.standard_normal(s), dtype)
+                           for k, s in SHAPES.items()}, CPU)
+
+
+def _grads(params, step: int):
+    """Noisy grads of a quadratic pulling the params towards zero."""
+    rng = np.random.default_rng(step + 1)
+    return jax.device_put({k: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype)
+                           for k, p in params.items()}, CPU)
+
+
+def _run(tx, params, jit=True, steps=STEPS):
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    for step in range(steps):
+        updates, state = update(_grads(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _close(got, want, rtol, atol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, g, w in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got),
+                          jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, jax.tree_util.keystr(path[0])
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path[0]))
+
+
+@pytest.mark.parametrize("options", CASES, ids=IDS)
+def test_follows_optax_adafactor(options):
+    params = _params()
+    want, want_state = _run(optax.adafactor(**options), params)
+    got, state = _run(mtx.adafactor(**options), params)
+    _close(got, want, 1e-5, 1e-6)
+    _close(state, want_state, 1e-5, 1e-6)  # optax's layout: v_row, v_col, v, ema, counts
+
+
+def test_eager_steps_as_jitted():
+    params = _params()
+    tx = mtx.adafactor(learning_rate=0.01, momentum=0.9)
+    jitted, _ = _run(tx, params, steps=5)
+    eager, _ = _run(tx, params, jit=False, steps=5)
+    _close(eager, jitted, 0.0, 0.0)
+
+
+def test_in_a_chain_with_inject_hyperparams():
+    params = _params()
+    options = dict(learning_rate=0.01, decay_rate=0.9, weight_decay_rate=0.01)
+    theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.adafactor(**options))
+    want, _ = _run(theirs, params, steps=10)
+    static = ("min_dim_size_to_factor", "factored", "multiply_by_parameter_scale",
+              "dtype_momentum")  # shapes and types, not numbers
+    ours = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(
+        mtx.adafactor, static_args=static)(**options))
+    got, _ = _run(ours, params, steps=10)
+    _close(got, want, 1e-5, 1e-6)
+
+
+def test_state_is_optax_state():
+    params = _params()
+    for options in CASES:
+        ours, theirs = (tx(**options).init(params) for tx in (mtx.adafactor, optax.adafactor))
+        assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+
+
+def test_refusals():
+    with pytest.raises(NotImplementedError, match="weight_decay_mask"):
+        mtx.adafactor(weight_decay_rate=0.1, weight_decay_mask=lambda p: p)
+    with pytest.raises(TypeError, match="min_dim_size_to_factor must be a Python int"):
+        mtx.adafactor(min_dim_size_to_factor=jnp.asarray(128))
+    with pytest.raises(TypeError, match="factored must be a bool"):
+        mtx.adafactor(factored=jnp.asarray(True))
+    with pytest.raises(TypeError, match="decay_rate must be a number"):
+        mtx.adafactor(decay_rate=optax.constant_schedule(0.8))
+    with pytest.raises(NotImplementedError, match="dtype_momentum=int32"):
+        mtx.adafactor(momentum=0.9, dtype_momentum=jnp.int32)
+    with pytest.raises(ValueError, match="clipping_threshold"):
+        mtx.adafactor(clipping_threshold=0.0)
+    params = _params()
+    tx = mtx.adafactor()
+    with pytest.raises(ValueError, match="reads the params"):
+        tx.update(_grads(params, 0), tx.init(params))
+
+
+def test_gpu_step_refused_at_trace_time(monkeypatch):
+    params = _params()
+    tx = mtx.adafactor(learning_rate=0.01)
+    state = tx.init(params)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(NotImplementedError, match="runs on the CPU only.*factored"):
+        tx.update(_grads(params, 0), state, params)
+    monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", "host")  # the NumPy step, through the host
+    want, _ = optax.adafactor(learning_rate=0.01).update(_grads(params, 0), state, params)
+    got, _ = tx.update(_grads(params, 0), state, params)
+    _close(got, want, 1e-5, 1e-6)
+
+
+X64 = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np, optax
+import mtapply.optax as mtx
+shapes = {"matrix": (160, 130), "stack": (140, 3, 129), "small": (6, 40), "bias": (7,)}
+cases = [dict(learning_rate=0.01), dict(learning_rate=0.01, momentum=0.9,
+         dtype_momentum=jnp.float64, weight_decay_rate=0.01),
+         dict(learning_rate=0.05, multiply_by_parameter_scale=False, clipping_threshold=None)]
+for options in cases:
+    runs = []
+    for tx in (mtx.adafactor(**options), optax.adafactor(**options)):
+        rng = np.random.default_rng(0)
+        params = {k: jnp.asarray(rng.standard_normal(s)) for k, s in shapes.items()}
+        state, update = tx.init(params), jax.jit(tx.update)
+        for step in range(50):
+            rng = np.random.default_rng(step + 1)
+            grads = {k: p + rng.standard_normal(p.shape) for k, p in params.items()}
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        runs.append((params, state))
+    for got, want in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-14)
+print("ok")
+"""
+
+
+def test_follows_optax_adafactor_in_float64():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", X64], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
