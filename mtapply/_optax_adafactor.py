@@ -198,32 +198,39 @@ def _update(engine: Engine, rule: UserRule, factored: bool, min_dim: int, grads,
     """(updates, state) of one step: optax's state into the rule's slots, one engine call,
     and back."""
     leaves, treedef = jax.tree.flatten(params)
-    grad_leaves = treedef.flatten_up_to(grads)
+    layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
     rms_state = next(s for s in state if isinstance(s, optax.FactoredState))
     ema_state = next((s for s in state if isinstance(s, optax.EmaState)), None)
     v_rows, v_cols, vs = (treedef.flatten_up_to(t) for t in
                           (rms_state.v_row, rms_state.v_col, rms_state.v))
-    layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
-    slots = {name: [] for name in rule.slots}
-    for i, (x, layout) in enumerate(zip(leaves, layouts)):
-        if layout.axes is None:
-            row_var, col_var, variance = _empty(x.dtype), _empty(x.dtype), vs[i]
-        else:
-            row_var, col_var = _rule_vectors(v_rows[i], v_cols[i], layout)
-            variance = _empty(vs[i].dtype)
-        slots["row_var"].append(row_var)
-        slots["col_var"].append(col_var)
-        slots["variance"].append(variance)
-        if ema_state is not None:
-            slots["ema"].append(_to_rule(treedef.flatten_up_to(ema_state.ema)[i], layout))
-    inner = rule.state_type(rms_state.count, *(treedef.unflatten(slots[name])
-                                               for name in rule.slots))
+    slots = _rule_slots(layouts, v_rows, v_cols, vs)
+    if ema_state is not None:
+        slots.append([_to_rule(x, l) for x, l in
+                      zip(treedef.flatten_up_to(ema_state.ema), layouts)])
+    inner = rule.state_type(rms_state.count, *(treedef.unflatten(s) for s in slots))
     moved = [treedef.unflatten([_to_rule(x, l) for x, l in zip(xs, layouts)])
-             for xs in (leaves, grad_leaves)]
+             for xs in (leaves, treedef.flatten_up_to(grads))]
     updates, inner = engine.apply(moved[0], moved[1], inner, mode="delta")
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)
+
+
+def _rule_slots(layouts: list, v_rows: list, v_cols: list, vs: list) -> list:
+    """The leaves of the rule's row_var, col_var and variance from optax's v_row, v_col and
+    v: a factored param keeps the vectors, any other the full variance (the other slots
+    empty, which tells the step which a param is)."""
+    rows, cols, variances = [], [], []
+    for layout, v_row, v_col, v in zip(layouts, v_rows, v_cols, vs):
+        if layout.axes is None:
+            row_var, col_var, variance = _empty(v.dtype), _empty(v.dtype), v
+        else:
+            row_var, col_var = _rule_vectors(v_row, v_col, layout)
+            variance = _empty(v.dtype)
+        rows.append(row_var)
+        cols.append(col_var)
+        variances.append(variance)
+    return [rows, cols, variances]
 
 
 def _new_state(state: tuple, inner, treedef, layouts: list, v_rows: list, v_cols: list,
