@@ -49,3 +49,13 @@ class Adafactor(RuleBased):
             raise ValueError(f"param group {index}: eps must be a pair (eps1 or None, eps2), "
                              f"got {eps!r}")
         super()._check_group(index, group)
+
+    def _prepare_group(self, index, group):
+        # at the step, in torch.optim's words; merged groups are bound together, each of the
+        # caller's groups named as it is
+        for g, own in enumerate(self.param_groups) if index == "merged" else [(index, group)]:
+            for i, p in enumerate(own["params"]):
+                if p.is_complex() and p.grad is not None:
+                    raise RuntimeError(f"Adafactor does not support complex parameters: param "
+                                       f"{i} of param group {g} is {p.dtype}")
+        return super()._prepare_group(index, group)

@@ -53,19 +53,20 @@ def check_torch_adam_flags(lr, betas, foreach, fused, capturable) -> None:
 
 
 def check_adafactor_args(lr, beta2_decay, eps, d, weight_decay) -> None:
-    """torch.optim.Adafactor's argument ranges, each refusal naming its argument."""
+    """torch.optim.Adafactor's argument ranges, refused in torch's words (its tests match
+    them), each naming its argument."""
     check_one_element(lr, "lr")
     if not 0.0 <= float(lr):
-        raise ValueError(f"lr must be >= 0, got {lr}")
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
     if not 0.0 >= beta2_decay:
-        raise ValueError(f"beta2_decay must be <= 0, got {beta2_decay}")
+        raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"eps must be a pair (eps1 or None, eps2), got {eps!r}")
     if eps[0] is not None and not 0.0 <= eps[0]:
-        raise ValueError(f"eps[0] (eps1) must be None or >= 0, got {eps[0]}")
+        raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]} (eps[0]; None is allowed)")
     if not 0.0 <= eps[1]:
-        raise ValueError(f"eps[1] (eps2) must be >= 0, got {eps[1]}")
+        raise ValueError(f"epsilon2 should be >= 0 but is: {eps[1]} (eps[1])")
     if not 1.0 <= d:
-        raise ValueError(f"d (the clipping threshold) must be >= 1, got {d}")
+        raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
     if not 0.0 <= weight_decay:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")

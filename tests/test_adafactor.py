@@ -135,15 +135,15 @@ def test_defaults_are_torchs():
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(lr=-1.0), r"lr must be >= 0"),
-    (dict(lr=float("nan")), r"lr must be >= 0"),
+    (dict(lr=-1.0), r"Learning rate should be >= 0"),
+    (dict(lr=float("nan")), r"Learning rate should be >= 0"),
     (dict(lr=torch.tensor([0.1, 0.2])), r"Tensor lr must be 1-element"),
-    (dict(beta2_decay=0.5), r"beta2_decay must be <= 0"),
-    (dict(eps=(-1.0, 1e-3)), r"eps\[0\] \(eps1\) must be None or >= 0"),
-    (dict(eps=(None, -1e-3)), r"eps\[1\] \(eps2\) must be >= 0"),
+    (dict(beta2_decay=0.5), r"beta2_decay should be <= 0"),
+    (dict(eps=(-1.0, 1e-3)), r"epsilon1 should be >= 0 .*eps\[0\]"),
+    (dict(eps=(None, -1e-3)), r"epsilon2 should be >= 0 .*eps\[1\]"),
     (dict(eps=1e-3), r"eps must be a pair"),
-    (dict(d=0.5), r"d \(the clipping threshold\) must be >= 1"),
-    (dict(weight_decay=-0.1), r"weight_decay must be >= 0"),
+    (dict(d=0.5), r"Clipping threshold d should be >= 1"),
+    (dict(weight_decay=-0.1), r"weight_decay should be >= 0"),
 ])
 def test_bad_arguments_are_refused_naming_them(options, match):
     with pytest.raises(ValueError, match=match):
@@ -204,3 +204,15 @@ def test_flat_grads_match_torch():
         ref_opt.step()
         our_opt.step()
     _assert_same(ref, ref_opt, ours, our_opt, 1e-10, 1e-10)
+
+
+def test_complex_params_are_refused_at_the_step_before_anything_is_written():
+    real = torch.nn.Parameter(torch.randn(3, 4))
+    complex_param = torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))
+    opt = mt.Adafactor([{"params": [real]}, {"params": [complex_param]}])
+    real.grad, complex_param.grad = torch.randn(3, 4), torch.randn(2, 2, dtype=torch.complex64)
+    before = real.detach().clone(), complex_param.detach().clone()
+    with pytest.raises(RuntimeError, match=r"Adafactor does not support complex parameters: "
+                                           r"param 0 of param group 1"):
+        opt.step()
+    assert torch.equal(real.detach(), before[0]) and torch.equal(complex_param.detach(), before[1])
