@@ -165,8 +165,11 @@ def test_8_bit_state_steps_as_the_8_bit_rule_and_follows_float_state(device):
                 quantization.n_blocks(p.numel()) if quantized else 0)
             torch.testing.assert_close(entry[name], state[j][k], rtol=0, atol=0)
             torch.testing.assert_close(entry[f"{name}_absmax"], state[3 + j][k], rtol=0, atol=0)
-        if not quantized:  # float32 state: the same step as state_bits=32
-            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"params[{k}]")
+        if not quantized:  # float32 state: the same step as state_bits=32; on a GPU the
+            # 8-bit kernel is another compilation, free to contract a multiply-add differently
+            exact = device == "cpu"
+            torch.testing.assert_close(p, q, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7,
+                                       msg=f"params[{k}]")
             continue
         moved = (q.detach() - start[k].detach()).abs().mean()
         assert (p - q).abs().mean() <= 0.1 * moved, f"params[{k}] strays from float state"
