@@ -5,13 +5,17 @@ per variant, all in one process): forward, backward and the optimizer step, as a
 runs them. The variants take turns in rounds, in one order and then the reverse (A B C, C B A,
 ...), so that drift of the host or the GPU hits them alike; each round times a run of steps
 between two synchronisations, and the table gives the median of the rounds as ms per step and
-as a ratio to the model's reference variant (torch's fused optimizer; optax in JAX).
+as a ratio to the model's reference variant (torch's fused optimizer; optax in JAX). Each
+variant takes the same steps on the same batch, so a torch model's rows also give the loss after
+the run, against the reference's.
 
 - gpt2: GPT-2 124M from a `transformers` config, AdamW, bf16 autocast, batch 8 x 512 tokens;
 - gpt2-groups: the same with a param group per tensor (layer-wise lr decay, no weight decay on
   1-D params) and a scheduler setting every group's lr each step;
 - gpt2-muon: the same model with the usual hybrid, Muon for the blocks' matrices and AdamW for
   the rest: torch.optim.Muon + fused AdamW against mtapply.torch.Muon's one optimizer;
+- gpt2-lion8bit: the same model with Lion, its moment in 8 bits (mtapply.torch.Lion with
+  state_bits=8, and bitsandbytes' Lion8bit where installed) against float Lion;
 - resnet50: torchvision's ResNet-50, SGD with momentum and LARS, bf16 autocast, batch 32;
 - mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW, fp32;
 - jax-mlp: an MLP in JAX (flax if installed, else plain JAX), optax.adamw against
@@ -50,6 +54,7 @@ class _TorchRun:
     def __init__(self, model, optimizer, loss, autocast: bool, schedule=None):
         self.model, self.optimizer, self.loss, self.autocast = model, optimizer, loss, autocast
         self.scheduler = None
+        self.last_loss = None  # a device tensor: read once, after the run
         if schedule is not None:
             import torch
 
@@ -62,6 +67,7 @@ class _TorchRun:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.loss(self.model)
         loss.backward()
+        self.last_loss = loss.detach()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -70,6 +76,9 @@ class _TorchRun:
         import torch
 
         torch.cuda.synchronize()
+
+    def final_loss(self) -> float | None:
+        return None if self.last_loss is None else float(self.last_loss)
 
 
 class _JaxRun:
@@ -85,6 +94,9 @@ class _JaxRun:
         import jax
 
         jax.block_until_ready((self.params, self.state))
+
+    def final_loss(self) -> None:  # the jitted step returns no loss
+        return None
 
 
 def time_steps(run, steps: int) -> float:
@@ -181,6 +193,33 @@ def gpt2_muon(batch: int = 8, tokens: int = 512) -> Model:
     return Model("gpt2-muon", f"GPT-2 124M, Muon (lr 0.02) for the blocks' 48 matrices and AdamW "
                               f"(lr 3e-4) for the rest, bf16 autocast, batch {batch} x {tokens}",
                  "torch", _torch_variants(_muon_optimizers(), build, loss))
+
+
+def gpt2_lion8bit(batch: int = 8, tokens: int = 512) -> Model:
+    build, loss = _gpt2(batch, tokens)
+    return Model("gpt2-lion8bit", f"GPT-2 124M, Lion (lr 1e-4, betas 0.9/0.99, weight decay 0.1) "
+                                  f"with its moment in 8 bits and in float32, bf16 autocast, "
+                                  f"batch {batch} x {tokens}", "mtapply-lion",
+                 _torch_variants(lion_optimizers(1e-4, 0.1), build, loss))
+
+
+def lion_optimizers(lr: float, weight_decay: float) -> dict:
+    """Lion with a float32 moment (mtapply's, the reference), with an 8-bit one (mtapply's) and
+    bitsandbytes' Lion8bit where installed."""
+    import importlib.util
+
+    import mtapply.torch as mt
+
+    hyper = dict(lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
+    made = {"mtapply-lion": lambda m: mt.Lion(m.parameters(), **hyper),
+            "mtapply-lion8bit": lambda m: mt.Lion(m.parameters(), state_bits=8, **hyper)}
+    if importlib.util.find_spec("bitsandbytes"):
+        def bitsandbytes(m):
+            import bitsandbytes as bnb
+
+            return bnb.optim.Lion8bit(m.parameters(), **hyper)
+        made["bnb-lion8bit"] = bitsandbytes
+    return made
 
 
 class _Optimizers:
@@ -380,8 +419,8 @@ def _jax_mlp(jax, depth: int, width: int, batch: int):
     return apply, params, "plain JAX"
 
 
-MODELS = {"gpt2": gpt2, "gpt2-groups": gpt2_groups, "gpt2-muon": gpt2_muon, "resnet50": resnet50,
-          "mlp": mlp, "jax-mlp": jax_mlp}
+MODELS = {"gpt2": gpt2, "gpt2-groups": gpt2_groups, "gpt2-muon": gpt2_muon,
+          "gpt2-lion8bit": gpt2_lion8bit, "resnet50": resnet50, "mlp": mlp, "jax-mlp": jax_mlp}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,21 +439,32 @@ def run_model(model: Model, rounds: int, steps: int, warmup: int) -> list:
     samples = interleaved(runs, rounds, steps)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     reference = medians[model.reference]
+    losses = {name: run.final_loss() for name, run in runs.items()}
     return [{"model": model.name, "description": model.description, "variant": name,
              "ms_per_step": medians[name], "ratio": medians[name] / reference,
-             "samples_ms": samples[name], "reference": model.reference} for name in runs]
+             "samples_ms": samples[name], "reference": model.reference,
+             "steps": warmup + rounds * steps, "final_loss": losses[name],
+             "loss_vs_reference": _relative(losses[name], losses[model.reference])}
+            for name in runs]
+
+
+def _relative(loss, reference):
+    """loss / reference - 1, or None where either is unknown."""
+    return None if loss is None or not reference else loss / reference - 1.0
 
 
 def format_table(rows: list) -> str:
-    lines = ["| model | variant | ms per step (median) | x reference | rounds (ms) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| model | variant | ms per step (median) | x reference | rounds (ms) | loss after "
+             "the run (vs reference) |", "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | | skipped: {row['error']} | | |")
+            lines.append(f"| {row['model']} | | skipped: {row['error']} | | | |")
             continue
         spread = f"{min(row['samples_ms']):.2f}-{max(row['samples_ms']):.2f}"
+        loss = "-" if row.get("final_loss") is None else (
+            f"{row['final_loss']:.4f} ({row['loss_vs_reference']:+.2%})")
         lines.append(f"| {row['model']} | {row['variant']} | {row['ms_per_step']:.2f} | "
-                     f"{row['ratio']:.3f} | {spread} |")
+                     f"{row['ratio']:.3f} | {spread} | {loss} |")
     return "\n".join(lines)
 
 
