@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode ddp
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lamb
-    torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lars8bit
+    torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer lamb8bit
     python examples/distributed_torch.py --mode single
     torchrun --nproc_per_node=2 examples/distributed_torch.py --mode fsdp2 --optimizer adamw8bit \
         --checkpoint /tmp/optimizer-checkpoint
@@ -26,8 +26,8 @@ message and exit status 2.
 On GPUs (one per rank, NCCL) when torch sees them, else on the CPU (`--device cpu`: gloo, and
 mtapply's NumPy backend), DDP and FSDP2 alike; LARS and LAMB over FSDP2 shards need GPUs (on the
 CPU their per-tensor norms are not summed over the shards). `--optimizer` NAME8bit keeps the
-optimizer's state in 8 bits (state_bits=8; SGD, LARS, RMSprop, Adagrad, AdEMAMix, Lion and
-AdamW).
+optimizer's state in 8 bits (state_bits=8; SGD, LARS, LAMB, RMSprop, Adagrad, AdEMAMix, Lion
+and AdamW).
 """
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ OPTIMIZERS = {
                                      min_8bit_size=1024),
     "lars8bit": lambda params: mt.LARS(params, lr=0.5, momentum=0.9, weight_decay=1e-3,
                                        trust_coefficient=0.02, state_bits=8, min_8bit_size=1024),
+    "lamb8bit": lambda params: mt.LAMB(params, lr=3e-3, weight_decay=0.05, max_grad_norm=1.0,
+                                       state_bits=8, min_8bit_size=1024),
     "rmsprop8bit": lambda params: mt.RMSprop(params, lr=1e-4, state_bits=8, min_8bit_size=1024),
     "adagrad8bit": lambda params: mt.Adagrad(params, lr=1e-3, state_bits=8, min_8bit_size=1024),
     "ademamix8bit": lambda params: mt.AdEMAMix(params, lr=1e-3, weight_decay=0.05, state_bits=8,

@@ -11,7 +11,9 @@
 // addition find a code) come from the generated dynamic_maps.cuh; each CUDA block loads them
 // into shared memory once for a chunk of many quantization blocks (see chunk_for of the specs),
 // with the chunk's block scales (ChunkScales). A step then runs at the speed of its loads and
-// stores. Groups of tensors too small for 8-bit states run the op on the chunk walker.
+// stores. Groups of tensors too small for 8-bit states run the op on the chunk walker. A pass
+// that sums (a rule's first pass, e.g. LAMB's norms) walks the same blocks, dequantizing the
+// 8-bit slots as the update will, and writes nothing but its sums.
 #pragma once
 #include "walker.cuh"
 #include "dynamic_maps.cuh"
@@ -227,11 +229,13 @@ struct Quantized {
   static constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
   static constexpr int UPDATES = N + NQ;  // with MTA_DELTA: the record's slot for new - old
   using Args = typename Op::Args;
-  static_assert(Op::N_SUMS == 0, "the 8-bit walk updates; a summing pass runs on the chunk walker");
+  // a pass that sums (a rule's first pass) reads the 8-bit slots and writes nothing
+  static constexpr bool SUMS = Op::N_SUMS > 0;
   static_assert(NQ > 0 && (QUANTIZED >> N) == 0u && (UNSIGNED & ~QUANTIZED) == 0u, "8-bit slots are the op's");
   static_assert((QUANTIZED & 1u) == 0u && (Op::GRAD < 0 || ((QUANTIZED >> Op::GRAD) & 1u) == 0u),
                 "params and grads keep their own dtypes");
-  static_assert((QUANTIZED & ~Op::WRITTEN) == 0u, "an 8-bit slot is one the op writes (its scales are fresh)");
+  static_assert(SUMS ? Op::WRITTEN == 0u : (QUANTIZED & ~Op::WRITTEN) == 0u,
+                "an update writes its 8-bit slots (their scales are fresh); a summing pass writes nothing");
   static_assert(MTA_SLOTS == N + NQ + (MTA_DELTA ? 1 : 0),
                 "a record holds the op's slots, one scale slot per 8-bit slot, then any updates");
   static_assert(!MTA_MASTER, "8-bit states step float32 or 16-bit params themselves");
@@ -263,9 +267,16 @@ struct Quantized {
     // counter: a 64-bit one spilled to local memory)
     constexpr int WARPS = MTA_BLOCK / 32;
     int local = threadIdx.x / 32;
-    for (; local < whole; local += WARPS) update_block<true>(maps, scales, op, grad_scale, job, local);
-    for (; local < blocks; local += WARPS) update_block<false>(maps, scales, op, grad_scale, job, local);
-    scales.template store<N>(job);
+    if constexpr (SUMS) {
+      float acc[SUMS ? Op::N_SUMS : 1] = {};
+      for (; local < whole; local += WARPS) sum_block<true>(maps, scales, op, grad_scale, job, local, acc);
+      for (; local < blocks; local += WARPS) sum_block<false>(maps, scales, op, grad_scale, job, local, acc);
+      finish_sums<Op>(launch, acc, job.tensor, job.index, job.numel);
+    } else {
+      for (; local < whole; local += WARPS) update_block<true>(maps, scales, op, grad_scale, job, local);
+      for (; local < blocks; local += WARPS) update_block<false>(maps, scales, op, grad_scale, job, local);
+      scales.template store<N>(job);
+    }
   }
 
   // Words of GROUP elements: 16 bytes of floats, 8 of 16-bit values, 4 of codes.
@@ -312,6 +323,31 @@ struct Quantized {
         x[S] = to_acc(lane_slot<S>(lanes)[k]);
       }
       values<S + 1>(maps, lanes, scale, k, x);
+    }
+  }
+
+  // The sums of one quantization block, a warp's: the op on the block's elements (the 8-bit
+  // slots dequantized as the update will read them), each adding its terms to the lane's acc.
+  // Nothing is written, so every lane reads the block's scales.
+  template <bool VECTOR>
+  static __device__ __forceinline__ void sum_block(const Maps& maps, const ChunkScales<NQ>& scales, const Op& op,
+                                                   float grad_scale, const Chunk& job, int local,
+                                                   float (&acc)[SUMS ? Op::N_SUMS : 1]) {
+    const long long i = job.begin + local * QBLOCK + (threadIdx.x % 32) * GROUP;
+    LaneSlots<0, N> lanes;
+    load<0, VECTOR>(job, i, lanes);
+    float scale[NQ];
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) scale[q] = scales.scale[q][local];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+      if (!VECTOR && element(i, k) >= job.numel) continue;
+      acc_t x[N];
+      values<0>(maps, lanes, scale, k, x);
+      if constexpr (Op::GRAD >= 0) {
+        if (grad_scale != 1.0f) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
+      }
+      op(x, acc);
     }
   }
 

@@ -1,5 +1,5 @@
 """`state_bits=8` for mtapply.torch optimizers that run an op of their own at 16 and 32 bits
-(SGD, LARS): with 8-bit state they step by their library rule kept in 8 bits
+(SGD, LARS, LAMB): with 8-bit state they step by their library rule kept in 8 bits
 (`Rule.with_state_bits`), as the rule-run optimizers do (`mtapply._torch_rules.RuleBased`).
 
 Each 8-bit slot keeps torch.optim's name (`momentum_buffer`) and holds uint8 codes of the
@@ -17,10 +17,12 @@ from ._torch_state import check_eight_bit_slots, refuse_other_state_bits
 
 
 class EightBitState:
-    """The 8-bit side of SGD and LARS: `_EIGHT_BIT` names the state slots kept in 8 bits (all
-    signed: momentum buffers), `_eight_bit_rule(group)` is the group's rule with them in 8 bits."""
+    """The 8-bit side of SGD, LARS and LAMB: `_EIGHT_BIT` names the state slots kept in 8 bits
+    (those in `_UNSIGNED` hold values >= 0, on the finer unsigned map: second moments),
+    `_eight_bit_rule(group)` is the group's rule with them in 8 bits."""
 
     _EIGHT_BIT: tuple = ()
+    _UNSIGNED: tuple = ()
     min_8bit_size = 4096
 
     def _take_state_bits(self, state_bits, min_8bit_size=4096) -> None:
@@ -50,7 +52,7 @@ class EightBitState:
         made = self._eight_bit_rules.get(rule)
         if made is None:
             made = self._eight_bit_rules[rule] = rule.with_state_bits(
-                8, slots=self._EIGHT_BIT, threshold=self.min_8bit_size)
+                8, slots=self._EIGHT_BIT, unsigned=self._UNSIGNED, threshold=self.min_8bit_size)
         return made
 
     def _eight_bit_slot(self, group, name: str, p) -> tuple:

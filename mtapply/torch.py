@@ -637,36 +637,27 @@ class LARS(EightBitState, BFloat16State, FusedOptimizer):
         return _lars.LARSSpec()
 
 
-class LAMB(BFloat16State, FusedOptimizer):
+class LAMB(EightBitState, BFloat16State, FusedOptimizer):
     """LAMB with Apex FusedLAMB's arguments and semantics (see `mtapply.lamb_step`). With
     max_grad_norm > 0 the grads of every group are clipped by their global norm, computed on
     the device (one launch per device and dtype, with a plan bound once, like the step's).
-    State per param: `step`, `exp_avg`, `exp_avg_sq` (the moments bfloat16 with `state_bits=16`).
-    `state_bits=8` is refused: the trust ratio's norm ||u|| is a sum over the new moments,
-    taken by a first pass over the list that also stores them, and only the update pass (the
-    8-bit walk) reads and writes 8-bit codes, so both moments stay float (see
-    `mtapply.rules.library.lamb`)."""
+    State per param: `step`, `exp_avg`, `exp_avg_sq` (the moments bfloat16 with `state_bits=16`;
+    with `state_bits=8` uint8 codes beside `exp_avg_absmax` and `exp_avg_sq_absmax`, float32 for
+    params under `min_8bit_size` elements, stepped by `mtapply.rules.library.lamb` in 8 bits:
+    its first pass sums ||p|| and ||u|| over the moments as the update reads them)."""
 
     _OPTION_NAMES = BETA_NAMES
     _merges_groups = True
 
     _MOMENTS = ("exp_avg", "exp_avg_sq")
+    _EIGHT_BIT = ("exp_avg", "exp_avg_sq")
+    _UNSIGNED = ("exp_avg_sq",)
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
-                 use_nvlamb=False, *, flat_grads=False, state_bits=32, master_weights=False):
-        if state_bits == 8 and not isinstance(state_bits, bool):
-            from .rules import library
-
-            first_pass = library.lamb(bool(adam_w_mode), bool(use_nvlamb)).program.first_pass_slots
-            summed = " and ".join(s for s in ("exp_avg", "exp_avg_sq") if s in first_pass)
-            raise ValueError(
-                f"LAMB does not keep 8-bit state (state_bits=8): its trust ratio divides by "
-                f"||u||, a per-tensor sum over the new {summed}, which a first pass over the "
-                f"list computes (and stores) before the update pass; only the update pass, the "
-                f"8-bit walk, reads and writes 8-bit codes, so {summed} stay float. Use "
-                f"state_bits=16 for bfloat16 moments, or 32")
-        self._take_state_bits(state_bits)
+                 use_nvlamb=False, *, flat_grads=False, state_bits=32, min_8bit_size=4096,
+                 master_weights=False):
+        self._take_state_bits(state_bits, min_8bit_size)
         check_adam_args(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
@@ -699,12 +690,22 @@ class LAMB(BFloat16State, FusedOptimizer):
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for name in self._MOMENTS:
-                state[name] = self._moment(group, name, p)
+                if self.state_bits == 8:
+                    state[name], state[f"{name}_absmax"] = self._eight_bit_slot(group, name, p)
+                else:
+                    state[name] = self._moment(group, name, p)
 
     def _required_state(self, group, param) -> tuple:
         return ("step", "exp_avg", "exp_avg_sq")
 
+    def _library_rule(self, group):
+        from .rules import library
+
+        return library.lamb(*self._compile_options(group))
+
     def _make_plan(self, group, lists):
+        if self.state_bits == 8:
+            return self._eight_bit_plan(group, lists, False)
         adam_w_mode, use_nvlamb = self._compile_options(group)
         return _lamb.lamb_plan(lists.bound, lists.grads, lists.state("exp_avg"),
                                lists.state("exp_avg_sq"), master_params=lists.masters,
@@ -724,6 +725,11 @@ class LAMB(BFloat16State, FusedOptimizer):
         if norm is None:
             hyper["max_grad_norm"] = 0.0
         hyper["global_grad_norm"] = norm
+        if self.state_bits == 8:  # the rule's: numbers for its flags, no norm where none clips
+            hyper.update(grad_averaging=float(hyper["grad_averaging"]),
+                         bias_correction=float(hyper["bias_correction"]))
+            if norm is None:
+                del hyper["global_grad_norm"]
         return hyper
 
     def _checking_spec(self, group):

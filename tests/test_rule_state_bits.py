@@ -109,11 +109,6 @@ def test_refusals_name_the_argument_and_change_nothing():
         lion.with_state_bits(8, slots="grad")
     with pytest.raises(ValueError, match="unsigned names 'v'"):
         lion.with_state_bits(8, unsigned="v")
-    with pytest.raises(ValueError, match="reads 'm' in its sums"):  # (its first pass)
-        mtapply.rule("lars", slots="param:rw grad:r m:rw", hyper=dict(lr=None),
-                     sums=dict(m2="m * m"),
-                     update="m = 0.9 * m + grad / sqrt(m2 + 1)\nparam = param - lr * m"
-                     ).with_state_bits(8).spec()
     eight = lion.with_state_bits(8)
     with pytest.raises(ValueError, match="master_params"):
         eight.spec(master_weights=True)
@@ -231,11 +226,35 @@ def test_a_rule_with_sums_over_other_slots_keeps_8_bit_state():
         assert np.abs(p - p0).max() > 1e-3  # (steps of some 1e-2 moved them)
 
 
-def test_8_bit_slots_a_rule_sums_over_are_refused():
-    from mtapply import _optax_rules
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_sums_over_8_bit_slots_read_them_as_the_update_does(adam_w_mode):
+    """LAMB's first pass sums ||u||^2 over the moments it updates: in 8 bits it reads their
+    codes dequantized, as the update then does, so a step equals the float32 rule's step from
+    the dequantized moments (the trust ratio included), its new moments quantized."""
+    rng = np.random.default_rng(8)
+    shapes = [(5000,), (70, 80), (10,)]
+    params, grads = _draw(rng, shapes), _draw(rng, shapes)
+    eight = library.lamb(adam_w_mode).with_state_bits(8, unsigned="exp_avg_sq", threshold=1)
+    m, v, m_scales, v_scales = eight.state(params)
+    for k, p in enumerate(params):  # moments as if mid-training
+        m[k], m_scales[k] = _quantized(rng.standard_normal(p.size) * 0.1, True, p.shape)
+        v[k], v_scales[k] = _quantized(rng.random(p.size) * 0.01, False, p.shape)
+    floats = [p.copy() for p in params]
+    float_m = [quantization.dequantize_blockwise(c, s, True).reshape(c.shape) for c, s in zip(m, m_scales)]
+    float_v = [quantization.dequantize_blockwise(c, s, False).reshape(c.shape) for c, s in zip(v, v_scales)]
+    hyper = dict(lr=1e-2, step=3, weight_decay=0.01)
+    eight.step(params, grads, m, v, m_scales, v_scales, **hyper)
+    library.lamb(adam_w_mode).step(floats, grads, float_m, float_v, **hyper)
+    for k in range(len(params)):
+        np.testing.assert_array_equal(params[k], floats[k], err_msg=f"params[{k}]")
+        codes, scales = _quantized(float_m[k].reshape(-1), True, params[k].shape)
+        np.testing.assert_array_equal(m[k], codes)
+        np.testing.assert_array_equal(m_scales[k], scales)
 
-    with pytest.raises(ValueError, match=r"reads 'exp_avg' in its sums .* keep it in float32"):
-        _optax_rules.lamb().with_state_bits(8)
+
+def _quantized(values, signed, shape):
+    codes, scales = quantization.quantize_blockwise(np.asarray(values, np.float32), signed=signed)
+    return codes.reshape(shape), scales
 
 
 def test_a_summing_rule_with_8_bit_state_compiles():
@@ -244,8 +263,13 @@ def test_a_summing_rule_with_8_bit_state_compiles():
 
     spec = _optax_rules.lars().with_state_bits(8).spec()
     dtypes = ("float32", "float32", "uint8", "float32")
-    first, update = spec.functors_for(dtypes)
-    assert first.endswith("Sums") and "_q" in update
+    first, update = spec.functors_for(dtypes)  # both passes on the 8-bit walk
+    assert "Sums_q" in first and "_q" in update and "Sums" not in update
     source = spec.source(dtypes)
     assert "static constexpr unsigned READ = (1u << PARAM) | (1u << GRAD);" in source
     assert _source.compile_offline(source, "sm_90", spec.compile_options(dtypes))[:4] == b"\x7fELF"
+    lamb = library.lamb().with_state_bits(8, unsigned="exp_avg_sq").spec()  # sums read the codes
+    dtypes = ("float32", "float32", "uint8", "uint8", "float32", "float32")
+    assert all("_q12u8" in f for f in lamb.functors_for(dtypes))
+    source = lamb.source(dtypes)
+    assert _source.compile_offline(source, "sm_90", lamb.compile_options(dtypes))[:4] == b"\x7fELF"

@@ -1,7 +1,7 @@
-"""`state_bits=8` on SGD (momentum, nesterov), LARS and ScheduleFreeAdamW (as on the rule-run
-optimizers of test_torch_state_bits.py): the step equals the library rule's functional 8-bit
-step bit for bit, tracks the float32 optimizer within the 8-bit format's error, small params
-keep float32 state, checkpoints go round and are refused across state_bits; LAMB, SGD without
+"""`state_bits=8` on SGD (momentum, nesterov), LARS, LAMB and ScheduleFreeAdamW (as on the
+rule-run optimizers of test_torch_state_bits.py): the step equals the library rule's functional
+8-bit step bit for bit, tracks the float32 optimizer within the 8-bit format's error, small
+params keep float32 state, checkpoints go round and are refused across state_bits; SGD without
 momentum and bad values are refused at construction."""
 import copy
 import pickle
@@ -47,6 +47,10 @@ CASES = {
              lambda opt: dict(lr=0.1, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01,
                               eps=0.0, adapt=(1.0, 1.0, 0.0, 1.0),
                               decay_on=(1.0, 1.0, 0.0, 1.0))),
+    "LAMB": (lambda ps, bits, **kw: mt.LAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.0,
+                                            state_bits=bits, **kw),
+             lambda: library.lamb().with_state_bits(8, unsigned="exp_avg_sq"),
+             lambda opt: dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)),
     "ScheduleFreeAdamW": (lambda ps, bits, **kw: mt.ScheduleFreeAdamW(
                               ps, lr=1e-2, weight_decay=0.01, warmup_steps=3, state_bits=bits, **kw),
                           lambda: library.schedule_free_adamw().with_state_bits(
@@ -55,7 +59,7 @@ CASES = {
 }
 
 EIGHT_BIT = {"SGD": "momentum_buffer", "SGD-nesterov": "momentum_buffer",
-             "LARS": "momentum_buffer", "ScheduleFreeAdamW": "nu"}
+             "LARS": "momentum_buffer", "LAMB": "exp_avg", "ScheduleFreeAdamW": "nu"}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -155,7 +159,7 @@ def test_a_checkpoint_goes_round_and_is_refused_across_state_bits(name, device):
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("name", ["SGD", "LARS", "ScheduleFreeAdamW"])
+@pytest.mark.parametrize("name", ["SGD", "LARS", "LAMB", "ScheduleFreeAdamW"])
 def test_a_copy_keeps_8_bit_state_and_steps_as_the_original(name, how):
     params = _params()
     opt = CASES[name][0](params, 8, min_8bit_size=1000)
@@ -196,8 +200,9 @@ def test_schedule_free_adamw_keeps_z_float_and_refuses_an_8_bit_z():
 @pytest.mark.parametrize("make", [
     lambda ps, bits: mt.SGD(ps, lr=0.1, momentum=0.9, state_bits=bits),
     lambda ps, bits: mt.LARS(ps, state_bits=bits),
+    lambda ps, bits: mt.LAMB(ps, state_bits=bits),
     lambda ps, bits: mt.ScheduleFreeAdamW(ps, state_bits=bits),
-], ids=["SGD", "LARS", "ScheduleFreeAdamW"])
+], ids=["SGD", "LARS", "LAMB", "ScheduleFreeAdamW"])
 @pytest.mark.parametrize("bits", [4, 0, True, "8", 8.5])
 def test_bad_state_bits_are_refused_naming_the_argument(make, bits):
     with pytest.raises(ValueError, match=r"state_bits must be 8, 16 \(bfloat16\) or 32"):
@@ -208,17 +213,33 @@ def test_construction_refusals():
     params = _params()
     for make in (lambda **kw: mt.SGD(params, lr=0.1, momentum=0.9, state_bits=8, **kw),
                  lambda **kw: mt.LARS(params, state_bits=8, **kw),
+                 lambda **kw: mt.LAMB(params, state_bits=8, **kw),
                  lambda **kw: mt.ScheduleFreeAdamW(params, state_bits=8, **kw)):
         for size in (0, -1, 1.5):
             with pytest.raises(ValueError, match="min_8bit_size"):
                 make(min_8bit_size=size)
     with pytest.raises(ValueError, match=r"state_bits=8 .*momentum=0"):
         mt.SGD(params, lr=0.1, state_bits=8)
-    with pytest.raises(ValueError, match=r"LAMB does not keep 8-bit state \(state_bits=8\).* "
-                                         r"exp_avg and exp_avg_sq"):
-        mt.LAMB(params, state_bits=8)
-    with pytest.raises(ValueError, match="LAMB keeps its state in float32 or bfloat16"):
-        mt.LAMB(params, state_bits=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_8_bit_lamb_clips_by_the_global_norm_and_tracks_float_lamb(device):
+    """max_grad_norm > 0: the global grad norm, computed on the device, reaches the 8-bit rule
+    as it reaches the float op; the trust ratios' norms are sums over the moments as the
+    update reads them."""
+    eight, floats = _params(device=device), _params(device=device)
+    opt8 = mt.LAMB(eight, lr=1e-2, max_grad_norm=0.5, state_bits=8)
+    opt32 = mt.LAMB(floats, lr=1e-2, max_grad_norm=0.5)
+    _run(opt8, eight, 10)
+    _run(opt32, floats, 10)
+    start = _params(device=device)
+    for k, (p, q) in enumerate(zip(eight, floats)):
+        moved = (q.detach() - start[k].detach()).abs().mean()
+        assert moved > 0
+        if p.numel() < 4096:  # float32 state, though the other params' codes move the norm
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"params[{k}]")
+            continue
+        assert (p - q).abs().mean() <= 0.05 * moved, f"params[{k}] strays from float state"
 
 
 def test_8_bit_sgd_refuses_a_group_without_momentum_before_anything_is_written():

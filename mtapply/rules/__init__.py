@@ -140,11 +140,13 @@ class Rule:
         if factored:
             raise ValueError(f"rule {self.name!r}: {factored[0]!r} is a factored slot, kept in "
                              f"float: name the other slots in slots=")
+        # a first pass over 8-bit slots stores nothing: the update computes them again, which
+        # is the same computation only where no scalar state changes between the passes
         summed = [name for name in chosen if name in self.program.first_pass_slots]
-        if summed:
-            raise ValueError(f"rule {self.name!r} reads {summed[0]!r} in its sums (a first pass "
-                             f"over the list, before the 8-bit walk): keep it in float32, "
-                             f"naming the other slots in slots=")
+        if summed and self.program.scalars:
+            raise ValueError(f"rule {self.name!r} reads {summed[0]!r} in its sums, which update "
+                             f"its scalar state before the update pass computes {summed[0]!r} "
+                             f"again: keep it in float32, naming the other slots in slots=")
         return QuantizedRule(self, chosen, unsigned, int(threshold))
 
     def cuda_source(self) -> str:

@@ -28,11 +28,9 @@ class QuantizedRuleSpec(RuleSpec):
 
     def __init__(self, name: str, program, eight_bit: tuple, unsigned: tuple,
                  stochastic_rounding: bool = False):
-        # (the first pass runs on the chunk walker, which stores no 8-bit codes: the update
-        # computes every slot itself)
+        # (a first pass, which sums, stores nothing: the update computes every slot itself
+        # from the same codes)
         super().__init__(name, program, stochastic_rounding=stochastic_rounding, store_first=False)
-        # (a rule with sums sums on the chunk walker, over slots other than these: see
-        # Rule.with_state_bits; then its update takes the 8-bit walk)
         names = [s.name for s in program.slots]
         # in slot order: the kernel finds the k-th 8-bit slot's scales in the k-th scale list
         self.eight_bit = tuple(sorted(eight_bit, key=names.index))
@@ -44,16 +42,18 @@ class QuantizedRuleSpec(RuleSpec):
                              **{s: (("float32",), False) for s in self.scale_slots}}
         mask = sum(1 << names.index(s) for s in self.eight_bit)
         unsigned_mask = sum(1 << names.index(s) for s in self.unsigned)
-        plain = self.functor  # mta::Rule_<digest>
-        struct = f"{plain.split('::')[1]}_q{mask}u{unsigned_mask}"
+        # each pass's functor (mta::Rule_<digest>Sums, mta::Rule_<digest>) on the 8-bit walk
+        suffix = f"_q{mask}u{unsigned_mask}"
         self.name = f"{self.name}:8bit:{mask}:{unsigned_mask}"
-        self._plain_file, self.kernel_file = self.kernel_file, f"{struct.lower()}.cuh"
+        self._plain_file = self.kernel_file
+        self.kernel_file = f"{self.functor.split('::')[1].lower()}{suffix}.cuh"
         _source.register_generated("dynamic_maps.cuh", dynamic_maps_source())
         _source.register_generated(self.kernel_file, "\n".join([
             f'#include "{self._plain_file}"', '#include "quantized.cuh"', "namespace mta {",
-            f"struct {struct} : Quantized<{plain}, {mask}u, {unsigned_mask}u> {{}};",
+            *(f"struct {plain.split('::')[1]}{suffix} : Quantized<{plain}, {mask}u, "
+              f"{unsigned_mask}u> {{}};" for plain in self.functors),
             "}  // namespace mta", ""]))
-        self._quantized_functor = f"mta::{struct}"
+        self._quantized_functors = tuple(f"{plain}{suffix}" for plain in self.functors)
 
     def _quantized(self, dtypes: tuple) -> bool:
         return dtypes[self.slots.index(list_name(self.eight_bit[0]))] == "uint8"
@@ -62,9 +62,7 @@ class QuantizedRuleSpec(RuleSpec):
         return self._quantized(dtypes)
 
     def functors_for(self, dtypes: tuple) -> tuple:
-        if self._quantized(dtypes):  # a summing pass stays the walker's
-            return (*self.functors[:-1], self._quantized_functor)
-        return self.functors
+        return self._quantized_functors if self._quantized(dtypes) else self.functors
 
     def chunk_for(self, dtypes: tuple) -> int:
         return QUANTIZED_CHUNK if self._quantized(dtypes) else super().chunk_for(dtypes)
@@ -90,16 +88,28 @@ class QuantizedRuleSpec(RuleSpec):
     def cpu_in_place(self, args: dict, dtype):
         return None  # 8-bit slots are dequantized and quantized around the rule's update
 
-    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
-        if arrays[self.scale_slots[0]].size == 0:  # float32 state: the rule as it is
-            return super().cpu_update(arrays, args, dtype, index)
+    def _dequantized(self, arrays: dict) -> dict:
+        """The arrays with each 8-bit slot's values in float32, as the kernel reads them (float32
+        state as it is)."""
+        if arrays[self.scale_slots[0]].size == 0:
+            return arrays
         shape = arrays["params"].shape
         values = dict(arrays)
         for slot, scale in zip(self.eight_bit, self.scale_slots):
             codes = np.asarray(arrays[list_name(slot)]).astype(np.uint8)
             values[list_name(slot)] = quantization.dequantize_blockwise(
                 codes, arrays[scale], signed=slot not in self.unsigned).reshape(shape)
-        new = super().cpu_update(values, args, dtype, index)
+        return values
+
+    def cpu_totals(self, tensors):
+        return super().cpu_totals([(index, self._dequantized(arrays), args, dtype)
+                                   for index, arrays, args, dtype in tensors])
+
+    def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
+        if arrays[self.scale_slots[0]].size == 0:  # float32 state: the rule as it is
+            return super().cpu_update(arrays, args, dtype, index)
+        shape = arrays["params"].shape
+        new = super().cpu_update(self._dequantized(arrays), args, dtype, index)
         for slot, scale in zip(self.eight_bit, self.scale_slots):
             if list_name(slot) in new:
                 codes, absmax = quantization.quantize_blockwise(

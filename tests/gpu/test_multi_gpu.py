@@ -93,8 +93,9 @@ def test_a_model_split_over_two_gpus_trains_like_torch_optim():
                                             ("fsdp2", "lars"), ("fsdp2", "lamb"),
                                             ("fsdp2", "lion"), ("fsdp2", "adamw8bit"),
                                             ("fsdp2", "lion8bit"), ("fsdp2", "sgd8bit"),
-                                            ("fsdp2", "lars8bit"), ("fsdp2", "rmsprop8bit"),
-                                            ("fsdp2", "adagrad8bit"), ("fsdp2", "ademamix8bit"),
+                                            ("fsdp2", "lars8bit"), ("fsdp2", "lamb8bit"),
+                                            ("fsdp2", "rmsprop8bit"), ("fsdp2", "adagrad8bit"),
+                                            ("fsdp2", "ademamix8bit"), ("ddp", "lamb8bit"),
                                             ("ddp", "sgd8bit")])
 def test_distributed_training_equals_one_gpu(mode, optimizer, tmp_path):
     torchrun = shutil.which("torchrun")
