@@ -18,7 +18,10 @@
 // tensor's sums are known, by the block that finishes last). An op whose elements are not
 // independent (blockwise-quantized states) sets OWN_WALK and a static walk(launch) that takes
 // the block's chunk from chunk_of, as walk does; MIN_BLOCKS (optional) asks the compiler for
-// that many resident blocks per SM.
+// that many resident blocks per SM. An op that sets INDEXED (factored state: values kept per row
+// or per column of a matrix) is made with the block's chunk, Op(args, chunk, sums), is called
+// with each element's flat index as its last argument, and has a member `absent`: the slots
+// that its tensor does not hold per element, which the walker neither loads nor stores.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -55,6 +58,8 @@ template <class Op, class = void> struct OwnWalk { static constexpr bool value =
 template <class Op> struct OwnWalk<Op, decltype(void(Op::OWN_WALK))> { static constexpr bool value = Op::OWN_WALK; };
 template <class Op, class = void> struct MinBlocks { static constexpr int value = 1; };
 template <class Op> struct MinBlocks<Op, decltype(void(Op::MIN_BLOCKS))> { static constexpr int value = Op::MIN_BLOCKS; };
+template <class Op, class = void> struct Indexed { static constexpr bool value = false; };
+template <class Op> struct Indexed<Op, decltype(void(Op::INDEXED))> { static constexpr bool value = Op::INDEXED; };
 
 // A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
 // tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
@@ -221,12 +226,13 @@ __device__ __forceinline__ void store_vec(char* base, long long i, const acc_t (
 }
 
 // Loads the slots among S..N-1 that the op reads (bit s of READ), W elements at i (W = 1: one
-// element), into registers; the others are zero.
+// element), into registers; the others, and those `absent` from the tensor, are zero.
 template <int S, int N, unsigned READ, int W>
-__device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, acc_t (&v)[N][W]) {
+__device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, acc_t (&v)[N][W],
+                                           unsigned absent = 0u) {
   if constexpr (S < N) {
     using T = typename SlotType<S>::type;
-    if constexpr (!((READ >> S) & 1u)) {
+    if (!((READ >> S) & 1u) || ((absent >> S) & 1u)) {
 #pragma unroll
       for (int k = 0; k < W; ++k) v[S][k] = acc_t(0);
     } else if constexpr (W == 1) {
@@ -234,21 +240,31 @@ __device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, a
     } else {
       load_vec<T, W>(ptr[S], i, v[S]);
     }
-    load_slots<S + 1, N, READ, W>(ptr, i, v);
+    load_slots<S + 1, N, READ, W>(ptr, i, v, absent);
   }
 }
 
-// Stores the slots among S..N-1 that the op writes (bit s of WRITTEN).
+// Stores the slots among S..N-1 that the op writes (bit s of WRITTEN), but those `absent`.
 template <int S, int N, unsigned WRITTEN, int W>
-__device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, const acc_t (&v)[N][W]) {
+__device__ __forceinline__ void store_slots(char* const (&ptr)[N], long long i, const acc_t (&v)[N][W],
+                                            unsigned absent = 0u) {
   if constexpr (S < N) {
     using T = typename SlotType<S>::type;
     if constexpr ((WRITTEN >> S) & 1u) {
-      if constexpr (W == 1) reinterpret_cast<T*>(ptr[S])[i] = from_acc<T>(v[S][0]);
-      else store_vec<T, W>(ptr[S], i, v[S]);
+      if (!((absent >> S) & 1u)) {
+        if constexpr (W == 1) reinterpret_cast<T*>(ptr[S])[i] = from_acc<T>(v[S][0]);
+        else store_vec<T, W>(ptr[S], i, v[S]);
+      }
     }
-    store_slots<S + 1, N, WRITTEN, W>(ptr, i, v);
+    store_slots<S + 1, N, WRITTEN, W>(ptr, i, v, absent);
   }
+}
+
+// The slots an indexed op's tensor does not hold per element (none for other ops).
+template <class Op>
+__device__ __forceinline__ unsigned absent_slots(const Op& op) {
+  if constexpr (Indexed<Op>::value) return op.absent;
+  else return 0u;
 }
 
 // Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path);
@@ -262,8 +278,9 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
   constexpr int N = Op::N_SLOTS;
   constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
   constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA || MTA_STOCHASTIC ? ~1u : ~0u);
+  const unsigned absent = absent_slots(op);
   acc_t v[N][W];
-  load_slots<0, N, READ, W>(ptr, i, v);
+  load_slots<0, N, READ, W>(ptr, i, v, absent);
 #if MTA_DELTA
   acc_t before[W];
 #pragma unroll
@@ -277,12 +294,18 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
     if constexpr (Op::GRAD >= 0) {
       if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
     }
-    if constexpr (Op::N_SUMS > 0) op(x, acc);
-    else op(x);
+    if constexpr (Indexed<Op>::value) {
+      if constexpr (Op::N_SUMS > 0) op(x, acc, i + k);
+      else op(x, i + k);
+    } else if constexpr (Op::N_SUMS > 0) {
+      op(x, acc);
+    } else {
+      op(x);
+    }
 #pragma unroll
     for (int s = 0; s < N; ++s) v[s][k] = x[s];
   }
-  if constexpr (STORED != 0u) store_slots<0, N, STORED, W>(ptr, i, v);
+  if constexpr (STORED != 0u) store_slots<0, N, STORED, W>(ptr, i, v, absent);
 #if MTA_STOCHASTIC
   static_assert(!MTA_MASTER && !MTA_DELTA, "stochastic rounding stores the params themselves");
   if constexpr ((Op::WRITTEN & 1u) != 0u) store_bf16_stochastic<W>(ptr[0], i, v[0], op.rounding);
@@ -386,6 +409,37 @@ __device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
                rec + 1};
 }
 
+// The addresses of the first N slots of the chunk's tensor as the op sees them (with master
+// weights its param is the fp32 master), and in `param_copy` the slot that receives the param
+// rounded to its storage (MTA_MASTER) or the update (MTA_DELTA); returns the addresses' bits
+// or-ed together (16-byte alignment decides the vector path).
+template <int N>
+__device__ __forceinline__ unsigned long long element_pointers(const Chunk& job, char* (&ptr)[N],
+                                                               char*& param_copy) {
+  unsigned long long address_bits = 0;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    ptr[s] = reinterpret_cast<char*>(job.addresses[s]);
+    address_bits |= static_cast<unsigned long long>(job.addresses[s]);
+  }
+#if MTA_MASTER
+  param_copy = ptr[0];
+  ptr[0] = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the fp32 master is the op's param
+  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
+#elif MTA_DELTA
+  param_copy = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the updates
+  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
+#endif
+  return address_bits;
+}
+
+// The op's functor for the block's chunk: an indexed op is made with the chunk itself.
+template <class Op>
+__device__ __forceinline__ Op make_op(const Launch<typename Op::Args>& launch, const Chunk& job) {
+  if constexpr (Indexed<Op>::value) return Op(args_of(launch, job.tensor), job, launch.sums);
+  else return Op(args_of(launch, job.tensor), job.tensor, launch.sums);
+}
+
 // Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
 // or one warp where the host found every chunk of the launch no longer than a warp's vectors
 // (mtapply._source.block_threads): 2,000 blocks over 100-element tensors then fit on the GPU at
@@ -400,23 +454,10 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   const Chunk job = chunk_of(launch);
   const long long numel = job.numel;
   char* ptr[N];  // an op may use only the first slots of the records (e.g. a norms pass)
-  unsigned long long address_bits = 0;
-#pragma unroll
-  for (int s = 0; s < N; ++s) {
-    ptr[s] = reinterpret_cast<char*>(job.addresses[s]);
-    address_bits |= static_cast<unsigned long long>(job.addresses[s]);
-  }
   char* param_copy = nullptr;
-#if MTA_MASTER
-  param_copy = ptr[0];
-  ptr[0] = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the fp32 master is the op's param
-  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
-#elif MTA_DELTA
-  param_copy = reinterpret_cast<char*>(job.addresses[MTA_SLOTS - 1]);  // the updates
-  address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
-#endif
+  const unsigned long long address_bits = element_pointers(job, ptr, param_copy);
   const long long begin = job.begin, end = job.end;
-  const Op op(args_of(launch, job.tensor), job.tensor, launch.sums);
+  const Op op = make_op<Op>(launch, job);
   float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   long long scalar_from = begin;
   // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.

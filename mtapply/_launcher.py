@@ -17,7 +17,8 @@ class Launcher:
     stream have run: launches on a new stream wait for the previous stream's (through the
     tables, `MemcpyTable.before_launch`), so the latest stream's work is the last to use it."""
 
-    def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream):
+    def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream,
+                 means: int = 0):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
@@ -44,6 +45,8 @@ class Launcher:
             if spec.n_sums:
                 self._attach_sums(spec.n_sums, spec.n_totals, numels, stream)
             self._attach_arrays(arrays, stream)
+            if "means_array" in spec.arg_fields:
+                self._attach_means(means, stream)
             self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
         self._memory.append(self.invalid)
         for passes in self.launches:
@@ -111,6 +114,15 @@ class Launcher:
                                      plan_sums)
                 if n_totals:
                     launch.set_array("totals_array", all_sums.ptr + 4 * n_sums * len(numels))
+
+    def _attach_means(self, n: int, stream: int) -> None:
+        """The workspace of a factored rule's per-matrix means (kernels/factored.cuh): n
+        doubles for the whole list (each tensor's offset is in its shape words)."""
+        memory = _device_copy(np.zeros(max(n, 1), np.float64), stream)
+        self._memory.append(memory)
+        for passes in self.launches:
+            for launch in passes:
+                launch.set_array("means_array", memory.ptr)
 
     def _attach_arrays(self, arrays: dict, stream: int) -> None:
         """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""
@@ -310,4 +322,9 @@ def launcher_for(spec, refs, arrays, table_mode, device_id, stream) -> Launcher:
     dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
     numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
-    return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream)
+    means = 0
+    shapes = getattr(spec, "shape_words", lambda refs: None)(refs)
+    if shapes is not None:  # a factored rule's tensor shapes, and its means' workspace
+        arrays = {**arrays, "shape_array": shapes[0]}
+        means = shapes[1]
+    return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream, means)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 
+from . import _factored_cuda, _factored_passes
+from ._factored import COL, FACTORED_ONLY, ROW, UNFACTORED_ONLY
 from ._language import STEP, Program, names_read
 
 HELPERS = """
@@ -42,12 +44,18 @@ def functor_source(program: Program, struct: str, stochastic: bool = False,
         fields.append(f"  float* {SCALARS};  // copies of the scalar state (Rule.initial_scalars)")
     if program.totals:
         fields.append(f"  float* {TOTALS};  // the whole-list sums, which the first pass writes")
+    if program.factored:
+        fields += _factored_cuda.FIELDS
     if stochastic:
         fields += ["  double seed_lo, seed_hi;  // the 64-bit seed's words",
                    "  const int* sr_tensor_array;  // the caller's index of each tensor"]
     parts = ["namespace mta {", HELPERS, f"struct {struct}Args {{", *fields, "};", ""]
+    if program.factored:  # the row and column means first (kernels/factored.cuh)
+        parts += _factored_cuda.reduction_functors(
+            lambda suffix: _Writer(program, f"{struct}{suffix}", f"{struct}Args", first_pass=True,
+                                   arrays=arrays), program)
     pairs = [("", frozenset())]
-    if store_first and program.stored_first:
+    if store_first and program.stored_first and not program.factored:
         pairs.append((STORED, program.stored_first))
     for suffix, stored in pairs:
         if program.sums:
@@ -62,8 +70,11 @@ STOCHASTIC_WORDS = ("seed_lo", "seed_hi", "sr_tensor_array")  # (OpSpec._use_sto
 
 
 def functor_names(program: Program, struct: str) -> tuple:
-    """The C++ functor of each pass: with sums, the summing pass and then the update."""
-    return ((f"mta::{struct}Sums",) if program.sums else ()) + (f"mta::{struct}",)
+    """The C++ functor of each pass: with factored slots, their reductions; with sums, the
+    summing pass; then the update."""
+    reductions = (tuple(f"mta::{struct}{suffix}" for suffix in
+                        _factored_cuda.reduction_names(program)) if program.factored else ())
+    return reductions + ((f"mta::{struct}Sums",) if program.sums else ()) + (f"mta::{struct}",)
 
 
 STORED = "Stored"  # the suffix of the functors whose first pass stores (functor_source)
@@ -73,6 +84,8 @@ def stored_functor_names(program: Program, struct: str) -> tuple:
     """The functors of the passes whose first stores `Program.stored_first` (none where it is
     empty): for slots kept in the math type, so that the update reads the values it would
     compute again."""
+    if program.factored:
+        return ()
     return functor_names(program, f"{struct}{STORED}") if program.stored_first else ()
 
 
@@ -82,14 +95,21 @@ def arg_fields(program: Program, arrays: tuple = ()) -> tuple:
     per-tensor array (`array_field`); then, with scalar state, the address of its array."""
     return (tuple(f for name in (*program.hyper, STEP) if name not in arrays
                   for f in (field_name(name), f"{field_name(name)}_ptr"))
-            + tuple(array_field(name) for name in arrays) + _scalar_words(program))
+            + tuple(array_field(name) for name in arrays) + _scalar_words(program)
+            + _factored_words(program))
 
 
 def arg_members(program: Program, arrays: tuple = ()) -> tuple:
     """The C++ names of the Args words, in the order of `arg_fields`."""
     return (tuple(c for name in (*program.hyper, STEP) if name not in arrays
                   for c in c_fields(name))
-            + tuple(array_member(name) for name in arrays) + _scalar_words(program))
+            + tuple(array_member(name) for name in arrays) + _scalar_words(program)
+            + _factored_words(program))
+
+
+def _factored_words(program: Program) -> tuple:
+    """A factored rule's shape words (`_factored_cuda.SHAPE`, `MEANS`)."""
+    return (_factored_cuda.SHAPE, _factored_cuda.MEANS) if program.factored else ()
 
 
 def array_field(name: str) -> str:
@@ -142,9 +162,17 @@ class _Writer:
         self.body: list = []  # operator() statements
         self.names: dict = {}  # temporary -> its latest C name; sums -> theirs
         self.versions: dict = {}
+        # a factored rule's passes (mtapply.rules._factored_passes), the params' mode that the
+        # body being written is for, and the C names of the means it reads (by node)
+        self.passes = _factored_passes.passes(program) if program.factored else None
+        self.factored_mode = True
+        self.mean_names: dict = {}
+        self._hoisted: dict = {}  # uniform node -> its member, written once for both modes
 
-    def functor(self) -> str:
-        program, n_sums = self.program, len(self.program.sums)
+    def reads(self) -> list:
+        """The constructor's first statements: each hyperparameter, the step, the scalar state,
+        and for a factored rule its tensor's shape (`_factored_cuda.factored_reads`)."""
+        program = self.program
         reads = [f"    const double h_{name} = scalar_arg(a.{c_fields(name)[1]}, a.{c_fields(name)[0]});"
                  if name not in self.arrays else
                  f"    const double h_{name} = static_cast<double>(a.{array_member(name)}[tensor]);"
@@ -155,12 +183,18 @@ class _Writer:
             reads += [f"    const double h_{name} = static_cast<double>("
                       f"a.{SCALARS}[(1 - z_parity) * {n_scalars} + {k}]);"
                       for k, name in enumerate(program.scalars)]
+        if self.passes is not None:
+            reads += _factored_cuda.factored_reads(self)
+        return reads
+
+    def functor(self) -> str:
+        program, n_sums = self.program, len(self.program.sums)
+        reads = self.reads()
+        n_scalars = len(program.scalars)
         if self.first_pass:
-            for line in program.lines[:program.prefix]:
-                self._line(line)
-            self.body += [f"sums[{k}] += static_cast<float>({self.element(total.expr)});  "
-                          f"// {total.name} = sum({total.text})"
-                          for k, total in enumerate(program.sums)]
+            self._run_lines(program.lines[:program.prefix], lambda: [
+                f"sums[{k}] += static_cast<float>({self.element(total.expr)});  "
+                f"// {total.name} = sum({total.text})" for k, total in enumerate(program.sums)])
             call = "operator()(acc_t (&x)[N_SLOTS], float (&sums)[N_SUMS]) const {"
             written, counted = self._mask(self.stored) or "0u", n_sums
         else:
@@ -172,14 +206,14 @@ class _Writer:
                 whole += total.whole
                 reads.append(f"    const double q_{total.name} = static_cast<double>({where});")
             lines = self._update_lines()
-            for line in lines:
-                self._line(line)
+            self._run_lines(lines)
             call = "operator()(acc_t (&x)[N_SLOTS]) const {"
             # slots the first pass stored are written again only where later lines assign them
             again = {line.target for line in program.lines[program.prefix:]}
             written = self._mask(slot.name for slot in program.slots
                                  if slot.written and (slot.name not in self.stored
-                                                      or slot.name in again))
+                                                      or slot.name in again)
+                                 and slot.form not in (ROW, COL))
             counted = 0
             # every block computes the same values; one thread stores them in the copy that no
             # block of this step reads, and as the latest values (read between steps)
@@ -203,18 +237,69 @@ class _Writer:
             names = set().union(*(names_read(line.expr) for line in lines))
             read = self._mask(slot.name for k, slot in enumerate(program.slots)
                               if k == 0 or slot.name in names)
+        if self.passes is not None:  # row and column state: read by index, not per element
+            read = self._mask(slot.name for slot in program.slots
+                              if slot.form not in (ROW, COL) and (
+                                  read is None or slot.name in program.first_pass_slots))
+            call = call.replace(") const {", ", long long index) const {")
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
-                 *((f"  static constexpr unsigned READ = {read};",) if read else ()),
+                 *((f"  static constexpr unsigned READ = {read or '0u'};",)
+                   if read is not None else ()),
+                 *(_factored_cuda.members(self) if self.passes is not None else ()),
                  f"  using Args = {self.args};",
                  *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
-                 f"  __device__ {s}(const Args& a, int tensor, const float* sums) {{",
-                 "    (void)tensor; (void)sums;", *reads, *(f"    {line}" for line in self.setup),
-                 "  }", "", f"  __device__ __forceinline__ void {call}",
+                 *self.constructor(reads), "", f"  __device__ __forceinline__ void {call}",
                  *(f"    {line}" for line in self.body), "  }", "};", ""]
         return "\n".join(lines)
+
+    def constructor(self, reads: list) -> list:
+        """The functor's constructor: an indexed one (a factored rule's) takes the chunk."""
+        s = self.struct
+        if self.passes is None:
+            head = [f"  __device__ {s}(const Args& a, int tensor, const float* sums) {{"]
+        else:
+            head = [f"  __device__ {s}(const Args& a, const Chunk& job, const float* sums) {{",
+                    "    const int tensor = job.tensor;"]
+        return [*head, "    (void)tensor; (void)sums;", *reads,
+                *(f"    {line}" for line in self.setup), "  }"]
+
+    def _run_lines(self, lines, after=None) -> None:
+        """The body of these lines (then `after()`'s statements): for a factored rule, one
+        branch for factored params and one for the others, each running its mode's lines,
+        the uniform ones once, in the constructor."""
+        if self.passes is None:
+            for line in lines:
+                self._line(line)
+            self.body += after() if after else []
+            return
+        uniform = {}
+        for line in lines:
+            if line.target not in self.slot_index and self.program.kind(line.expr).uniform:
+                self._line(line)
+                uniform[id(line)] = self.names[line.target]
+        for mode in (True, False):
+            self.factored_mode = mode
+            self.body.append("if (factored) {" if mode else "} else {")
+            start = len(self.body)
+            if mode:
+                self.body += _factored_cuda.element_prologue(self)
+            skipped = UNFACTORED_ONLY if mode else FACTORED_ONLY
+            for line in lines:
+                if id(line) in uniform:
+                    self.names[line.target] = uniform[id(line)]
+                elif line.only != skipped and line.target not in self.vector_slots:
+                    self._line(line)
+            self.body += after() if after else []
+            self.body[start:] = [f"  {line}" for line in self.body[start:]]
+        self.body.append("}")
+
+    @property
+    def vector_slots(self) -> set:
+        """The row and column slots (whose lines the factor pass runs)."""
+        return {s.name for s in self.program.slots if s.form in (ROW, COL)}
 
     def _update_lines(self) -> list:
         """The lines the update runs: all, or, after stores of the first pass, the prefix lines
@@ -275,11 +360,18 @@ class _Writer:
         if kind.uniform:
             if isinstance(node, ast.Constant):
                 return f"acc_t({_literal(node.value)})"
+            if id(node) in self._hoisted:  # (written already, for the other mode)
+                return self._hoisted[id(node)]
             member = f"k{len(self.members)}"
             self.members.append(("bool" if kind.boolean else "acc_t", member))
             value = self.uniform(node)
             self.setup.append(f"{member} = {value if kind.boolean else f'acc_t({value})'};")
+            self._hoisted[id(node)] = member
             return member
+        if isinstance(node, ast.IfExp):  # `A if factored else B`: the mode's branch
+            return self.element(node.body if self.factored_mode else node.orelse)
+        if id(node) in self.mean_names:
+            return self.mean_names[id(node)]
         if isinstance(node, ast.Name):
             if node.id in self.slot_index:
                 return f"x[{self._slot(node.id)}]"
@@ -296,6 +388,9 @@ class _Writer:
             return _literal(node.value)
         if isinstance(node, ast.Name):
             return self.names.get(node.id) if node.id in self.names else f"h_{node.id}"
+        if isinstance(node, ast.IfExp):  # the tensor's mode, known in the constructor
+            return (f"(z_factored ? {self.uniform(node.body)} : "
+                    f"{self.uniform(node.orelse)})")
         return self._apply(node, self.uniform, "double")
 
     def _apply(self, node, sub, ctype: str) -> str:

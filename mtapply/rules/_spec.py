@@ -11,7 +11,7 @@ from .. import _cpu, _source
 from .._ranges import ANY
 from .._validate import SUPPORTED_DTYPES
 from ..ops._spec import OpSpec, number_or_device_scalar, seed_words
-from . import _cuda, _factored, _numpy
+from . import _cuda, _factored, _factored_cuda, _factored_passes, _numpy
 from ._factored import FULL
 from ._language import STEP, Program
 
@@ -41,7 +41,7 @@ class RuleSpec(OpSpec):
         self.digest = made.digest
         self.name = f"rule:{name}:{made.digest}"
         self.kernel_file, self.functor_text = made.kernel_file, made.text
-        _source.register_generated(self.kernel_file, '#include "walker.cuh"\n' + self.functor_text)
+        _source.register_generated(self.kernel_file, made.includes + self.functor_text)
         self.functor, self._functors, self._stored_functors = (made.functor, made.functors,
                                                                made.stored_functors)
         self.n_sums = len(program.sums)
@@ -142,12 +142,37 @@ class RuleSpec(OpSpec):
         return arrays
 
     def refuse_cuda(self) -> None:
-        """NotImplementedError for a rule that has no CUDA functor (`Program.cpu_only`)."""
-        if self.program.cpu_only:
+        """NotImplementedError for a rule that has no CUDA functor (`cuda_refusal`)."""
+        why = cuda_refusal(self.program)
+        if why:
             raise NotImplementedError(
-                f"rule {self.rule_name!r} runs on the CPU only for now: {self.program.cpu_only}"
-                f", and factored slots (and row_mean, col_mean, numel) have no CUDA kernel "
-                f"yet; step these tensors on the CPU")
+                f"rule {self.rule_name!r} runs on the CPU only: {why}; step these tensors on "
+                f"the CPU")
+
+    def threads_for(self, dtypes: tuple, numels) -> int:
+        """Whole blocks for a factored rule: its reductions share rows among warps."""
+        if self.program.factored:
+            return _source.BLOCK_THREADS
+        return super().threads_for(dtypes, numels)
+
+    def shape_words(self, refs: dict):
+        """For a factored rule, (its `shape_array` words for these tensors, the doubles of its
+        `means_array`), see `_factored_cuda`; None for other rules."""
+        if not self.program.factored:
+            return None
+        passes = _factored_passes.passes(self.program)
+        n_matrix = len(_factored_passes.numbered(c for c, _ in passes.matrix_means)[1])
+        params = refs[self.slots[0]]
+        factored = [self._mode(refs, i, p) for i, p in enumerate(params)]
+        return _factored_cuda.shape_words(
+            [p.shape if mode else (p.numel,) for p, mode in zip(params, factored)], n_matrix)
+
+    def _mode(self, refs: dict, i: int, param) -> bool:
+        sizes: dict = {}
+        for s in self.program.slots:
+            if s.form != FULL:
+                sizes.setdefault(s.form, []).append(refs[list_name(s.name)][i].numel)
+        return bool(_factored.mode_of(param.shape, sizes))
 
     def check_tensors(self, refs: dict) -> None:
         super().check_tensors(refs)
@@ -261,6 +286,7 @@ class _Made:
     members: tuple
     device_scalars: tuple
     fields: dict
+    includes: str  # the headers the functors' text follows
 
 
 def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) -> _Made:
@@ -269,8 +295,9 @@ def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) 
     made = program.__dict__.setdefault("_specs", {})
     key = (stochastic, arrays, store_first)
     if key not in made:
+        why = cuda_refusal(program)
         text = (_cuda.functor_source(program, _STRUCT, stochastic, arrays, store_first)
-                if not program.cpu_only else _cpu_only_text(program))
+                if not why else _cpu_only_text(program, why))
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         struct = f"Rule_{digest}"
         scalars = (*(h for h in program.hyper if h not in arrays), STEP)
@@ -281,17 +308,26 @@ def _made(program: Program, stochastic: bool, arrays: tuple, store_first: bool) 
             tuple(list_name(s.name) for s in program.slots),
             frozenset(list_name(s.name) for s in program.slots if s.written),
             _cuda.arg_fields(program, arrays), _cuda.arg_members(program, arrays), scalars,
-            {name: _cuda.field_name(name) for name in scalars})
+            {name: _cuda.field_name(name) for name in scalars},
+            '#include "walker.cuh"\n' + ('#include "factored.cuh"\n' if program.factored else ""))
     return made[key]
 
 
-def _cpu_only_text(program: Program) -> str:
-    """What stands for the functors of a rule that has none (`Program.cpu_only`): its lines,
-    so that its digest tells it apart."""
+def cuda_refusal(program: Program) -> str:
+    """Why a rule has no CUDA kernel ("" where it has one): a factored rule whose lines the
+    GPU passes cannot run (`_factored_passes`); another rule that reads means or numel."""
+    if program.factored:
+        return _factored_passes.refusal(program)
+    return program.cpu_only
+
+
+def _cpu_only_text(program: Program, why: str) -> str:
+    """What stands for the functors of a rule that has none (`cuda_refusal`): its lines, so
+    that its digest tells it apart."""
     lines = [f"// {s.name}:{'rw' if s.written else 'r'}@{s.form}" for s in program.slots]
     lines += [f"// {line.text}" for line in program.lines]
     lines += [f"// sum {s.name} = {s.text}" for s in program.sums]
-    return "\n".join(["// runs on the CPU only: " + program.cpu_only, *lines]) + "\n"
+    return "\n".join(["// runs on the CPU only: " + why, *lines]) + "\n"
 
 
 def _tensor_values(rule: str, program: Program, given: dict) -> dict:

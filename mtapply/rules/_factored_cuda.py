@@ -1,0 +1,247 @@
+"""The CUDA side of factored slots (mtapply.rules._factored): the two reduction functors that
+run before the walker's passes (kernels/factored.cuh) and what the walker's functors of a
+factored rule add (their tensor's shape, and each element's row and column state).
+
+Every functor of a factored rule reads its tensor's shape from `shape_array` (4 words per
+tensor: numel, rows, cols (0 for a param that is not factored), and where its per-matrix means
+start in `means_array`, the plan's workspace of doubles).
+"""
+from __future__ import annotations
+
+import ast
+
+from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY
+from ._factored_passes import numbered
+from ._language import names_read
+
+SHAPE, MEANS = "shape_array", "means_array"  # the argument words (host and C++ names)
+FIELDS = ("  const long long* shape_array;  // per tensor: numel, rows, cols (0: not factored), "
+          "means offset",
+          "  double* means_array;  // the per-matrix means (kernels/factored.cuh)")
+FACTORS, MATRIX = "Factors", "Matrix"  # the reduction functors' suffixes
+
+
+def shape_words(shapes: list, n_matrix: int) -> tuple:
+    """(the (n, 4) int64 words of `shape_array` for params of these shapes, the doubles
+    `means_array` takes)."""
+    import numpy as np
+
+    from ._factored import is_factored, stacked
+
+    words = np.zeros((len(shapes), 4), np.int64)
+    offset = 0
+    for i, shape in enumerate(shapes):
+        words[i, 0] = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        if is_factored(shape) and words[i, 0]:
+            batch, rows, cols = stacked(shape)
+            words[i, 1:] = (rows, cols, offset)
+            offset += batch * n_matrix
+    return words, offset
+
+
+def _vector_slots(program) -> list:
+    return [s for s in program.slots if s.form in (ROW, COL)]
+
+
+def members(writer) -> list:
+    """The members every functor of a factored rule has (kernels/walker.cuh, INDEXED)."""
+    return (["  static constexpr bool INDEXED = true;",
+             f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
+             "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
+             "  long long rows, cols;", "  double* means;  // its per-matrix means",
+             "  unsigned absent;  // slots the walker neither loads nor stores"]
+            + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
+
+
+def _n_matrix(writer) -> int:
+    return len(numbered(c for c, _ in writer.passes.matrix_means)[1])
+
+
+def factored_reads(writer) -> list:
+    """The constructor's reads of the tensor's shape."""
+    program = writer.program
+    absent = writer._mask(s.name for s in program.slots if s.form == UNFACTORED) or "0u"
+    return ([f"    const long long* z_shape = a.{SHAPE} + 4 * static_cast<long long>(tensor);",
+             "    const bool z_factored = z_shape[1] > 0;",
+             "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
+             "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
+             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
+            + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
+               for s in _vector_slots(program)])
+
+
+def element_prologue(writer) -> list:
+    """The first statements of a walker functor's branch for factored params: the element's
+    row and column state, and its matrix's means."""
+    lines = ["const long long f_row = index / cols;  // the element's row in the stack",
+             "const long long f_col = f_row / rows * cols + index % cols;  // its column"]
+    for s in _vector_slots(writer.program):
+        at = "f_row" if s.form == ROW else "f_col"
+        slot = writer._slot(s.name)
+        lines.append(f"x[{slot}] = load_at<{slot}>(p_{s.name}, {at});")
+    numbers, firsts = numbered(c for c, _ in writer.passes.matrix_means)
+    for call in writer.passes.matrix_means:
+        writer.mean_names[id(call[0])] = f"f_m{numbers[id(call[0])]}"
+    for k, call in enumerate(firsts):
+        lines.append(f"const acc_t f_m{k} = acc_t(means[f_row / rows * N_MATRIX + {k}]);  "
+                     f"// {ast.unparse(call)}")
+    return lines
+
+
+def reduction_functors(writer_of, program) -> list:
+    """The C++ of the factor functor and (with per-matrix means) the matrix functor, each
+    from a fresh writer (`writer_of(suffix)`)."""
+    passes = writer_of(FACTORS).passes
+    parts = [_Factors(writer_of(FACTORS), program, passes).source()]
+    if passes.matrix_means:
+        parts.append(_Matrix(writer_of(MATRIX), program, passes).source())
+    return parts
+
+
+def reduction_names(program) -> tuple:
+    from ._factored_passes import passes
+
+    return (FACTORS,) + ((MATRIX,) if passes(program).matrix_means else ())
+
+
+class _Reduction:
+    """A reduction functor: the writer's constructor and members, methods written here."""
+
+    def __init__(self, writer, program, passes):
+        self.w, self.program, self.passes = writer, program, passes
+        for k, line in enumerate(program.lines[:passes.limit]):  # numbers before any sum
+            if line.target not in writer.slot_index and program.kind(line.expr).uniform:
+                writer._line(line)
+
+    def _method(self, head: str, body: list) -> list:
+        return [f"  __device__ __forceinline__ {head} const {{", *(f"    {b}" for b in body), "  }"]
+
+    def _body(self, write) -> list:
+        """The statements `write()` emits through the writer."""
+        saved, self.w.body = self.w.body, []
+        write()
+        body, self.w.body = self.w.body, saved
+        return body
+
+    def struct(self, statics: list, methods: list, walk: str) -> str:
+        w = self.w
+        enum = ", ".join(w._slot(s.name) for s in self.program.slots)
+        lines = [f"struct {w.struct} {{", f"  enum Slot {{ {enum} }};",
+                 f"  static constexpr int N_SLOTS = {len(self.program.slots)}, N_SUMS = 0;",
+                 "  static constexpr unsigned WRITTEN = 0u;  // (it stores rows and columns)",
+                 "  static constexpr bool OWN_WALK = true;", *statics, *members(w),
+                 f"  using Args = {w.args};", *(f"  {c} {n};" for c, n in w.members), "",
+                 *w.constructor(w.reads()), "", *methods,
+                 f"  __device__ static void walk(const Launch<Args>& launch) {{ {walk}<{w.struct}>(launch); }}",
+                 "};", ""]
+        return "\n".join(lines)
+
+
+class _Factors(_Reduction):
+    """terms (each element's values of the row and column means), finish_row, finish_col."""
+
+    def source(self) -> str:
+        p, w = self.passes, self.w
+        self.rows = numbered(p.row_means)
+        self.cols = numbered(p.col_means)
+        n_row, n_col = len(self.rows[1]), len(self.cols[1])
+        terms = self._body(self._terms)
+        methods = self._method(f"void terms(acc_t (&x)[N_SLOTS], acc_t (&row)[{max(n_row, 1)}], "
+                               f"acc_t (&col)[{max(n_col, 1)}])", ["(void)row; (void)col;", *terms])
+        for form, (numbers, firsts), name in ((ROW, self.rows, "row"), (COL, self.cols, "col")):
+            if firsts:
+                methods += self._method(
+                    f"void finish_{name}(long long j, const acc_t (&mean)[{len(firsts)}])",
+                    self._body(lambda form=form, numbers=numbers: self._finish(form, numbers)))
+        read = w._mask(self._element_reads()) or "0u"
+        return self.struct([f"  static constexpr int N_ROW = {n_row}, N_COL = {n_col};",
+                            f"  static constexpr unsigned READ = {read};"],
+                           methods, "factor_walk")
+
+    def _element_lines(self) -> set:
+        """Indices of the element lines the means' arguments need, for factored params."""
+        w, program = self.w, self.program
+        needed = set().union(*(names_read(c.args[0]) for c in (*self.rows[1], *self.cols[1])))
+        kept = set()
+        last = max(self.passes.vector_lines)
+        for k in range(last - 1, -1, -1):
+            line = program.lines[k]
+            if (line.target in needed and not program.kind(line.expr).uniform
+                    and k not in self.passes.vector_lines and line.only != UNFACTORED_ONLY):
+                kept.add(k)
+                needed |= names_read(line.expr)
+        return kept
+
+    def _element_reads(self) -> set:
+        kept = self._element_lines()
+        names = set().union(*(names_read(c.args[0]) for c in (*self.rows[1], *self.cols[1])),
+                            *(names_read(self.program.lines[k].expr) for k in kept))
+        return {s.name for s in self.program.slots if s.name in names and s.form == FULL}
+
+    def _terms(self) -> None:
+        w, program = self.w, self.program
+        kept, done = self._element_lines(), set()
+        for k, line in enumerate(program.lines[:self.passes.limit]):
+            if k in kept:
+                w._line(line)
+            form = self.passes.vector_lines.get(k)
+            if form is None:
+                continue
+            numbers = (self.rows if form == ROW else self.cols)[0]
+            out = "row" if form == ROW else "col"
+            for call in _calls(line.expr):
+                number = numbers.get(id(call))
+                if number is None or (out, number) in done:
+                    continue
+                done.add((out, number))
+                w.body.append(f"{out}[{number}] = {w.element(call.args[0])};  "
+                              f"// {ast.unparse(call)}")
+
+    def _finish(self, form: str, numbers: dict) -> None:
+        """The lines of the slots of `form`, on the values of row (column) j."""
+        w, program = self.w, self.program
+        slots = [s for s in program.slots if s.form == form]
+        w.body.append("acc_t x[N_SLOTS] = {};")
+        for s in slots:
+            w.body.append(f"x[{w._slot(s.name)}] = load_at<{w._slot(s.name)}>(p_{s.name}, j);")
+        for k, line in enumerate(program.lines):
+            if self.passes.vector_lines.get(k) == form:
+                for call in _calls(line.expr):
+                    if id(call) in numbers:
+                        w.mean_names[id(call)] = f"mean[{numbers[id(call)]}]"
+                w._line(line)
+        for s in slots:
+            if s.written:
+                w.body.append(f"store_at<{w._slot(s.name)}>(p_{s.name}, j, "
+                              f"x[{w._slot(s.name)}]);")
+
+
+class _Matrix(_Reduction):
+    """matrix(b, lane): each per-matrix mean of matrix b, summed by the warp."""
+
+    def source(self) -> str:
+        return self.struct([], self._method("void matrix(long long b, int lane)",
+                                            self._body(self._means)), "matrix_walk")
+
+    def _means(self) -> None:
+        w = self.w
+        numbers, firsts = numbered(c for c, _ in self.passes.matrix_means)
+        for k, call in enumerate(firsts):
+            form = self.passes.form_of(call)
+            count = "rows" if form == ROW else "cols"
+            w.body += [f"{{  // {ast.unparse(call)}, over the matrix's {count}",
+                       "  acc_t sum = acc_t(0);",
+                       f"  for (long long r = lane; r < {count}; r += 32) {{",
+                       "    acc_t x[N_SLOTS] = {};"]
+            for s in self.program.slots:
+                if s.form == form and s.name in names_read(call.args[0]):
+                    slot = w._slot(s.name)
+                    w.body.append(f"    x[{slot}] = load_at<{slot}>(p_{s.name}, b * {count} + r);")
+            w.body += [f"    sum += {w.element(call.args[0])};", "  }",
+                       "  sum = warp_sum(sum);",
+                       f"  if (lane == 0) means[b * N_MATRIX + {k}] = static_cast<double>("
+                       f"sum / acc_t({count}));", "}"]
+
+
+def _calls(expr) -> list:
+    return [n for n in ast.walk(expr) if isinstance(n, ast.Call)]
