@@ -1,7 +1,7 @@
 """Factored slots in the rule language (`NAME:rw@row`, `@col`, `@unfactored`, row_mean,
 col_mean, `A if factored else B`, numel): the NumPy path against a float64 reference written
 here, over 1-D, 2-D, 3-D and small shapes; the checks of the declarations and lines; the state
-shapes; the refusal on CUDA."""
+shapes; the CUDA source."""
 from __future__ import annotations
 
 import numpy as np
@@ -144,11 +144,21 @@ def test_factored_slots_are_not_kept_in_eight_bits():
         rule.with_state_bits(8)
 
 
-def test_the_cuda_kernel_is_refused_naming_the_rule_and_the_slot():
-    rule = mtapply.rule("f", **FACTORED)
-    with pytest.raises(NotImplementedError,
-                       match=r"rule 'f' runs on the CPU only.*slot 'rv' is factored.*CPU"):
-        rule.cuda_source()
+def test_the_cuda_source_reduces_rows_and_columns_before_the_walker():
+    source = mtapply.rule("f", **FACTORED).cuda_source()
+    for piece in ("Factors", "factor_walk", "finish_row", "finish_col", "Matrix",
+                  "matrix_walk", "INDEXED = true", "if (factored) {", "} else {"):
+        assert piece in source, piece
+    assert "// col_mean(rv)" in source  # the per-matrix mean, read from the workspace
+
+
+def test_a_factored_rule_the_gpu_passes_cannot_run_is_refused_naming_the_line():
+    mean_in_a_temporary = dict(FACTORED, update=FACTORED["update"].replace(
+        "rv = beta * rv + (1 - beta) * row_mean(g2)",
+        "r = row_mean(g2)\n        rv = beta * rv + (1 - beta) * r"))
+    with pytest.raises(NotImplementedError, match=r"rule 'f' runs on the CPU only: line 3 "
+                       r"\('r = row_mean\(g2\)'\).*in the lines of @row slots.*CPU"):
+        mtapply.rule("f", **mean_in_a_temporary).cuda_source()
     numel_only = mtapply.rule("n", slots="param:rw grad:r", hyper={},
                               update="param = param - grad / numel")
     with pytest.raises(NotImplementedError, match=r"it reads numel"):

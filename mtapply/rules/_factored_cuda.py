@@ -101,7 +101,10 @@ def reduction_functors(writer_of, program) -> list:
 def reduction_names(program) -> tuple:
     from ._factored_passes import passes
 
-    return (FACTORS,) + ((MATRIX,) if passes(program).matrix_means else ())
+    made = passes(program)
+    if made is None:  # (no CUDA kernel: see _factored_passes.refusal)
+        return ()
+    return (FACTORS,) + ((MATRIX,) if made.matrix_means else ())
 
 
 class _Reduction:
