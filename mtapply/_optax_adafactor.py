@@ -181,15 +181,18 @@ class _AdafactorRule(UserRule):
 
 
 def _refuse_gpu(rule: UserRule) -> None:
-    """NotImplementedError, when the step is traced for a GPU, for a rule without CUDA kernel
-    (the GPU call would otherwise fail inside XLA's run, far from the cause)."""
-    reason = rule.user.program.cpu_only
+    """NotImplementedError, when the step is traced for a GPU, for a rule the XLA route
+    cannot run (the GPU call would otherwise fail inside XLA's run, far from the cause):
+    factored slots, whose kernels need each param's shape, which that route does not pass."""
+    program = rule.user.program
+    reason = ("its factored slots need each param's shape, which the XLA route does not pass"
+              if program.factored else program.cpu_only)
     if (reason and jax.default_backend() in ("gpu", "cuda", "rocm")
             and os.environ.get(_CALLBACK_ENV, "ffi") != "host"):
         raise NotImplementedError(
-            f"mtapply.optax.{rule.name}: the rule {rule.user.name!r} runs on the CPU only for "
-            f"now ({reason}), and has no CUDA kernel: set MTAPPLY_OPTAX_CALLBACK=host before "
-            f"the step is traced (the NumPy step, through the host), step on the CPU, or use "
+            f"mtapply.optax.{rule.name}: the rule {rule.user.name!r} does not run on a GPU "
+            f"under jax for now ({reason}): set MTAPPLY_OPTAX_CALLBACK=host before the step "
+            f"is traced (the NumPy step, through the host), step on the CPU, or use "
             f"optax.{rule.name}")
 
 

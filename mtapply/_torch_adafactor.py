@@ -14,8 +14,8 @@ class Adafactor(RuleBased):
     shaped (..., rows, 1) and (..., 1, cols), for params of two or more dimensions, `variance`
     for the others, and `step`), so checkpoints move between the two both ways. `eps[0]`
     None is the machine epsilon of the group's first param's dtype (that of its first param
-    with a grad), as torch.optim takes it. `foreach` is accepted for compatibility. Factored
-    slots run on the CPU for now: params on a GPU are refused before anything is written."""
+    with a grad), as torch.optim takes it. `foreach` is accepted for compatibility. On a GPU
+    the row and column means are reductions before the update (kernels/factored.cuh)."""
 
     _UNSIGNED_STATE = ("row_var", "col_var", "variance")
     _OPTION_NAMES = {"eps1": "eps[0]", "eps2": "eps[1]"}

@@ -1,5 +1,5 @@
 """Drop-in `torch.optim` optimizers running mtapply's fused kernels: Adam, AdamW, SGD, LARS, LAMB,
-Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop, Adafactor (on the CPU for now), Lion, Adan,
+Adamax, Adadelta, NAdam, RAdam, Adagrad, RMSprop, Adafactor, Lion, Adan,
 ScheduleFreeAdamW, and any user-written rule (`optimizer(mtapply.rule(...), params, ...)`).
 
 Constructor arguments, `defaults`, `param_groups` and the state layout are those of

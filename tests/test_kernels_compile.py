@@ -13,6 +13,7 @@ from _registry import OPS  # noqa: E402
 
 from mtapply import REGISTRY, _source  # noqa: E402
 from mtapply.ops import UTILITIES, AdamSpec  # noqa: E402
+from mtapply.rules import library  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -191,3 +192,31 @@ def test_broken_source_raises_with_the_compiler_log():
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_90") as info:
         _source.compile_offline(broken, "sm_90")
     assert "undeclared_value_xyz" in str(info.value) and "error" in str(info.value)
+
+
+FACTORED_RULES = {"adafactor": lambda: library.adafactor(),
+                  "adafactor-maximize": lambda: library.adafactor(True),
+                  "adafactor_optax": lambda: library.adafactor_optax(),
+                  "adafactor_optax-momentum-no-sums": lambda: library.adafactor_optax(
+                      False, False, True)}
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16-fp32state", "float64"])
+@pytest.mark.parametrize("name", list(FACTORED_RULES))
+def test_factored_rules_compile(name, storage):
+    """Rules with factored slots: the factor and matrix reductions (kernels/factored.cuh) and
+    the walker's indexed passes, with master weights and as optax's updates too."""
+    rule = FACTORED_RULES[name]()
+    specs = [rule.spec(), rule.spec().with_param_mode("delta")]
+    if storage == "bfloat16-fp32state":
+        specs.append(rule.spec(master_weights=True))
+    for spec in specs:
+        n = len(spec.slots)
+        dtypes = {"float32": ("float32",) * n, "float64": ("float64",) * n,
+                  "bfloat16-fp32state": ("bfloat16", "bfloat16") + ("float32",) * (n - 2)}[storage]
+        source = spec.source(dtypes)
+        assert "#include" not in source and "factor_walk<" in source
+        cubin = _source.compile_offline(source, "sm_90")
+        assert cubin[:4] == b"\x7fELF"
+        for k in range(len(spec.functors_for(dtypes))):
+            assert _source.entry_name(k).encode() in cubin

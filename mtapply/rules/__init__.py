@@ -14,7 +14,7 @@
 
 Per-tensor reductions (`sums=`, as LARS and LAMB need) add a first pass; factored slots
 (`NAME:rw@row`, `@col`, `@unfactored`, read with `row_mean` and `col_mean`: Adafactor's second
-moment, see `_factored`) run on the CPU for now; `library` holds the optimizers shipped as
+moment, see `_factored`) take row and column reductions before the update on a GPU; `library` holds the optimizers shipped as
 rules (Lion, Adan, Adagrad, RMSprop, schedule-free AdamW, Adafactor).
 
 The update is checked when the rule is made (`_language`), then generated twice from the same
@@ -230,7 +230,8 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             its form, "NAME:rw@row", "@col" or "@unfactored": factored state, one value per
             row or column of a param's last two dimensions (`state_shapes`; the update
             reads row_mean(x) and col_mean(x) and chooses with `A if factored else B`).
-            Rules with factored slots run on the CPU for now.
+            On a GPU their means are reductions run before the update
+            (`_factored_passes` says which lines that takes).
         hyper: name -> default of each scalar hyperparameter (None: required), or name ->
             (default, range), the range a step accepts: ">= 0", "> 0", "<= 1", "< 1", or an
             interval "[0, 1)" (any brackets). Each may be a number (finite, in its range, or

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 
-from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY
-from ._factored_passes import numbered
+import numpy as np
+
+from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY, is_factored, stacked
+from ._factored_passes import numbered, passes
 from ._language import names_read
 
 SHAPE, MEANS = "shape_array", "means_array"  # the argument words (host and C++ names)
@@ -24,10 +26,6 @@ FACTORS, MATRIX = "Factors", "Matrix"  # the reduction functors' suffixes
 def shape_words(shapes: list, n_matrix: int) -> tuple:
     """(the (n, 4) int64 words of `shape_array` for params of these shapes, the doubles
     `means_array` takes)."""
-    import numpy as np
-
-    from ._factored import is_factored, stacked
-
     words = np.zeros((len(shapes), 4), np.int64)
     offset = 0
     for i, shape in enumerate(shapes):
@@ -91,16 +89,14 @@ def element_prologue(writer) -> list:
 def reduction_functors(writer_of, program) -> list:
     """The C++ of the factor functor and (with per-matrix means) the matrix functor, each
     from a fresh writer (`writer_of(suffix)`)."""
-    passes = writer_of(FACTORS).passes
-    parts = [_Factors(writer_of(FACTORS), program, passes).source()]
-    if passes.matrix_means:
-        parts.append(_Matrix(writer_of(MATRIX), program, passes).source())
+    made = passes(program)
+    parts = [_Factors(writer_of(FACTORS), program, made).source()]
+    if made.matrix_means:
+        parts.append(_Matrix(writer_of(MATRIX), program, made).source())
     return parts
 
 
 def reduction_names(program) -> tuple:
-    from ._factored_passes import passes
-
     made = passes(program)
     if made is None:  # (no CUDA kernel: see _factored_passes.refusal)
         return ()
@@ -163,7 +159,7 @@ class _Factors(_Reduction):
 
     def _element_lines(self) -> set:
         """Indices of the element lines the means' arguments need, for factored params."""
-        w, program = self.w, self.program
+        program = self.program
         needed = set().union(*(names_read(c.args[0]) for c in (*self.rows[1], *self.cols[1])))
         kept = set()
         last = max(self.passes.vector_lines)

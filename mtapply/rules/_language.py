@@ -128,8 +128,10 @@ class Program:
 
     @functools.cached_property
     def cpu_only(self) -> str:
-        """Why the rule has no CUDA functor ("" where it has one): factored slots, row and
-        column means and `numel` run on the CPU for now."""
+        """Why the NumPy backend steps the rule tensor by tensor, in the param's mode ("" where
+        it need not): factored slots, row and column means, `numel`. On a GPU, a factored
+        rule runs through its reductions (`rules._factored_passes`); another rule that reads
+        means or numel has no kernel (`rules._spec.cuda_refusal`)."""
         for s in self.slots:
             if s.form != FULL:
                 return f"slot {s.name!r} is factored ({s.name}:rw@{s.form})"

@@ -676,7 +676,7 @@ def adafactor(maximize: bool = False) -> Rule:
     g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)); p = p (1 - lr
     weight_decay) - alpha / max(1, RMS(u) / d) u with alpha = max(eps2, RMS(p)) min(lr,
     1 / sqrt(t)), RMS(p) of the param before the step. RMS(p) and RMS(u) come from sums of a
-    first pass. Factored slots: runs on the CPU for now."""
+    first pass. On a GPU, the row and column means are reductions run first."""
     g = "-grad" if maximize else "grad"
     return rule("adafactor",
                 slots="param:rw grad:r row_var:rw@row col_var:rw@col variance:rw@unfactored",
