@@ -13,6 +13,12 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, settings
 
+# JAX takes 75% of a GPU's memory at its first use unless told otherwise: with several test
+# processes sharing a GPU (xdist), the later ones, and CuPy's and torch's pools beside it, would
+# run short (failed allocations, CUDA graph captures broken). Set here, before any test module
+# imports JAX, for every process of the run.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 settings.register_profile(
     "ci", deadline=None, max_examples=25, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
