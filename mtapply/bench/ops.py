@@ -10,12 +10,12 @@ fp32 workloads only. A new op adds such a module and one entry here.
 """
 from __future__ import annotations
 
-from . import (adam, adam8bit, adam_groups, clipped, lars, lion, lion8bit, muon, prodigy, sgd,
-               twins8bit)
+from . import (adafactor, adam, adam8bit, adam_groups, clipped, lars, lion, lion8bit, muon,
+               prodigy, sgd, twins8bit)
 from .workloads import FP32, dtypes
 
 OPS = {op.NAME: op for op in (adam, sgd, lars, lion, adam8bit, adam_groups, lion8bit,
-                                *twins8bit.OPS, clipped, prodigy, muon)}
+                                *twins8bit.OPS, clipped, prodigy, muon, adafactor)}
 
 
 def all_competitors() -> list:

@@ -24,6 +24,7 @@ EXPECTED = {
     "resnet152": (467, 60_192_808),
     "gpt2-hidden": (48, 84_934_656),
     "matrices400": (400, 328_499_200),
+    "t5-base": (257, 222_903_552),
 }
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element, by torch dtype name
@@ -94,6 +95,24 @@ def matrices400() -> list:
     return _checked("matrices400", shapes * 40)
 
 
+def t5_base() -> list:
+    """T5-base (HF T5ForConditionalGeneration) in `model.parameters()` order, written out from
+    the architecture: the shared embedding (the LM head is tied to it), 12 encoder blocks
+    (self-attention, feed-forward), 12 decoder blocks (self-attention, cross-attention,
+    feed-forward), each stack's final layer norm. Linear weights are (out, in), layer norms
+    have no bias, and each stack's first block holds its relative attention bias (32 buckets x
+    12 heads)."""
+    d_model, d_ff, vocab, buckets, heads = 768, 3072, 32128, 32, 12
+    attention = [(d_model, d_model)] * 4  # q, k, v, o
+    feed_forward = [(d_ff, d_model), (d_model, d_ff), (d_model,)]  # wi, wo, layer norm
+    encoder_block = attention + [(d_model,)] + feed_forward
+    decoder_block = attention + [(d_model,)] + attention + [(d_model,)] + feed_forward
+    bias = [(buckets, heads)]
+    encoder = attention + bias + encoder_block[4:] + encoder_block * 11 + [(d_model,)]
+    decoder = attention + bias + decoder_block[4:] + decoder_block * 11 + [(d_model,)]
+    return _checked("t5-base", [(vocab, d_model)] + encoder + decoder)
+
+
 def small10k() -> list:
     """10,000 small 1-D tensors of 256..4096 elements: many blocks' worth of ragged work."""
     sizes = np.random.default_rng(0).integers(256, 4097, size=10_000)
@@ -151,6 +170,7 @@ WORKLOADS = {
     "resnet152": resnet152,
     "gpt2-hidden": gpt2_hidden,
     "matrices400": matrices400,
+    "t5-base": t5_base,
 }
 
 
