@@ -10,7 +10,9 @@ back: small arrays, reshaped by XLA around the one call.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import NamedTuple
 
 import jax
@@ -19,8 +21,8 @@ import numpy as np
 import optax
 
 from ._optax_engine import _CALLBACK_ENV, Engine
-from ._optax_make import _refuse, _state_dtype
-from ._optax_ops import UserRule
+from ._optax_make import _state_dtype
+from ._optax_ops import UserRule, _mask_leaves
 from .rules import library
 
 
@@ -116,25 +118,29 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
     min_dim_size_to_factor, factored, multiply_by_parameter_scale and whether clipping_threshold
     and momentum are None shape the step and are Python values; decay_rate, decay_offset,
     clipping_threshold, momentum, weight_decay_rate and eps may be arrays. weight_decay_mask
-    only takes its default. Runs on the CPU (the factored rule has no CUDA kernel yet): under a
-    GPU backend the step is refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host."""
-    _refuse("adafactor", weight_decay_mask=(weight_decay_mask, None))
+    (optax's: a pytree of bools like the params, or a callable of the params giving one)
+    keeps the weight decay to the leaves where it is True; the leaves it leaves out are
+    stepped by a call of their own. Runs on the CPU (the factored rule has no CUDA kernel yet):
+    under a GPU backend the step is refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host."""
     factored = _static_bool("factored", factored)
     min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
     rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
                            clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps)
+    # without a weight decay optax has no add_decayed_weights link, and so no mask
+    mask = None if weight_decay_rate is None else weight_decay_mask
     engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
     # optax's own init: the same state, so that either transformation takes the other's
     init = optax.adafactor(learning_rate, min_dim, decay_rate, decay_offset,
                            multiply_by_parameter_scale, clipping_threshold, momentum,
-                           dtype_momentum, weight_decay_rate, eps, factored).init
+                           dtype_momentum, weight_decay_rate, eps, factored,
+                           weight_decay_mask).init
 
     def step(grads, state, params):
         if params is None:
             raise ValueError("mtapply.optax.adafactor reads the params: call "
                              "update(grads, state, params)")
         _refuse_gpu(rule)
-        return _update(engine, rule, factored, min_dim, grads, state, params)
+        return _update(engine, rule, factored, min_dim, mask, grads, state, params)
 
     jitted = jax.jit(step)
 
@@ -171,6 +177,29 @@ class _AdafactorRule(UserRule):
         self.decay_rate, self.decay_offset = decay_rate, decay_offset
         super().__init__(rule, dict(hyper, decay=0.0), name="adafactor")
         del self.hyper["decay"]  # a step argument, computed per step
+        self._tracing = threading.local()
+
+    def statics(self, params, treedef) -> tuple:
+        """Each leaf's weight-decay flag, where the mask leaves some leaf out: resolved by
+        `decay_flags` on the caller's params, since the engine sees them moved (a callable
+        mask may read their shapes)."""
+        flags = getattr(self._tracing, "flags", None)
+        if flags is None or all(flags):
+            return ()
+        return tuple((flag,) for flag in flags)
+
+    def class_args(self, statics) -> dict:
+        """No weight decay for a call whose leaves the mask leaves out."""
+        return {"weight_decay": 0.0} if statics and not statics[0][0] else {}
+
+    @contextlib.contextmanager
+    def decay_flags(self, flags):
+        """The step's leaves take these weight-decay flags (None: all decay) within."""
+        self._tracing.flags = flags
+        try:
+            yield
+        finally:
+            self._tracing.flags = None
 
     def per_step(self, learning_rate, count, state) -> tuple:
         t = jnp.asarray(count - self.decay_offset + 1, jnp.float32)
@@ -196,11 +225,12 @@ def _refuse_gpu(rule: UserRule) -> None:
             f"optax.{rule.name}")
 
 
-def _update(engine: Engine, rule: UserRule, factored: bool, min_dim: int, grads, state,
-            params):
-    """(updates, state) of one step: optax's state into the rule's slots, one engine call,
-    and back."""
+def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, mask, grads,
+            state, params):
+    """(updates, state) of one step: optax's state into the rule's slots, one engine call
+    (per weight-decay class where `mask` splits the leaves), and back."""
     leaves, treedef = jax.tree.flatten(params)
+    flags = None if mask is None else _mask_leaves(mask, params, treedef, "weight_decay_mask")
     layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
     rms_state = next(s for s in state if isinstance(s, optax.FactoredState))
     ema_state = next((s for s in state if isinstance(s, optax.EmaState)), None)
@@ -213,7 +243,8 @@ def _update(engine: Engine, rule: UserRule, factored: bool, min_dim: int, grads,
     inner = rule.state_type(rms_state.count, *(treedef.unflatten(s) for s in slots))
     moved = [treedef.unflatten([_to_rule(x, l) for x, l in zip(xs, layouts)])
              for xs in (leaves, treedef.flatten_up_to(grads))]
-    updates, inner = engine.apply(moved[0], moved[1], inner, mode="delta")
+    with rule.decay_flags(flags):
+        updates, inner = engine.apply(moved[0], moved[1], inner, mode="delta")
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)

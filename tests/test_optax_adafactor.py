@@ -1,8 +1,9 @@
 """mtapply.optax.adafactor against optax.adafactor: params and state over 50 steps (float32
 here, float64 under jax_enable_x64 in a fresh interpreter), jitted and eager, for option sets
 and shapes that factor (largest dimensions last or not) and that do not (1-D, 0-D, dimensions
-below min_dim_size_to_factor, factored=False); the state's layout (optax's own) and what is
-refused, a GPU step among it."""
+below min_dim_size_to_factor, factored=False), with weight-decay masks (trees and callables,
+20 steps in float32); the state's layout (optax's own) and what is refused, a GPU step among
+it."""
 from __future__ import annotations
 
 import os
@@ -101,6 +102,36 @@ def test_in_a_chain_with_inject_hyperparams():
     _close(got, want, 1e-5, 1e-6)
 
 
+MASKS = [
+    {"matrix": True, "wide": False, "stack": False, "first": True, "small": False,
+     "bias": False, "scalar": True},
+    lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape[0] >= 140, p),  # reads shapes
+    lambda p: jax.tree.map(lambda x: False, p),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["tree", "callable-of-shapes", "none-decays"])
+@pytest.mark.parametrize("options", [dict(learning_rate=0.01, weight_decay_rate=0.1),
+                                     dict(learning_rate=0.01, momentum=0.9,
+                                          weight_decay_rate=jnp.asarray(0.05))],
+                         ids=["wd", "array-wd-momentum"])
+def test_weight_decay_mask_follows_optax_over_20_steps(mask, options):
+    params = _params()
+    want, want_state = _run(optax.adafactor(**options, weight_decay_mask=mask), params, steps=20)
+    got, state = _run(mtx.adafactor(**options, weight_decay_mask=mask), params, steps=20)
+    _close(got, want, 1e-5, 1e-6)
+    _close(state, want_state, 1e-5, 1e-6)
+    unmasked, _ = _run(mtx.adafactor(**options), params, steps=20)
+    assert not np.allclose(got["bias"], unmasked["bias"])  # the mask did leave it out
+
+
+def test_weight_decay_mask_without_weight_decay_is_ignored_as_optax_does():
+    params = _params()
+    want, _ = _run(optax.adafactor(0.01, weight_decay_mask=MASKS[0]), params, steps=3)
+    got, _ = _run(mtx.adafactor(0.01, weight_decay_mask=MASKS[0]), params, steps=3)
+    _close(got, want, 1e-5, 1e-6)
+
+
 def test_state_is_optax_state():
     params = _params()
     for options in CASES:
@@ -109,8 +140,6 @@ def test_state_is_optax_state():
 
 
 def test_refusals():
-    with pytest.raises(NotImplementedError, match="weight_decay_mask"):
-        mtx.adafactor(weight_decay_rate=0.1, weight_decay_mask=lambda p: p)
     with pytest.raises(TypeError, match="min_dim_size_to_factor must be a Python int"):
         mtx.adafactor(min_dim_size_to_factor=jnp.asarray(128))
     with pytest.raises(TypeError, match="factored must be a bool"):
@@ -122,6 +151,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="clipping_threshold"):
         mtx.adafactor(clipping_threshold=0.0)
     params = _params()
+    tx = mtx.adafactor(weight_decay_rate=0.1,
+                       weight_decay_mask=lambda p: jax.tree.map(lambda x: 1, p))
+    with pytest.raises(TypeError, match="weight_decay_mask must hold Python bools"):
+        tx.update(_grads(params, 0), tx.init(params), params)
     tx = mtx.adafactor()
     with pytest.raises(ValueError, match="reads the params"):
         tx.update(_grads(params, 0), tx.init(params))
@@ -148,7 +181,12 @@ import mtapply.optax as mtx
 shapes = {"matrix": (160, 130), "stack": (140, 3, 129), "small": (6, 40), "bias": (7,)}
 cases = [dict(learning_rate=0.01), dict(learning_rate=0.01, momentum=0.9,
          dtype_momentum=jnp.float64, weight_decay_rate=0.01),
-         dict(learning_rate=0.05, multiply_by_parameter_scale=False, clipping_threshold=None)]
+         dict(learning_rate=0.05, multiply_by_parameter_scale=False, clipping_threshold=None),
+         dict(learning_rate=0.01, weight_decay_rate=0.1,
+              weight_decay_mask={"matrix": False, "stack": True, "small": False, "bias": True}),
+         dict(learning_rate=0.01, momentum=0.9, dtype_momentum=jnp.float64,
+              weight_decay_rate=0.1, weight_decay_mask=lambda p: jax.tree.map(
+                  lambda x: x.ndim > 1 and x.shape[0] >= 140, p))]
 for options in cases:
     runs = []
     for tx in (mtx.adafactor(**options), optax.adafactor(**options)):
