@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from ._optax_engine import _CALLBACK_ENV, Engine
-from ._optax_make import _state_dtype
+from ._optax_make import FusedOptimizer, _state_dtype
 from ._optax_ops import UserRule, _mask_leaves
 from .rules import library
 
@@ -122,25 +122,16 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
     keeps the weight decay to the leaves where it is True; the leaves it leaves out are
     stepped by a call of their own. Runs on the CPU (the factored rule has no CUDA kernel yet):
     under a GPU backend the step is refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host."""
-    factored = _static_bool("factored", factored)
-    min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
-    rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
-                           clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps)
-    # without a weight decay optax has no add_decayed_weights link, and so no mask
-    mask = None if weight_decay_rate is None else weight_decay_mask
-    engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
-    # optax's own init: the same state, so that either transformation takes the other's
-    init = optax.adafactor(learning_rate, min_dim, decay_rate, decay_offset,
-                           multiply_by_parameter_scale, clipping_threshold, momentum,
-                           dtype_momentum, weight_decay_rate, eps, factored,
-                           weight_decay_mask).init
+    init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+                                multiply_by_parameter_scale, clipping_threshold, momentum,
+                                dtype_momentum, weight_decay_rate, eps, factored,
+                                weight_decay_mask)
 
     def step(grads, state, params):
         if params is None:
             raise ValueError("mtapply.optax.adafactor reads the params: call "
                              "update(grads, state, params)")
-        _refuse_gpu(rule)
-        return _update(engine, rule, factored, min_dim, mask, grads, state, params)
+        return run(params, grads, state, "delta")
 
     jitted = jax.jit(step)
 
@@ -149,6 +140,57 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
         return jitted(updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def fused_adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8,
+                    decay_offset=0, multiply_by_parameter_scale=True, clipping_threshold=1.0,
+                    momentum=None, dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30,
+                    factored=True, weight_decay_mask=None) -> FusedOptimizer:
+    """`adafactor` as a fused step: `opt.step(params, grads, state) -> (params, state)`, the
+    step writing the new params (in place under a jit that donates params and state, except
+    for params whose two largest dimensions it moves last, which go through moved copies).
+    The state is optax's own pytree, small already (factored vectors): `tree_state` and
+    `flat_state` return it as it is."""
+    init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+                                multiply_by_parameter_scale, clipping_threshold, momentum,
+                                dtype_momentum, weight_decay_rate, eps, factored,
+                                weight_decay_mask)
+
+    def step(params, grads, state):
+        return run(params, grads, state, "inplace")
+
+    return FusedOptimizer(init, jax.jit(step), jax.jit(step, donate_argnums=(0, 2)),
+                          _as_it_is, _as_it_is)
+
+
+def _as_it_is(state, params):
+    del params
+    return state
+
+
+def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+                    multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
+                    weight_decay_rate, eps, factored, weight_decay_mask) -> tuple:
+    """(init, run): optax's own init (the same state, so that either transformation takes the
+    other's) and run(params, grads, state, mode), one step in the engine's mode ("delta": the
+    updates; "inplace": the new params)."""
+    factored = _static_bool("factored", factored)
+    min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
+    rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
+                           clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps)
+    # without a weight decay optax has no add_decayed_weights link, and so no mask
+    mask = None if weight_decay_rate is None else weight_decay_mask
+    engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
+    init = optax.adafactor(learning_rate, min_dim, decay_rate, decay_offset,
+                           multiply_by_parameter_scale, clipping_threshold, momentum,
+                           dtype_momentum, weight_decay_rate, eps, factored,
+                           weight_decay_mask).init
+
+    def run(params, grads, state, mode: str):
+        _refuse_gpu(rule)
+        return _update(engine, rule, factored, min_dim, mask, grads, state, params, mode)
+
+    return init, run
 
 
 def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipping_threshold,
@@ -226,9 +268,10 @@ def _refuse_gpu(rule: UserRule) -> None:
 
 
 def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, mask, grads,
-            state, params):
-    """(updates, state) of one step: optax's state into the rule's slots, one engine call
-    (per weight-decay class where `mask` splits the leaves), and back."""
+            state, params, mode: str):
+    """(updates, state) of one step, or (new params, state) in the "inplace" mode: optax's
+    state into the rule's slots, one engine call (per weight-decay class where `mask` splits
+    the leaves), and back."""
     leaves, treedef = jax.tree.flatten(params)
     flags = None if mask is None else _mask_leaves(mask, params, treedef, "weight_decay_mask")
     layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
@@ -244,7 +287,7 @@ def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, 
     moved = [treedef.unflatten([_to_rule(x, l) for x, l in zip(xs, layouts)])
              for xs in (leaves, treedef.flatten_up_to(grads))]
     with rule.decay_flags(flags):
-        updates, inner = engine.apply(moved[0], moved[1], inner, mode="delta")
+        updates, inner = engine.apply(moved[0], moved[1], inner, mode=mode)
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)

@@ -21,8 +21,8 @@ arguments and semantics; `nadam` and `nadamw` are `adam` and `adamw` with nester
 optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's. `adafactor` is
 optax.adafactor (its arguments and its state, the chain's tuple) on the rule
 `library.adafactor_optax`, factored over each param's two largest dimensions as optax's; it
-runs on the CPU (no CUDA kernel for factored rules yet: a GPU step is refused when traced) and
-has no fused form.
+runs on the CPU (no CUDA kernel for factored rules yet: a GPU step is refused when traced);
+its fused form `fused_adafactor` keeps optax's state as it is.
 
 Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,
 d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:
@@ -124,7 +124,7 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from ._optax_adafactor import adafactor
+from ._optax_adafactor import adafactor, fused_adafactor
 from ._optax_library import (adadelta, adagrad, adamax, adan, dadapt_adamw, fused_adadelta,
                              fused_adagrad, fused_adamax, fused_adan, fused_dadapt_adamw,
                              fused_lion, fused_prodigy, fused_radam, fused_rmsprop,
@@ -469,7 +469,7 @@ def fused(rule, learning_rate=None, *, state_bits=None, min_8bit_size=None, unsi
 __all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw",
            "flat_state",
-           "fused", "fused_adadelta", "fused_adagrad", "fused_adam", "fused_adamax",
+           "fused", "fused_adadelta", "fused_adafactor", "fused_adagrad", "fused_adam", "fused_adamax",
            "fused_adamw", "fused_adan", "fused_dadapt_adamw", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",
            "fused_nadam", "fused_nadamw", "fused_prodigy", "fused_radam", "fused_rmsprop",
            "fused_schedule_free_adamw", "fused_sgd", "lamb", "lars", "lion", "multi_transform",

@@ -1,7 +1,7 @@
 """The benchmark's Adafactor op on the CPU, on tiny workloads: it is listed, its torch rows
 (mtapply.torch.Adafactor, torch.optim.Adafactor with and without foreach) step alike, its JAX
-rows (optax.adafactor and mtapply.optax.adafactor, optax's update) step alike, and each row
-notes its state's bytes per param."""
+rows (optax.adafactor, mtapply.optax.adafactor and its fused form, optax's update) step
+alike, and each row notes its state's bytes per param."""
 import numpy as np
 import pytest
 
@@ -52,7 +52,7 @@ def test_jax_rows_step_alike(monkeypatch):
         [jax.device_put(t.cpu().numpy(), jax.devices("cpu")[0]) for t in tensors]
         for tensors in lists])
     results = {}
-    for name in ("optax-adafactor", "mtapply-optax"):
+    for name in ("optax-adafactor", "mtapply-optax", "mtapply-optax-fused"):
         data = adafactor.make_data(SHAPES, torch.device("cpu"), seed=0)
         stepper = adafactor.COMPETITORS[name].build(data)  # one step taken, as the first call's
         for _ in range(2):
@@ -61,5 +61,6 @@ def test_jax_rows_step_alike(monkeypatch):
         results[name] = [np.asarray(p) for p in stepper.keep_alive[0].params]
     start = adafactor.make_data(SHAPES, torch.device("cpu"), seed=0).params[0].numpy()
     assert not np.array_equal(results["optax-adafactor"][0], start)
-    for got, want in zip(results["mtapply-optax"], results["optax-adafactor"]):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name in ("mtapply-optax", "mtapply-optax-fused"):
+        for got, want in zip(results[name], results["optax-adafactor"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -39,6 +39,12 @@ CASES = [
 ]
 IDS = ["defaults", "lr", "schedule-momentum-wd", "no-scale-no-clip-decay", "min-dim-4",
        "unfactored"]
+MASKS = [
+    {"matrix": True, "wide": False, "stack": False, "first": True, "small": False,
+     "bias": False, "scalar": True},
+    lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape[0] >= 140, p),  # reads shapes
+    lambda p: jax.tree.map(lambda x: False, p),
+]
 
 
 def _params(dtype=jnp.float32):
@@ -81,6 +87,35 @@ def test_follows_optax_adafactor(options):
     _close(state, want_state, 1e-5, 1e-6)  # optax's layout: v_row, v_col, v, ema, counts
 
 
+def _run_fused(opt, params, steps, donated=True):
+    step = opt.donated_step if donated else opt.step
+    params = jax.tree.map(jnp.copy, params)  # donated below
+    state = opt.init(params)
+    for k in range(steps):
+        params, state = step(params, _grads(params, k), state)
+    return params, state
+
+
+@pytest.mark.parametrize("options", [
+    dict(learning_rate=0.01),
+    dict(learning_rate=optax.linear_schedule(0.02, 0.001, 20), momentum=0.9,
+         weight_decay_rate=0.01, weight_decay_mask=MASKS[1]),
+    dict(learning_rate=0.05, multiply_by_parameter_scale=False, clipping_threshold=None,
+         min_dim_size_to_factor=4),
+], ids=["lr", "schedule-momentum-masked-wd", "no-scale-no-clip-min-dim-4"])
+def test_fused_adafactor_follows_optax_over_20_steps(options):
+    params = _params()
+    want, want_state = _run(optax.adafactor(**options), params, steps=20)
+    opt = mtx.fused_adafactor(**options)
+    got, state = _run_fused(opt, params, steps=20)
+    _close(got, want, 1e-5, 1e-6)
+    _close(state, want_state, 1e-5, 1e-6)  # optax's own state, as it is
+    assert opt.tree_state(state, got) is state and opt.flat_state(state, got) is state
+    undonated, _ = _run_fused(opt, params, steps=3, donated=False)
+    jitted, _ = _run_fused(opt, params, steps=3)
+    _close(undonated, jitted, 0.0, 0.0)
+
+
 def test_eager_steps_as_jitted():
     params = _params()
     tx = mtx.adafactor(learning_rate=0.01, momentum=0.9)
@@ -100,14 +135,6 @@ def test_in_a_chain_with_inject_hyperparams():
         mtx.adafactor, static_args=static)(**options))
     got, _ = _run(ours, params, steps=10)
     _close(got, want, 1e-5, 1e-6)
-
-
-MASKS = [
-    {"matrix": True, "wide": False, "stack": False, "first": True, "small": False,
-     "bias": False, "scalar": True},
-    lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape[0] >= 140, p),  # reads shapes
-    lambda p: jax.tree.map(lambda x: False, p),
-]
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["tree", "callable-of-shapes", "none-decays"])

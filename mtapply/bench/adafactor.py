@@ -13,8 +13,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from .common import (Competitor, JaxLoop, Stepper, TensorLists, generator, jax_lists,
-                     optax_state, params_with_grads, randn_list, transformation_step)
+from .common import (Competitor, JaxLoop, Stepper, TensorLists, fused_step, generator,
+                     jax_lists, optax_state, params_with_grads, randn_list, transformation_step)
 
 NAME = "adafactor"
 DESCRIPTION = ("adafactor fp32 (torch.optim.Adafactor's defaults, lr=1e-2; optax.adafactor's, "
@@ -89,9 +89,10 @@ def optax_jit(data: AdafactorData) -> Stepper:
     return stepper
 
 
-def mtapply_optax(data: AdafactorData) -> Stepper:
-    """mtapply.optax.adafactor under jax.jit. Its factored rule runs on a GPU under JAX only
-    through the host (MTAPPLY_OPTAX_CALLBACK=host): without that the row is skipped."""
+def mtapply_optax(data: AdafactorData, fused: bool) -> Stepper:
+    """mtapply.optax.adafactor (or its fused step) under jax.jit. Its factored rule runs on a
+    GPU under JAX only through the host (MTAPPLY_OPTAX_CALLBACK=host): without that the row is
+    skipped."""
     import jax
 
     import mtapply.optax as mtx
@@ -101,8 +102,9 @@ def mtapply_optax(data: AdafactorData) -> Stepper:
         raise RuntimeError("mtapply.optax.adafactor runs on a GPU only through the host: "
                            "set MTAPPLY_OPTAX_CALLBACK=host to time that route")
     params, grads = jax_lists(data.lists())
-    optimizer = mtx.adafactor(LR)
-    loop = JaxLoop(transformation_step(optimizer), params, optax_state(optimizer, params), grads)
+    optimizer = (mtx.fused_adafactor if fused else mtx.adafactor)(LR)
+    step = fused_step(optimizer) if fused else transformation_step(optimizer)
+    loop = JaxLoop(step, params, optax_state(optimizer, params), grads)
     stepper = loop.stepper()
     stepper.note = _state_note(data, OPTAX_MIN_DIM)
     return stepper
@@ -115,7 +117,10 @@ COMPETITORS = {
     "torch-loop": Competitor(lambda data: torch_adafactor(data, foreach=False),
                              "torch.optim.Adafactor(foreach=False), tensor by tensor"),
     "optax-adafactor": Competitor(optax_jit, "optax.adafactor under jax.jit, donated"),
-    "mtapply-optax": Competitor(mtapply_optax,
+    "mtapply-optax": Competitor(lambda data: mtapply_optax(data, fused=False),
                                 "mtapply.optax.adafactor under jax.jit, donated "
                                 "(on a GPU: MTAPPLY_OPTAX_CALLBACK=host only)"),
+    "mtapply-optax-fused": Competitor(lambda data: mtapply_optax(data, fused=True),
+                                      "mtapply.optax.fused_adafactor(...).step under jax.jit "
+                                      "(on a GPU: MTAPPLY_OPTAX_CALLBACK=host only)"),
 }
