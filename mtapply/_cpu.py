@@ -305,8 +305,7 @@ def _in_place_pieces(spec, refs: dict, skip) -> list:
 
 def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
     """Steps the plan's in-place pieces (`_in_place_pieces`) with the op's `cpu_in_place`,
-    on up to `_threads()` threads, one more for each THREAD_MIN elements (NumPy lets go of
-    the GIL in its loops); the indices of the tensors stepped (none where the op has no such
+    `on_threads`; the indices of the tensors stepped (none where the op has no such
     update)."""
     pieces = cache["pieces"]
     if not pieces or grad_scale != 1.0:
@@ -317,35 +316,47 @@ def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
             updates[dtype] = spec.cpu_in_place(args, dtype)
             if updates[dtype] is None:
                 return frozenset()
-    threads = min(_threads(), cache["in_place_elements"] // THREAD_MIN + 1, len(pieces))
-    order = queue.SimpleQueue()  # each piece once, to whichever thread is free first
-    for piece in pieces:
-        order.put(piece)
-    done = [_pool().submit(_step_pieces, order, updates) for _ in range(threads - 1)]
-    _step_pieces(order, updates)
-    for future in done:
-        future.result()
+    on_threads(pieces, lambda piece: _step_piece(piece, updates), cache["in_place_elements"])
     indices = cache.get("in_place")
     if indices is None:
         indices = cache["in_place"] = frozenset(i for i, _, _, _ in pieces)
     return indices
 
 
-def _step_pieces(order: queue.SimpleQueue, updates: dict) -> None:
-    """Steps pieces taken from `order` until it is empty, with this thread's scratch arrays."""
+def _step_piece(piece: tuple, updates: dict) -> None:
+    """Steps one in-place piece with this thread's scratch arrays."""
     scratch = _SCRATCH.__dict__.setdefault("arrays", {})  # dtype -> arrays of CHUNK elements
-    with np.errstate(all="ignore"):
-        while True:
-            try:
-                _, dtype, arrays, dests = order.get_nowait()
-            except queue.Empty:
-                return
-            update = updates[dtype]
-            buffers = scratch.setdefault(dtype, [])
-            while len(buffers) < update.n_buffers:
-                buffers.append(np.empty(CHUNK, dtype))
-            size = len(dests[0])
-            update(arrays, dests, buffers if size == CHUNK else [b[:size] for b in buffers])
+    _, dtype, arrays, dests = piece
+    update = updates[dtype]
+    buffers = scratch.setdefault(dtype, [])
+    while len(buffers) < update.n_buffers:
+        buffers.append(np.empty(CHUNK, dtype))
+    size = len(dests[0])
+    update(arrays, dests, buffers if size == CHUNK else [b[:size] for b in buffers])
+
+
+def on_threads(items: list, step, elements: int) -> None:
+    """step(item) for each item, under np.errstate(all="ignore"), on up to `_threads()`
+    threads, one more for each THREAD_MIN of `elements` (NumPy lets go of the GIL in its
+    loops); each item taken by whichever thread is free first."""
+    threads = min(_threads(), elements // THREAD_MIN + 1, len(items))
+    order = queue.SimpleQueue()
+    for item in items:
+        order.put(item)
+
+    def drain() -> None:
+        with np.errstate(all="ignore"):
+            while True:
+                try:
+                    item = order.get_nowait()
+                except queue.Empty:
+                    return
+                step(item)
+
+    done = [_pool().submit(drain) for _ in range(threads - 1)]
+    drain()
+    for future in done:
+        future.result()
 
 
 def _threads() -> int:
