@@ -5,7 +5,8 @@ Tensors are viewed in place through their addresses (zero copy); the math runs i
 given as one-element float32 arrays (device scalars on a GPU) are read when the step runs and
 checked as the kernels check them: one out of its range makes the step write nothing.
 Elementwise ops step small tensors together, and tensors stored in the math type straight in
-their memory, a range of elements at a time, on up to MTAPPLY_CPU_THREADS threads.
+their memory, a range of elements at a time, on up to MTAPPLY_CPU_THREADS threads; 8-bit
+state is stepped so too, a range of whole blocks at a time (`_cpu_eight_bit`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import _cpu_eight_bit
 from ._ranges import GRAD_SCALE
 from .stochastic import round_to_bfloat16_stochastic
 
@@ -142,7 +144,8 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
         batches = _batches(spec, refs, cache)
         for batch in batches:
             _run_batch(spec, batch, args, grad_scale)
-        together = cache["together"] | _run_in_place(spec, cache, args, grad_scale)
+        together = (cache["together"] | _run_in_place(spec, cache, args, grad_scale)
+                    | _cpu_eight_bit.run(spec, cache, args, grad_scale))
     for i, dtype, arrays in _tensors(spec, refs, grad_scale, together):
         given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
         new = spec.cpu_update(dict(arrays), given, dtype, i)
@@ -247,7 +250,8 @@ def _batches(spec, refs: dict, cache: dict) -> list:
     cache.clear()
     pieces = _in_place_pieces(spec, refs, together)
     cache.update(lists=lists, batches=batches, together=together, pieces=pieces,
-                 in_place_elements=sum(len(dests[0]) for _, _, _, dests in pieces))
+                 in_place_elements=sum(len(dests[0]) for _, _, _, dests in pieces),
+                 eight_bit_pieces=_cpu_eight_bit.pieces(spec, refs, together))
     return batches
 
 

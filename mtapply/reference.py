@@ -60,6 +60,45 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, bet
     return p, m, v, vmax
 
 
+def adam_into(param, grad, exp_avg, exp_avg_sq, dests, scratch, *, lr, step, beta1=0.9,
+              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+              maximize=False, dtype=np.float32) -> None:
+    """`adam`'s operations (amsgrad aside), in its order and types, into arrays given: `dests`
+    (param, exp_avg, exp_avg_sq) receive the new values (each may be its input's memory);
+    `scratch`: three arrays of the values' size and `dtype`. The inputs are arrays of `dtype`
+    of one shape."""
+    c = dtype
+    p, g = param, grad
+    held, t, u = scratch
+    if maximize:
+        g = np.negative(g, out=held)
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            p = np.multiply(p, c(1 - lr * weight_decay), out=dests[0])
+        else:
+            decay = np.multiply(c(weight_decay), p, out=t)
+            g = np.add(g, decay, out=held)
+    w = c(1 - beta1)
+    np.subtract(g, exp_avg, out=t)
+    if w < 0.5:
+        np.multiply(t, w, out=t)
+        m = np.add(exp_avg, t, out=dests[1])
+    else:
+        np.multiply(t, c(1) - w, out=t)
+        m = np.subtract(g, t, out=dests[1])
+    np.multiply(c(1 - beta2), g, out=u)
+    np.multiply(u, g, out=u)
+    v = np.multiply(exp_avg_sq, c(beta2), out=dests[2])
+    np.add(v, u, out=v)
+    step_size = lr / (1 - beta1**step)
+    denom = np.sqrt(v, out=u)
+    np.divide(denom, c(math.sqrt(1 - beta2**step)), out=denom)
+    np.add(denom, c(eps), out=denom)
+    ratio = np.divide(m, denom, out=denom)
+    np.multiply(ratio, c(-step_size), out=ratio)
+    np.add(p, ratio, out=dests[0])
+
+
 def _into(made, *others):
     """`made` (an array made by the caller) as the output of an operation with `others`, where
     it has the operation's shape; else None (a new array)."""

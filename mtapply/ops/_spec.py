@@ -60,6 +60,8 @@ class OpSpec:
     # slot -> dtypes it may have, for slots that are not floating tensors shaped as the params
     # (8-bit codes, per-block scales); the op's check_tensors checks their shapes
     slot_formats: dict = {}
+    # (codes list, scales list, signed map) of each slot the op may keep in 8 bits
+    eight_bit_slots: tuple = ()
     # cpu_update takes each tensor's values shaped as the tensor (else flat): factored rules
     cpu_shaped: bool = False
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
@@ -239,6 +241,15 @@ class OpSpec:
         number of scratch arrays it takes: arrays are read-only views of each list of `slots`,
         dests writable views of each written one, in that order, all in `dtype` (see
         mtapply._cpu `_run_in_place`); or None to have the CPU backend call `cpu_update`."""
+        return None
+
+    def cpu_eight_bit_in_place(self, args: dict, dtype):
+        """For a `cpu_batchable` op with `eight_bit_slots`, its update of one range of whole
+        blocks with those slots dequantized: a function (arrays, dests, scratch) as
+        `cpu_in_place` has it, over the slots other than the scales, each 8-bit slot's values
+        and dest one float array (then quantized again where the op writes it; see
+        mtapply._cpu_eight_bit), with `n_buffers`; or None to have the CPU backend call
+        `cpu_update`."""
         return None
 
     @property

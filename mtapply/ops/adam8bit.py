@@ -101,11 +101,30 @@ class Adam8bitSpec(AdamSpec):
                             ((SCALES[0], m_scale), (SCALES[1], v_scale)), "moments",
                             "mtapply.adam8bit_state")
 
+    eight_bit_slots = (("exp_avgs", "exp_avg_absmax", True),
+                       ("exp_avg_sqs", "exp_avg_sq_absmax", False))
+
+    def cpu_eight_bit_in_place(self, args: dict, dtype):
+        """`cpu_update`'s step of 8-bit moments on dequantized values, in place
+        (`reference.adam_into`)."""
+        if not self.cpu_batchable():
+            return None
+        options = self._cpu_options(args, dtype)
+
+        def update(arrays: tuple, dests: tuple, scratch: list) -> None:
+            reference.adam_into(*arrays, dests, scratch, **options)
+
+        update.n_buffers = 3
+        return update
+
+    def _cpu_options(self, args: dict, dtype) -> dict:
+        return dict(lr=args["lr"], step=args["step"], beta1=args["beta1"], beta2=args["beta2"],
+                    eps=args["eps"], weight_decay=args["weight_decay"],
+                    decoupled_weight_decay=self.decoupled_weight_decay, maximize=self.maximize,
+                    dtype=dtype)
+
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
-        options = dict(lr=args["lr"], step=args["step"], beta1=args["beta1"], beta2=args["beta2"],
-                       eps=args["eps"], weight_decay=args["weight_decay"],
-                       decoupled_weight_decay=self.decoupled_weight_decay, maximize=self.maximize,
-                       dtype=dtype)
+        options = self._cpu_options(args, dtype)
         p, g = arrays["params"], arrays["grads"]
         if arrays["exp_avg_absmax"].size == 0:  # float32 moments
             p, m, v, _ = reference.adam(p, g, arrays["exp_avgs"], arrays["exp_avg_sqs"], **options)

@@ -1,0 +1,125 @@
+"""8-bit state stepped in place on the CPU.
+
+Each tensor whose 8-bit slots hold codes, and whose other slots are float32 in memory of their
+own, is cut into pieces of whole blocks. A piece's 8-bit slots are dequantized into scratch
+arrays kept between steps, stepped there with the other slots by the op's float update
+(`cpu_eight_bit_in_place`), and quantized back into the tensors' codes and scales
+(`mtapply._blockwise_into`: the codes and scales of `mtapply.quantization`), the pieces on
+threads as `mtapply._cpu` steps float tensors in place.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import _blockwise_into, _cpu, quantization
+
+PIECE = 1 << 16  # elements (256 blocks) a piece holds: its scratch arrays stay cached
+WORK = 4  # an 8-bit element costs about as many float ones (threads are counted in these)
+_SCRATCH = threading.local()
+
+
+def pieces(spec, refs: dict, skip) -> list:
+    """(tensor index, size, read-only views, writable views, 8-bit slots) of each run of up
+    to PIECE elements of the tensors other than `skip` that `_steps_in_place`. The views are
+    those of the slots other than the scales and of those the op writes, in slot order, None
+    where a slot is 8-bit; each 8-bit slot is (its place among the views read, among those
+    written or None, writable codes, writable scales, signed)."""
+    if (not spec.eight_bit_slots or spec.param_mode != "inplace" or spec.master_weights
+            or spec.stochastic_rounding or set(refs) != set(spec.slots)):
+        return []
+    scales = {scale for _, scale, _ in spec.eight_bit_slots}
+    floats = [name for name in spec.slots if name not in scales]
+    written = [name for name in floats if name in spec.written]
+    out = []
+    for i, param in enumerate(refs[floats[0]]):
+        if i in skip or not _steps_in_place(spec, refs, i, floats):
+            continue
+        coded = [(floats.index(codes), written.index(codes) if codes in written else None,
+                  _cpu.view(refs[codes][i]), _cpu.view(refs[scale][i]), signed)
+                 for codes, scale, signed in spec.eight_bit_slots]
+        reads = [None if _is_coded(spec, name) else _cpu._views(refs[name][i])[1]
+                 for name in floats]
+        writes = [None if _is_coded(spec, name) else _cpu.view(refs[name][i])
+                  for name in written]
+        for start in range(0, param.numel, PIECE):
+            part = slice(start, min(start + PIECE, param.numel))
+            blocks = slice(start // quantization.BLOCK,
+                           quantization.n_blocks(part.stop))
+            out.append((i, part.stop - start, tuple(v if v is None else v[part] for v in reads),
+                        tuple(v if v is None else v[part] for v in writes),
+                        tuple((at, put, codes[part], scale[blocks], signed)
+                              for at, put, codes, scale, signed in coded)))
+    return out
+
+
+def _is_coded(spec, name: str) -> bool:
+    return any(name == codes for codes, _, _ in spec.eight_bit_slots)
+
+
+def _steps_in_place(spec, refs: dict, i: int, floats: list) -> bool:
+    """Whether tensor i's 8-bit slots hold codes (with a scale per block) and its other slots
+    float32 values, all laid out row-major, and no slot written shares memory with another."""
+    n = refs[floats[0]][i].numel
+    if n == 0:
+        return False
+    for name in floats:
+        ref = refs[name][i]
+        if (ref.dtype != ("uint8" if _is_coded(spec, name) else "float32") or ref.numel != n
+                or not ref.row_major):
+            return False
+    for _, scale, _ in spec.eight_bit_slots:
+        ref = refs[scale][i]
+        if ref.dtype != "float32" or ref.numel != quantization.n_blocks(n) or not ref.row_major:
+            return False
+    views = {name: _cpu.view(refs[name][i]) for name in spec.slots}
+    return not any(np.may_share_memory(views[name], views[other])
+                   for name in spec.written & set(views) for other in views if other != name)
+
+
+def run(spec, cache: dict, args: dict, grad_scale) -> frozenset:
+    """Steps the plan's 8-bit pieces (kept in `cache` by mtapply._cpu) `on_threads`; the
+    indices of the tensors stepped (none where the op has no such update)."""
+    steps = cache.get("eight_bit_pieces")
+    if not steps or grad_scale != 1.0:
+        return frozenset()
+    update = spec.cpu_eight_bit_in_place(args, np.float32)
+    if update is None:
+        return frozenset()
+    _cpu.on_threads(steps, lambda piece: _step(piece, update),
+                    WORK * sum(piece[1] for piece in steps))
+    indices = cache.get("eight_bit")
+    if indices is None:
+        indices = cache["eight_bit"] = frozenset(piece[0] for piece in steps)
+    return indices
+
+
+def _step(piece: tuple, update) -> None:
+    """Dequantizes, steps and quantizes one piece in this thread's scratch arrays."""
+    _, size, reads, writes, coded = piece
+    floats, words, index = _scratch(len(coded) + update.n_buffers, size)
+    arrays, dests = list(reads), list(writes)
+    for values, (at, put, codes, scales, signed) in zip(floats, coded):
+        _blockwise_into.dequantize_into(codes, scales, signed, values, index)
+        arrays[at] = values
+        if put is not None:
+            dests[put] = values
+    update(tuple(arrays), tuple(dests), floats[len(coded):])
+    for values, (_, put, codes, scales, signed) in zip(floats, coded):
+        if put is not None:
+            _blockwise_into.quantize_into(values, signed, codes, scales, words, index)
+
+
+def _scratch(n_floats: int, size: int) -> tuple:
+    """This thread's scratch arrays of `size` elements: n_floats float32, uint32 and intp."""
+    kept = _SCRATCH.__dict__.setdefault("arrays", [np.empty(PIECE, np.uint32),
+                                                   np.empty(PIECE, np.intp)])
+    while len(kept) < n_floats + 2:
+        kept.append(np.empty(PIECE, np.float32))
+    if size == PIECE:
+        return kept[2:n_floats + 2], kept[0], kept[1]
+    return [a[:size] for a in kept[2:n_floats + 2]], kept[0][:size], kept[1][:size]
+
+
+__all__ = ["PIECE", "pieces", "run"]

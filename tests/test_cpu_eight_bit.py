@@ -1,0 +1,122 @@
+"""8-bit state stepped in place on the CPU (`mtapply._cpu_eight_bit`): params, codes and scales
+are those of the NumPy reference path (`reference.adam8bit`), bit for bit, on one thread and on
+several, with ragged last blocks, tensors under 4096 elements, and NaN, infinite, zero and
+subnormal blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mtapply
+from mtapply import _cpu, quantization, reference
+
+# pieces of 65,536 elements and a ragged rest; whole and ragged blocks; tensors under 4096
+SHAPES = [(2 * 65536 + 300,), (256, 300), (4095,), (5000,), (257,), (3,), (1,)]
+OPTIONS = [dict(decoupled_weight_decay=True, weight_decay=0.01, maximize=False, beta1=0.9),
+           dict(decoupled_weight_decay=False, weight_decay=0.1, maximize=True, beta1=0.9),
+           dict(decoupled_weight_decay=False, weight_decay=0.0, maximize=False, beta1=0.3)]
+
+
+def _problem(seed: int, threshold: int):
+    """Params, grads per step, and a state of random 8-bit moments (float32 under
+    `threshold` elements), with special blocks in the largest tensor."""
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    state = mtapply.adam8bit_state(params, threshold=threshold)
+    for k, p in enumerate(params):
+        m = (rng.standard_normal(p.shape) * 0.1).astype(np.float32)
+        v = (np.abs(rng.standard_normal(p.shape)) * 0.01).astype(np.float32)
+        if k == 0:
+            m[:256], v[:256] = 0.0, 0.0  # a zero block: absmax 0
+            v[1024:1280] = np.float32(1e-42)  # subnormal second moments
+        if state.exp_avgs[k].dtype == np.float32:
+            state.exp_avgs[k][...], state.exp_avg_sqs[k][...] = m, v
+            continue
+        for values, codes, scales, signed in (
+                (m, state.exp_avgs[k], state.exp_avg_absmax[k], True),
+                (v, state.exp_avg_sqs[k], state.exp_avg_sq_absmax[k], False)):
+            c, s = quantization.quantize_blockwise(values, signed)
+            codes[...], scales[...] = c.reshape(codes.shape), s
+    grads = []
+    for _ in range(3):
+        step_grads = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in SHAPES]
+        step_grads[0][:256] = 0.0
+        step_grads[0][300], step_grads[0][70_000] = np.inf, np.nan  # whole blocks set to zero
+        step_grads[0][1024:1280] = np.float32(1e-30)  # a subnormal v * (1 - beta2)
+        grads.append(step_grads)
+    return params, grads, state
+
+
+@np.errstate(all="ignore")
+def _reference_step(params, grads, columns, t, options):
+    for k, (p, g) in enumerate(zip(params, grads)):
+        m, v, ms, vs = (column[k] for column in columns)
+        step_options = dict(options, lr=1e-2, step=t, dtype=np.float32)
+        if m.dtype == np.float32:
+            p2, m2, v2, _ = reference.adam(p, g, m, v, **step_options)
+            columns[0][k], columns[1][k] = m2, v2
+        else:
+            p2, (mc, ms2), (vc, vs2) = reference.adam8bit(
+                p, g, (m.reshape(-1), ms), (v.reshape(-1), vs), **step_options)
+            columns[0][k], columns[1][k] = mc.reshape(m.shape), vc.reshape(v.shape)
+            columns[2][k], columns[3][k] = ms2, vs2
+        params[k] = p2.astype(np.float32).reshape(p.shape)
+
+
+def _same_bits(got, want, name):
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+@pytest.mark.parametrize("threshold", [1, 4096])
+@pytest.mark.parametrize("options", OPTIONS, ids=["adamw", "adam-maximize", "beta1-0.3"])
+def test_pieces_step_as_the_reference(options, threshold, threads, monkeypatch):
+    monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
+    monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 12)  # a thread for every piece here
+    params, grads, state = _problem(0, threshold)
+    want = [p.copy() for p in params]
+    want_columns = [[x.copy() for x in column] for column in state.lists()]
+    hyper = {k: v for k, v in options.items() if k in ("weight_decay", "beta1")}
+    flags = {k: v for k, v in options.items() if k not in hyper}
+    plan = mtapply.adam8bit_plan(params, grads[0], *state.lists(), **flags)
+    for t, step_grads in enumerate(grads, 1):
+        plan.rebind("grads", step_grads)
+        plan.step(lr=1e-2, step=t, **hyper)
+        _reference_step(want, step_grads, want_columns, t, options)
+    assert plan._cpu_cache.get("eight_bit")  # the in-place path ran
+    for k in range(len(SHAPES)):
+        _same_bits(params[k], want[k], f"params[{k}]")
+        for column, expected, name in zip(state.lists(), want_columns, ("m", "v", "ms", "vs")):
+            _same_bits(column[k], expected[k], f"{name}[{k}]")
+
+
+def test_torch_adamw8bit_steps_as_the_reference():
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    rng = np.random.default_rng(2)
+    shapes = [(2 * 65536 + 300,), (64, 129), (5000,)]
+    params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s).astype(np.float32)))
+              for s in shapes]
+    opt = mt.AdamW8bit(params, lr=1e-2, weight_decay=0.01)
+    for t in range(1, 4):
+        for p in params:
+            p.grad = torch.from_numpy((rng.standard_normal(p.shape) * 1e-2).astype(np.float32))
+        before = [(p.detach().numpy().copy(), {k: v.numpy().copy() for k, v in opt.state[p].items()
+                                               if k != "step"} if opt.state[p] else None)
+                  for p in params]
+        opt.step()
+        for p, (value, state) in zip(params, before):
+            if state is None:
+                continue
+            p2, (mc, ms), (vc, vs) = reference.adam8bit(
+                value, p.grad.numpy(), (state["exp_avg"].reshape(-1), state["exp_avg_absmax"]),
+                (state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_absmax"]), lr=1e-2,
+                step=t, weight_decay=0.01, decoupled_weight_decay=True)
+            got = opt.state[p]
+            _same_bits(p.detach().numpy(), p2.astype(np.float32), "param")
+            _same_bits(got["exp_avg"].numpy().reshape(-1), mc, "exp_avg")
+            _same_bits(got["exp_avg_sq"].numpy().reshape(-1), vc, "exp_avg_sq")
+            _same_bits(got["exp_avg_absmax"].numpy(), ms, "exp_avg_absmax")
+            _same_bits(got["exp_avg_sq_absmax"].numpy(), vs, "exp_avg_sq_absmax")
