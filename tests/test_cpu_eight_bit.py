@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import mtapply
-from mtapply import _cpu, quantization, reference
+from mtapply import _cpu, _cpu_eight_bit, quantization, reference
+from mtapply.rules import library
 
 # pieces of 65,536 elements and a ragged rest; whole and ragged blocks; tensors under 4096
 SHAPES = [(2 * 65536 + 300,), (256, 300), (4095,), (5000,), (257,), (3,), (1,)]
@@ -120,3 +121,48 @@ def test_torch_adamw8bit_steps_as_the_reference():
             _same_bits(got["exp_avg_sq"].numpy().reshape(-1), vc, "exp_avg_sq")
             _same_bits(got["exp_avg_absmax"].numpy(), ms, "exp_avg_absmax")
             _same_bits(got["exp_avg_sq_absmax"].numpy(), vs, "exp_avg_sq_absmax")
+
+
+# a temporary read after the slot it copied is assigned, and a slot given another's old values
+ALIASES = mtapply.rule("aliases", slots="param:rw grad:r a:rw b:rw", hyper={"lr": None}, update="""
+    old_a = a
+    a = where(step == 1, b, a * 0.5 + grad)
+    b = old_a
+    param = param - lr * (old_a + a)
+""")
+RULES = [("lion", library.lion(), {}, dict(lr=1e-3, weight_decay=0.1)),
+         ("sgd", library.sgd(True), {}, dict(lr=1e-2, momentum=0.9)),
+         ("adam", library.adam(True), dict(unsigned="exp_avg_sq"), dict(lr=1e-2, weight_decay=0.1)),
+         ("aliases", ALIASES, {}, dict(lr=0.1))]
+
+
+def _run_rule(rule, hyper, in_place: bool, monkeypatch) -> list:
+    if not in_place:  # each tensor dequantized, stepped and quantized whole (`cpu_update`)
+        monkeypatch.setattr(_cpu_eight_bit, "run", lambda *args: frozenset())
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    grads = [[(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in SHAPES]
+             for _ in range(4)]
+    grads[1][0][300] = np.inf
+    state = rule.state(params)
+    plan = rule.plan(params, grads[0], *state)
+    for t, step_grads in enumerate(grads, 1):
+        plan.rebind("grads", step_grads)
+        plan.step(step=t, **hyper)
+    assert bool(plan._cpu_cache.get("eight_bit")) == in_place
+    monkeypatch.undo()
+    return params + [x for column in state for x in column]
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+@pytest.mark.parametrize("threshold", [1, 4096])
+@pytest.mark.parametrize("name,rule,bits,hyper", RULES, ids=[name for name, *_ in RULES])
+def test_rules_with_8_bit_slots_step_as_their_reference_path(name, rule, bits, hyper, threshold,
+                                                             threads, monkeypatch):
+    eight = rule.with_state_bits(8, threshold=threshold, **bits)
+    want = _run_rule(eight, hyper, False, monkeypatch)
+    monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
+    monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 12)
+    got = _run_rule(eight, hyper, True, monkeypatch)
+    for k, (a, b) in enumerate(zip(got, want)):
+        _same_bits(a, b, f"array {k}")

@@ -54,6 +54,8 @@ class QuantizedRuleSpec(RuleSpec):
               f"{unsigned_mask}u> {{}};" for plain in self.functors),
             "}  // namespace mta", ""]))
         self._quantized_functors = tuple(f"{plain}{suffix}" for plain in self.functors)
+        self.eight_bit_slots = tuple((list_name(s), scale_name(s), s not in self.unsigned)
+                                     for s in self.eight_bit)
 
     def _quantized(self, dtypes: tuple) -> bool:
         return dtypes[self.slots.index(list_name(self.eight_bit[0]))] == "uint8"
@@ -87,6 +89,10 @@ class QuantizedRuleSpec(RuleSpec):
 
     def cpu_in_place(self, args: dict, dtype):
         return None  # 8-bit slots are dequantized and quantized around the rule's update
+
+    def cpu_eight_bit_in_place(self, args: dict, dtype):
+        """The rule's update in place (`RuleSpec.cpu_in_place`) on dequantized 8-bit slots."""
+        return super().cpu_in_place(args, dtype)
 
     def _dequantized(self, arrays: dict) -> dict:
         """The arrays with each 8-bit slot's values in float32, as the kernel reads them (float32
