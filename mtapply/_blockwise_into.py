@@ -94,13 +94,14 @@ def quantize_into(values: np.ndarray, signed: bool, codes: np.ndarray, absmax: n
     magnitudes = np.bitwise_and(bits, _MAGNITUDE, out=words)
     top = absmax.view(np.uint32)  # non-negative floats order as their bits
     _block_max(magnitudes, top)
-    if top.max(initial=0) >= _INFINITY_BITS:  # a NaN or an infinity: zeros in its place
+    if top.max() >= _INFINITY_BITS:  # a NaN or an infinity: zeros in its place
         codes[:], absmax[:] = quantization.quantize_blockwise(values, signed)
         return
     with np.errstate(divide="ignore", over="ignore"):
-        inverse = np.where(absmax > 0, np.float32(1) / np.where(absmax > 0, absmax, 1), 0)
-    inverse = inverse.astype(np.float32)
-    if np.isinf(inverse).any():  # a subnormal absmax: divided by, as quantize_blockwise does
+        inverse = np.divide(np.float32(1), absmax)
+    if top.min() == 0:  # a block of zeros: times 0
+        inverse[top == 0] = 0
+    if inverse.max() == np.inf:  # a subnormal absmax: divided by, as quantize_blockwise does
         codes[:], absmax[:] = quantization.quantize_blockwise(values, signed)
         return
     _scale(values, inverse)

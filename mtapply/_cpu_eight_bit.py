@@ -113,11 +113,12 @@ def _step(piece: tuple, update) -> None:
 
 def _scratch(n_floats: int, size: int) -> tuple:
     """This thread's scratch arrays of `size` elements: n_floats float32, uint32 and intp."""
-    kept = _SCRATCH.__dict__.setdefault("arrays", [np.empty(PIECE, np.uint32),
-                                                   np.empty(PIECE, np.intp)])
-    while len(kept) < n_floats + 2:
-        kept.append(np.empty(PIECE, np.float32))
-    if size == PIECE:
+    kept = _SCRATCH.__dict__.get("arrays")
+    if kept is None or len(kept) < n_floats + 2 or kept[0].size < size:
+        length = max(size, PIECE)
+        kept = _SCRATCH.arrays = [np.empty(length, np.uint32), np.empty(length, np.intp)] + [
+            np.empty(length, np.float32) for _ in range(n_floats)]
+    if kept[0].size == size:
         return kept[2:n_floats + 2], kept[0], kept[1]
     return [a[:size] for a in kept[2:n_floats + 2]], kept[0][:size], kept[1][:size]
 
