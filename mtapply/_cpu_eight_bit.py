@@ -98,29 +98,31 @@ def run(spec, cache: dict, args: dict, grad_scale) -> frozenset:
 def _step(piece: tuple, update) -> None:
     """Dequantizes, steps and quantizes one piece in this thread's scratch arrays."""
     _, size, reads, writes, coded = piece
-    floats, words, index = _scratch(len(coded) + update.n_buffers, size)
+    floats, buffers, words, index = _scratch(len(coded), update.n_buffers, size)
     arrays, dests = list(reads), list(writes)
     for values, (at, put, codes, scales, signed) in zip(floats, coded):
         _blockwise_into.dequantize_into(codes, scales, signed, values, index)
         arrays[at] = values
         if put is not None:
             dests[put] = values
-    update(tuple(arrays), tuple(dests), floats[len(coded):])
+    update(tuple(arrays), tuple(dests), buffers)
     for values, (_, put, codes, scales, signed) in zip(floats, coded):
         if put is not None:
             _blockwise_into.quantize_into(values, signed, codes, scales, words, index)
 
 
-def _scratch(n_floats: int, size: int) -> tuple:
-    """This thread's scratch arrays of `size` elements: n_floats float32, uint32 and intp."""
-    kept = _SCRATCH.__dict__.get("arrays")
-    if kept is None or len(kept) < n_floats + 2 or kept[0].size < size:
-        length = max(size, PIECE)
-        kept = _SCRATCH.arrays = [np.empty(length, np.uint32), np.empty(length, np.intp)] + [
-            np.empty(length, np.float32) for _ in range(n_floats)]
-    if kept[0].size == size:
-        return kept[2:n_floats + 2], kept[0], kept[1]
-    return [a[:size] for a in kept[2:n_floats + 2]], kept[0][:size], kept[1][:size]
+def _scratch(n_floats: int, n_buffers: int, size: int) -> tuple:
+    """This thread's scratch arrays of `size` elements: n_floats float32 arrays, then the
+    update's n_buffers, and uint32 and intp arrays in the memory of those buffers (used before
+    and after the update, never during it): fewer arrays stay cached."""
+    rows = n_floats + max(n_buffers, 3)
+    kept = _SCRATCH.__dict__.get("buffer")
+    if kept is None or kept.shape[0] < rows or kept.shape[1] < size:
+        kept = _SCRATCH.buffer = np.empty((rows, max(size, PIECE)), np.float32)
+    floats = [row[:size] for row in kept[:rows]]
+    words = floats[n_floats].view(np.uint32)
+    index = kept[n_floats + 1:n_floats + 3].reshape(-1).view(np.intp)[:size]
+    return floats[:n_floats], floats[n_floats:n_floats + n_buffers], words, index
 
 
 __all__ = ["PIECE", "pieces", "run"]
