@@ -18,6 +18,7 @@ from .quantization import BLOCK, CELL_HIGH, CELL_LOW, CELLS
 
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 _INFINITY_BITS = 0x7F800000
+_LARGEST, _SMALLEST = np.maximum.reduce, np.minimum.reduce
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +69,7 @@ def dequantize_into(codes: np.ndarray, absmax: np.ndarray, signed: bool, out: np
     n = codes.size
     half = n // 2
     np.copyto(index[:half], codes[:2 * half].view(np.uint16))
-    np.take(pair_values(signed), index[:half], out=out[:2 * half].view(np.uint64), mode="wrap")
+    pair_values(signed).take(index[:half], out=out[:2 * half].view(np.uint64), mode="wrap")
     if n % 2:
         out[-1] = quantization.dynamic_map(signed)[codes[-1]]
     _scale(out, absmax)
@@ -94,14 +95,14 @@ def quantize_into(values: np.ndarray, signed: bool, codes: np.ndarray, absmax: n
     magnitudes = np.bitwise_and(bits, _MAGNITUDE, out=words)
     top = absmax.view(np.uint32)  # non-negative floats order as their bits
     _block_max(magnitudes, top)
-    if top.max() >= _INFINITY_BITS:  # a NaN or an infinity: zeros in its place
+    if _LARGEST(top) >= _INFINITY_BITS:  # a NaN or an infinity: zeros in its place
         codes[:], absmax[:] = quantization.quantize_blockwise(values, signed)
         return
     with np.errstate(divide="ignore", over="ignore"):
         inverse = np.divide(np.float32(1), absmax)
-    if top.min() == 0:  # a block of zeros: times 0
+    if _SMALLEST(top) == 0:  # a block of zeros: times 0
         inverse[top == 0] = 0
-    if inverse.max() == np.inf:  # a subnormal absmax: divided by, as quantize_blockwise does
+    if _LARGEST(inverse) == np.inf:  # a subnormal absmax: divided by, as quantize_blockwise does
         codes[:], absmax[:] = quantization.quantize_blockwise(values, signed)
         return
     _scale(values, inverse)
@@ -111,9 +112,9 @@ def quantize_into(values: np.ndarray, signed: bool, codes: np.ndarray, absmax: n
 def _block_max(magnitudes: np.ndarray, out: np.ndarray) -> None:
     """The largest of each block's magnitude bits (the last block may be short)."""
     whole = magnitudes.size // BLOCK
-    np.max(magnitudes[:whole * BLOCK].reshape(whole, BLOCK), axis=1, out=out[:whole])
+    np.maximum.reduce(magnitudes[:whole * BLOCK].reshape(whole, BLOCK), axis=1, out=out[:whole])
     if whole < out.size:
-        out[whole] = magnitudes[whole * BLOCK:].max()
+        out[whole] = _LARGEST(magnitudes[whole * BLOCK:])
 
 
 def _codes_into(bits: np.ndarray, signed: bool, codes: np.ndarray, words: np.ndarray,
@@ -124,7 +125,7 @@ def _codes_into(bits: np.ndarray, signed: bool, codes: np.ndarray, words: np.nda
         np.right_shift(bits.view(np.int32), 31, out=words.view(np.int32))
         np.right_shift(words, 16, out=words)
         np.bitwise_xor(bits, words, out=bits)
-    np.take(top_words(signed), index, out=words, mode="wrap")
+    top_words(signed).take(index, out=words, mode="wrap")
     np.add(words, bits, out=words)
     np.right_shift(words, 16, out=words)
     np.copyto(codes, words, casting="unsafe")  # bits 16-23: the code
