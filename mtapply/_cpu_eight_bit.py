@@ -29,53 +29,46 @@ def pieces(spec, refs: dict, skip) -> list:
     if (not spec.eight_bit_slots or spec.param_mode != "inplace" or spec.master_weights
             or spec.stochastic_rounding or set(refs) != set(spec.slots)):
         return []
+    coded = {codes for codes, _, _ in spec.eight_bit_slots}
     scales = {scale for _, scale, _ in spec.eight_bit_slots}
     floats = [name for name in spec.slots if name not in scales]
     written = [name for name in floats if name in spec.written]
+    layout = [("uint8" if name in coded else "float32", name in scales, name in spec.written)
+              for name in spec.slots]
     out = []
     for i, param in enumerate(refs[floats[0]]):
-        if i in skip or not _steps_in_place(spec, refs, i, floats):
+        if i in skip or not _steps_in_place([refs[name][i] for name in spec.slots], layout):
             continue
-        coded = [(floats.index(codes), written.index(codes) if codes in written else None,
-                  _cpu.view(refs[codes][i]), _cpu.view(refs[scale][i]), signed)
-                 for codes, scale, signed in spec.eight_bit_slots]
-        reads = [None if _is_coded(spec, name) else _cpu._views(refs[name][i])[1]
-                 for name in floats]
-        writes = [None if _is_coded(spec, name) else _cpu.view(refs[name][i])
-                  for name in written]
+        eight_bit = [(floats.index(codes), written.index(codes) if codes in written else None,
+                      _cpu.view(refs[codes][i]), _cpu.view(refs[scale][i]), signed)
+                     for codes, scale, signed in spec.eight_bit_slots]
+        reads = [None if name in coded else _cpu._views(refs[name][i])[1] for name in floats]
+        writes = [None if name in coded else _cpu.view(refs[name][i]) for name in written]
         for start in range(0, param.numel, PIECE):
             part = slice(start, min(start + PIECE, param.numel))
-            blocks = slice(start // quantization.BLOCK,
-                           quantization.n_blocks(part.stop))
+            blocks = slice(start // quantization.BLOCK, quantization.n_blocks(part.stop))
             out.append((i, part.stop - start, tuple(v if v is None else v[part] for v in reads),
                         tuple(v if v is None else v[part] for v in writes),
                         tuple((at, put, codes[part], scale[blocks], signed)
-                              for at, put, codes, scale, signed in coded)))
+                              for at, put, codes, scale, signed in eight_bit)))
     return out
 
 
-def _is_coded(spec, name: str) -> bool:
-    return any(name == codes for codes, _, _ in spec.eight_bit_slots)
-
-
-def _steps_in_place(spec, refs: dict, i: int, floats: list) -> bool:
-    """Whether tensor i's 8-bit slots hold codes (with a scale per block) and its other slots
-    float32 values, all laid out row-major, and no slot written shares memory with another."""
-    n = refs[floats[0]][i].numel
+def _steps_in_place(column: list, layout: list) -> bool:
+    """Whether a tensor's slots (`column`, in slot order) are as `layout` (dtype, whether a
+    scale list, whether written) says: codes uint8 and float values of the param's size,
+    scales one float32 per block, all row-major, none written sharing memory with another."""
+    n = column[0].numel
     if n == 0:
         return False
-    for name in floats:
-        ref = refs[name][i]
-        if (ref.dtype != ("uint8" if _is_coded(spec, name) else "float32") or ref.numel != n
-                or not ref.row_major):
+    blocks = quantization.n_blocks(n)
+    for ref, (dtype, scale, _) in zip(column, layout):
+        if ref.dtype != dtype or ref.numel != (blocks if scale else n) or not ref.row_major:
             return False
-    for _, scale, _ in spec.eight_bit_slots:
-        ref = refs[scale][i]
-        if ref.dtype != "float32" or ref.numel != quantization.n_blocks(n) or not ref.row_major:
-            return False
-    views = {name: _cpu.view(refs[name][i]) for name in spec.slots}
-    return not any(np.may_share_memory(views[name], views[other])
-                   for name in spec.written & set(views) for other in views if other != name)
+    spans = [(ref.ptr, ref.ptr + ref.nbytes) for ref in column]  # each dense: its bytes
+    return not any(a != b and start < spans[b][1] and spans[b][0] < end
+                   for a, (start, end) in enumerate(spans) if layout[a][2]
+                   for b in range(len(spans)))
 
 
 def run(spec, cache: dict, args: dict, grad_scale) -> frozenset:

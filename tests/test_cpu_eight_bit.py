@@ -166,3 +166,4 @@ def test_rules_with_8_bit_slots_step_as_their_reference_path(name, rule, bits, h
     got = _run_rule(eight, hyper, True, monkeypatch)
     for k, (a, b) in enumerate(zip(got, want)):
         _same_bits(a, b, f"array {k}")
+
