@@ -80,11 +80,12 @@ def run(spec, cache: dict, args: dict, grad_scale) -> frozenset:
     update = spec.cpu_eight_bit_in_place(args, np.float32)
     if update is None:
         return frozenset()
-    _cpu.on_threads(steps, lambda piece: _step(piece, update),
-                    WORK * sum(piece[1] for piece in steps))
     indices = cache.get("eight_bit")
     if indices is None:
         indices = cache["eight_bit"] = frozenset(piece[0] for piece in steps)
+        cache["eight_bit_elements"] = sum(piece[1] for piece in steps)
+    _cpu.on_threads(steps, lambda piece: _step(piece, update),
+                    WORK * cache["eight_bit_elements"])
     return indices
 
 
