@@ -133,6 +133,7 @@ ALIASES = mtapply.rule("aliases", slots="param:rw grad:r a:rw b:rw", hyper={"lr"
 RULES = [("lion", library.lion(), {}, dict(lr=1e-3, weight_decay=0.1)),
          ("sgd", library.sgd(True), {}, dict(lr=1e-2, momentum=0.9)),
          ("adam", library.adam(True), dict(unsigned="exp_avg_sq"), dict(lr=1e-2, weight_decay=0.1)),
+         ("adam-m", library.adam(), dict(slots="exp_avg"), dict(lr=1e-2)),  # v stays float32
          ("aliases", ALIASES, {}, dict(lr=0.1))]
 
 
