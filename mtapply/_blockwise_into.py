@@ -1,10 +1,10 @@
 """`mtapply.quantization`'s blockwise 8-bit format, dequantized and quantized into arrays given
 (the CPU's 8-bit step): the same codes and scales, bit for bit, in fewer NumPy passes.
 
-Dequantizing looks two codes up at once (a table of the map values of every pair of codes);
-quantizing finds each block's absmax as an integer maximum of the magnitudes' bits, and each
-code with one lookup and one addition, as the kernel does (`quantization.code_words`), but in
-a table of every float32's top 16 bits, clamps and sign folded in. A range whose values are not
+Dequantizing looks each code up in the map and scales whole blocks at once. Quantizing finds
+each block's absmax as an integer maximum of the magnitudes' bits, and each code with one
+lookup and one addition, as the kernel does (`quantization.code_words`), but in a table of
+every float32's top 16 bits, clamps and sign folded in. A range whose values are not
 all finite, or whose absmax has an infinite reciprocal, is quantized by `quantize_blockwise`.
 """
 from __future__ import annotations
@@ -19,17 +19,6 @@ from .quantization import BLOCK, CELL_HIGH, CELL_LOW, CELLS
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 _INFINITY_BITS = 0x7F800000
 _LARGEST, _SMALLEST = np.maximum.reduce, np.minimum.reduce
-
-
-@functools.lru_cache(maxsize=None)
-def pair_values(signed: bool) -> np.ndarray:
-    """The map values of two codes, by the uint16 the two bytes make in memory (read-only
-    uint64: the first code's float32, then the second's)."""
-    pairs = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
-    table = np.ascontiguousarray(quantization.dynamic_map(signed)[pairs]).view(np.uint64)
-    table = table.reshape(-1)
-    table.setflags(write=False)
-    return table
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,17 +50,11 @@ def top_words(signed: bool) -> np.ndarray:
     return words
 
 
-def dequantize_into(codes: np.ndarray, absmax: np.ndarray, signed: bool, out: np.ndarray,
-                    index: np.ndarray) -> np.ndarray:
+def dequantize_into(codes: np.ndarray, absmax: np.ndarray, signed: bool,
+                    out: np.ndarray) -> np.ndarray:
     """`quantization.dequantize_blockwise(codes, absmax, signed)` into `out` (float32, of the
-    codes' size, 8-byte aligned); `index`: intp scratch of at least half as many elements.
-    The codes start a block."""
-    n = codes.size
-    half = n // 2
-    np.copyto(index[:half], codes[:2 * half].view(np.uint16))
-    pair_values(signed).take(index[:half], out=out[:2 * half].view(np.uint64), mode="wrap")
-    if n % 2:
-        out[-1] = quantization.dynamic_map(signed)[codes[-1]]
+    codes' size). The codes start a block."""
+    quantization.dynamic_map(signed).take(codes, out=out, mode="wrap")
     _scale(out, absmax)
     return out
 
@@ -131,4 +114,4 @@ def _codes_into(bits: np.ndarray, signed: bool, codes: np.ndarray, words: np.nda
     np.copyto(codes, words, casting="unsafe")  # bits 16-23: the code
 
 
-__all__ = ["dequantize_into", "pair_values", "quantize_into", "top_words"]
+__all__ = ["dequantize_into", "quantize_into", "top_words"]

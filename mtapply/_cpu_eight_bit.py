@@ -95,7 +95,7 @@ def _step(piece: tuple, update) -> None:
     floats, buffers, words, index = _scratch(len(coded), update.n_buffers, size)
     arrays, dests = list(reads), list(writes)
     for values, (at, put, codes, scales, signed) in zip(floats, coded):
-        _blockwise_into.dequantize_into(codes, scales, signed, values, index)
+        _blockwise_into.dequantize_into(codes, scales, signed, values)
         arrays[at] = values
         if put is not None:
             dests[put] = values

@@ -57,8 +57,7 @@ def test_quantize_and_dequantize_as_quantization(n, signed):
     want_codes, want_absmax = quantization.quantize_blockwise(values, signed)
     np.testing.assert_array_equal(codes, want_codes)
     np.testing.assert_array_equal(absmax.view(np.uint32), want_absmax.view(np.uint32))
-    back = into.dequantize_into(codes, absmax, signed, np.empty(n, np.float32),
-                                np.empty(n, np.intp))
+    back = into.dequantize_into(codes, absmax, signed, np.empty(n, np.float32))
     want = quantization.dequantize_blockwise(want_codes, want_absmax, signed)
     np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
 
