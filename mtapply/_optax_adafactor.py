@@ -25,6 +25,10 @@ from ._optax_make import FusedOptimizer, _state_dtype
 from ._optax_ops import UserRule, _mask_leaves
 from .rules import library
 
+# optax's own, bound when mtapply.optax is imported: a program that then swaps this module's
+# adafactor in for optax's (as a drop-in) would otherwise have its init call itself
+_OPTAX_ADAFACTOR = optax.adafactor
+
 
 class _Layout(NamedTuple):
     """How one param steps: `axes` (the largest dimension and the second largest, optax's
@@ -181,10 +185,10 @@ def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_off
     # without a weight decay optax has no add_decayed_weights link, and so no mask
     mask = None if weight_decay_rate is None else weight_decay_mask
     engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
-    init = optax.adafactor(learning_rate, min_dim, decay_rate, decay_offset,
-                           multiply_by_parameter_scale, clipping_threshold, momentum,
-                           dtype_momentum, weight_decay_rate, eps, factored,
-                           weight_decay_mask).init
+    init = _OPTAX_ADAFACTOR(learning_rate, min_dim, decay_rate, decay_offset,
+                            multiply_by_parameter_scale, clipping_threshold, momentum,
+                            dtype_momentum, weight_decay_rate, eps, factored,
+                            weight_decay_mask).init
 
     def run(params, grads, state, mode: str):
         _refuse_gpu(rule)

@@ -238,3 +238,14 @@ def test_follows_optax_adafactor_in_float64():
     done = subprocess.run([sys.executable, "-c", X64], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_swapped_in_for_optax_adafactor_it_still_starts_from_optax_s_own_state(monkeypatch):
+    """A program may put mtapply's adafactor in optax's place, as a drop-in; its init must not
+    then call itself."""
+    monkeypatch.setattr(optax, "adafactor", mtx.adafactor)
+    params = {"w": jnp.ones((6, 4)), "b": jnp.ones((4,))}
+    opt = optax.adafactor(learning_rate=1e-2)
+    state = opt.init(params)
+    updates, _ = opt.update(params, state, params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
