@@ -6,14 +6,22 @@ arrays kept between steps, stepped there with the other slots by the op's float 
 (`cpu_eight_bit_in_place`), and quantized back into the tensors' codes and scales
 (`mtapply._blockwise_into`: the codes and scales of `mtapply.quantization`), the pieces on
 threads as `mtapply._cpu` steps float tensors in place.
+
+Adam's pieces are stepped instead by the native library `cpu_eight_bit` (mtapply._native), the
+same operations bit for bit in one pass over each block, with the GIL let go; blocks it cannot
+quantize (not finite, or an absmax with an infinite reciprocal) it leaves to
+`quantization.quantize_blockwise`, as `_blockwise_into` does. Without the library (or with
+MTAPPLY_NATIVE=0) the NumPy path steps them.
 """
 from __future__ import annotations
 
+import ctypes
+import math
 import threading
 
 import numpy as np
 
-from . import _blockwise_into, _cpu, quantization
+from . import _blockwise_into, _cpu, _native, quantization
 
 PIECE = 1 << 16  # elements (256 blocks) a piece holds: its scratch arrays stay cached
 WORK = 4  # an 8-bit element costs about as many float ones (threads are counted in these)
@@ -84,8 +92,12 @@ def run(spec, cache: dict, args: dict, grad_scale) -> frozenset:
     if indices is None:
         indices = cache["eight_bit"] = frozenset(piece[0] for piece in steps)
         cache["eight_bit_elements"] = sum(piece[1] for piece in steps)
-    _cpu.on_threads(steps, lambda piece: _step(piece, update),
-                    WORK * cache["eight_bit_elements"])
+    native = _native_step(cache, steps, update)
+    if native is not None:
+        _cpu.on_threads(cache["eight_bit_native"], native, WORK * cache["eight_bit_elements"])
+    else:
+        _cpu.on_threads(steps, lambda piece: _step(piece, update),
+                        WORK * cache["eight_bit_elements"])
     return indices
 
 
@@ -103,6 +115,108 @@ def _step(piece: tuple, update) -> None:
     for values, (_, put, codes, scales, signed) in zip(floats, coded):
         if put is not None:
             _blockwise_into.quantize_into(values, signed, codes, scales, words, index)
+
+
+def _native_step(cache: dict, steps: list, update):
+    """A function stepping one (piece, addresses) of `cache["eight_bit_native"]` with the
+    native library, or None where the NumPy path steps the pieces: an op other than Adam's, or
+    no library."""
+    options = getattr(update, "adam", None)
+    if options is None or not _native.enabled():
+        return None
+    step_piece = _library()
+    if step_piece is None:
+        return None
+    if "eight_bit_native" not in cache:
+        cache["eight_bit_native"] = _addresses(steps)
+    if cache["eight_bit_native"] is None:
+        return None
+    hyper, variant = _adam_scalars(options)
+    tables = (*_TABLES[1], hyper.ctypes.data, variant)
+
+    def step(item: tuple) -> None:
+        piece, addresses = item
+        spill, bad, scratch = _native_scratch()
+        if step_piece(*addresses, *tables, *scratch):
+            _requantize(piece, spill, bad)
+
+    step.hyper = hyper  # the memory at hyper's address, alive while the pieces are stepped
+    return step
+
+
+def _library():
+    """The native function, its argument types set, and `_TABLES` made; None without it."""
+    global _TABLES
+    library = _native.library("cpu_eight_bit")
+    if library is None:
+        return None
+    function = library.mtapply_adam8bit_piece
+    if _TABLES is None:
+        pointer = ctypes.c_void_p
+        function.argtypes = [pointer] * 6 + [ctypes.c_int64] + [pointer] * 4 + [
+            ctypes.c_int32] + [pointer] * 3
+        function.restype = ctypes.c_int64
+        maps = np.concatenate([quantization.dynamic_map(True), quantization.dynamic_map(False)])
+        kept = (maps, _blockwise_into.top_words(True), _blockwise_into.top_words(False))
+        _TABLES = (kept, tuple(table.ctypes.data for table in kept))
+    return function
+
+
+_TABLES = None  # (the maps and the code words, their addresses), as the library takes them
+
+
+def _addresses(steps: list):
+    """(piece, its arrays' addresses and size) of each piece, as the native function takes
+    them; None where a piece's slots are not Adam's (param, grad, m signed, v unsigned)."""
+    out = []
+    for piece in steps:
+        _, size, reads, writes, coded = piece
+        if (len(reads) != 4 or len(writes) != 3 or len(coded) != 2
+                or [c[:2] + c[4:] for c in coded] != [(2, 1, True), (3, 2, False)]):
+            return None
+        (_, _, m_codes, m_scales, _), (_, _, v_codes, v_scales, _) = coded
+        arrays = (writes[0], reads[1], m_codes, m_scales, v_codes, v_scales)
+        out.append((piece, (*(a.ctypes.data for a in arrays), size)))
+    return out
+
+
+def _adam_scalars(options: dict) -> tuple:
+    """(float32 scalars, variant) of `reference.adam_into` with `options`, each made as it
+    makes it (see csrc/cpu_eight_bit.cpp)."""
+    c = np.float32
+    lr, step, beta1, beta2 = (options[k] for k in ("lr", "step", "beta1", "beta2"))
+    weight_decay = options["weight_decay"]
+    w = c(1 - beta1)
+    hyper = np.array([c(1 - lr * weight_decay), c(weight_decay), w, c(1) - w, c(1 - beta2),
+                      c(beta2), c(math.sqrt(1 - beta2**step)), c(options["eps"]),
+                      c(-(lr / (1 - beta1**step)))], np.float32)
+    decay = 0 if weight_decay == 0 else 1 if options["decoupled_weight_decay"] else 2
+    variant = bool(options["maximize"]) | decay << 1 | bool(w < 0.5) << 3
+    return hyper, variant
+
+
+def _native_scratch() -> tuple:
+    """This thread's spills (one row a moment) and flags of blocks left to Python, and their
+    addresses."""
+    kept = _SCRATCH.__dict__.get("native")
+    if kept is None:
+        spill = np.empty((2, PIECE), np.float32)
+        bad = np.empty(PIECE // quantization.BLOCK, np.uint8)
+        kept = _SCRATCH.native = (spill, bad, (spill[0].ctypes.data, spill[1].ctypes.data,
+                                               bad.ctypes.data))
+    return kept
+
+
+def _requantize(piece: tuple, spill: np.ndarray, bad: np.ndarray) -> None:
+    """The blocks the native function left (not finite, or an absmax with an infinite
+    reciprocal), quantized from their spilled values by `quantize_blockwise`."""
+    _, size, _, _, coded = piece
+    for b in np.flatnonzero(bad[:quantization.n_blocks(size)]):
+        part = slice(b * quantization.BLOCK, min((b + 1) * quantization.BLOCK, size))
+        for bit, values, (_, _, codes, scales, signed) in zip((1, 2), spill, coded):
+            if bad[b] & bit:
+                codes[part], scales[b:b + 1] = quantization.quantize_blockwise(values[part],
+                                                                               signed)
 
 
 def _scratch(n_floats: int, n_buffers: int, size: int) -> tuple:

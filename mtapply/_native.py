@@ -3,9 +3,11 @@
 - `torch_describe` reads torch tensors' addresses and layouts at C speed (the one-call API, and
   mtapply.torch's check that a group is as its plans were bound), and moves params' versions.
 - `xla_ffi` is the XLA FFI handler that launches mtapply's kernels inside `jax.jit`.
+- `cpu_eight_bit` steps 8-bit Adam on the CPU a piece at a time (mtapply._cpu_eight_bit),
+  bit for bit as the NumPy path; plain C, built without any framework's headers.
 
-Each is compiled with the system's C++ compiler (`$CXX`, else g++) against the installed
-torch's or jaxlib's headers, into `$MTAPPLY_CACHE_DIR/native`, under a name that covers the
+Each is compiled with the system's C++ compiler (`$CXX`, else g++) (against the installed
+torch's or jaxlib's headers where it uses them), into `$MTAPPLY_CACHE_DIR/native`, under a name that covers the
 source, the flags and the framework's version, and loaded with ctypes. A library that cannot be
 built is reported once (a warning naming the compiler's message) and its caller keeps to its
 Python path, which has the same semantics. `MTAPPLY_NATIVE=0` keeps to Python throughout;
@@ -162,5 +164,11 @@ def _jax_version() -> str:
     return jaxlib.__version__
 
 
+def _exact_flags() -> list:
+    # no fused multiply-adds (nor -ffast-math): each operation rounds as NumPy's does
+    return ["-ffp-contract=off", "-fno-math-errno"]
+
+
 _RECIPES = {"torch_describe": _Recipe(_torch_flags, _torch_version, python=True),
-            "xla_ffi": _Recipe(_jax_flags, _jax_version, python=False)}
+            "xla_ffi": _Recipe(_jax_flags, _jax_version, python=False),
+            "cpu_eight_bit": _Recipe(_exact_flags, str, python=False)}

@@ -12,7 +12,8 @@ from . import _native
 
 def main() -> int:
     failed = 0
-    for name, needs in (("torch_describe", "torch"), ("xla_ffi", "jax")):
+    for name, needs in (("torch_describe", "torch"), ("xla_ffi", "jax"),
+                        ("cpu_eight_bit", "numpy")):
         try:
             __import__(needs)
         except ImportError:

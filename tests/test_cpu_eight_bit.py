@@ -1,14 +1,14 @@
 """8-bit state stepped in place on the CPU (`mtapply._cpu_eight_bit`): params, codes and scales
 are those of the NumPy reference path (`reference.adam8bit`), bit for bit, on one thread and on
 several, with ragged last blocks, tensors under 4096 elements, and NaN, infinite, zero and
-subnormal blocks."""
+subnormal blocks; Adam's pieces stepped by the native library and by NumPy (MTAPPLY_NATIVE=0)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import mtapply
-from mtapply import _cpu, _cpu_eight_bit, quantization, reference
+from mtapply import _cpu, _cpu_eight_bit, _native, quantization, reference
 from mtapply.rules import library
 
 # pieces of 65,536 elements and a ragged rest; whole and ragged blocks; tensors under 4096
@@ -69,10 +69,18 @@ def _same_bits(got, want, name):
     assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
 
 
+def _use_native(native: str, monkeypatch) -> None:
+    monkeypatch.setenv("MTAPPLY_NATIVE", native)
+    if native == "1" and _native.library("cpu_eight_bit") is None:
+        pytest.skip("the native library cpu_eight_bit could not be built here")
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "numpy"])
 @pytest.mark.parametrize("threads", ["1", "3"])
 @pytest.mark.parametrize("threshold", [1, 4096])
 @pytest.mark.parametrize("options", OPTIONS, ids=["adamw", "adam-maximize", "beta1-0.3"])
-def test_pieces_step_as_the_reference(options, threshold, threads, monkeypatch):
+def test_pieces_step_as_the_reference(options, threshold, threads, native, monkeypatch):
+    _use_native(native, monkeypatch)
     monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
     monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 12)  # a thread for every piece here
     params, grads, state = _problem(0, threshold)
@@ -86,14 +94,17 @@ def test_pieces_step_as_the_reference(options, threshold, threads, monkeypatch):
         plan.step(lr=1e-2, step=t, **hyper)
         _reference_step(want, step_grads, want_columns, t, options)
     assert plan._cpu_cache.get("eight_bit")  # the in-place path ran
+    assert bool(plan._cpu_cache.get("eight_bit_native")) == (native == "1")
     for k in range(len(SHAPES)):
         _same_bits(params[k], want[k], f"params[{k}]")
         for column, expected, name in zip(state.lists(), want_columns, ("m", "v", "ms", "vs")):
             _same_bits(column[k], expected[k], f"{name}[{k}]")
 
 
-def test_torch_adamw8bit_steps_as_the_reference():
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "numpy"])
+def test_torch_adamw8bit_steps_as_the_reference(native, monkeypatch):
     torch = pytest.importorskip("torch")
+    _use_native(native, monkeypatch)
     import mtapply.torch as mt
 
     rng = np.random.default_rng(2)
@@ -168,3 +179,36 @@ def test_rules_with_8_bit_slots_step_as_their_reference_path(name, rule, bits, h
     for k, (a, b) in enumerate(zip(got, want)):
         _same_bits(a, b, f"array {k}")
 
+
+
+def _special_run(native: str, options: dict, monkeypatch) -> list:
+    """Three steps of params and grads holding NaNs of either sign, infinities and subnormal
+    moments; every array after them."""
+    _use_native(native, monkeypatch)
+    rng = np.random.default_rng(5)
+    shapes = [(65536 + 700,), (900,)]
+    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params[0][[5, 9000, 65600]] = [np.nan, -np.nan, np.inf]
+    state = mtapply.adam8bit_state(params, threshold=1)
+    hyper = {k: v for k, v in options.items() if k in ("weight_decay", "beta1")}
+    flags = {k: v for k, v in options.items() if k not in hyper}
+    plan = None
+    for t in range(1, 4):
+        grads = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in shapes]
+        grads[0][[7, 9001, 40000, 66000]] = [-np.nan, np.nan, -np.inf, np.nan]
+        grads[0][2048:2304] = np.float32(1e-40)  # subnormal first and second moments
+        grads[1][100] = -np.inf
+        if plan is None:
+            plan = mtapply.adam8bit_plan(params, grads, *state.lists(), **flags)
+        plan.rebind("grads", grads)
+        plan.step(lr=1e-2, step=t, **hyper)
+    assert bool(plan._cpu_cache.get("eight_bit_native")) == (native == "1")
+    return params + [x for column in state.lists() for x in column]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["adamw", "adam-maximize", "beta1-0.3"])
+def test_native_steps_special_values_as_numpy(options, monkeypatch):
+    got = _special_run("1", options, monkeypatch)
+    want = _special_run("0", options, monkeypatch)
+    for k, (a, b) in enumerate(zip(got, want)):
+        _same_bits(a, b, f"array {k}")

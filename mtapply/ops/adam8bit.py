@@ -115,6 +115,7 @@ class Adam8bitSpec(AdamSpec):
             reference.adam_into(*arrays, dests, scratch, **options)
 
         update.n_buffers = 3
+        update.adam = options  # what the native step (mtapply._cpu_eight_bit) takes instead
         return update
 
     def _cpu_options(self, args: dict, dtype) -> dict:
