@@ -32,19 +32,19 @@ inline float float_of(uint32_t b) {
   return x;
 }
 
-// DECAY: 0 none, 1 decoupled (p * (1 - lr * wd)), 2 L2 (g + wd * p).
+// DECAY: 0 none, 1 decoupled (p * (1 - lr * wd)), 2 L2 (g + wd * p). m and v hold the
+// moments' map values on entry (looked up apart: the arithmetic then vectorizes).
 template <bool MAXIMIZE, int DECAY, bool SMALL_W>
-void adam_block(float* p, const float* g, const uint8_t* mc, float ms, const uint8_t* vc,
-                float vs, int64_t n, const float* m_map, const float* v_map, const Hyper& h,
-                float* m, float* v) {
+void adam_block(float* __restrict p, const float* __restrict g, float ms, float vs, int64_t n,
+                const Hyper& h, float* __restrict m, float* __restrict v) {
   for (int64_t i = 0; i < n; ++i) {
     // negated as a sign flip of the bits: -g + x folded into x - g would lose a NaN's sign
     float grad = MAXIMIZE ? float_of(bits_of(g[i]) ^ 0x80000000u) : g[i];
     float param = p[i];
     if (DECAY == 1) param = param * h.decay;
     if (DECAY == 2) grad = grad + h.weight_decay * param;
-    const float m0 = m_map[mc[i]] * ms;
-    const float v0 = v_map[vc[i]] * vs;
+    const float m0 = m[i] * ms;
+    const float v0 = v[i] * vs;
     float t = grad - m0;
     float m1;
     if (SMALL_W) {
@@ -69,9 +69,13 @@ void adam_block(float* p, const float* g, const uint8_t* mc, float ms, const uin
   }
 }
 
+void look_up(const uint8_t* codes, int64_t n, const float* map, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = map[codes[i]];
+}
+
 // Codes and scale of one block; false (nothing written) where Python quantizes it instead.
-bool quantize_block(const float* x, int64_t n, bool is_signed, const uint32_t* words, uint8_t* codes,
-                    float* scale) {
+bool quantize_block(const float* __restrict x, int64_t n, bool is_signed,
+                    const uint32_t* words, uint8_t* __restrict codes, float* scale) {
   uint32_t top = 0;  // non-negative floats order as their bits
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t b = bits_of(x[i]) & MAGNITUDE;
@@ -81,11 +85,14 @@ bool quantize_block(const float* x, int64_t n, bool is_signed, const uint32_t* w
   const float absmax = float_of(top);
   const float inverse = top == 0 ? 0.0f : 1.0f / absmax;
   if (std::isinf(inverse)) return false;
+  alignas(64) uint32_t keys[BLOCK];
+  const uint32_t flip = is_signed ? 0xFFFFu : 0u;  // a negative value's low 16 bits flipped
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t b = bits_of(x[i] * inverse);
-    const uint32_t index = b >> 16;
-    if (is_signed) b ^= static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) >> 16;
-    codes[i] = static_cast<uint8_t>((words[index] + b) >> 16);
+    const uint32_t b = bits_of(x[i] * inverse);
+    keys[i] = b ^ ((static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) >> 16) & flip);
+  }
+  for (int64_t i = 0; i < n; ++i) {  // the key's top 16 bits are the value's
+    codes[i] = static_cast<uint8_t>((words[keys[i] >> 16] + keys[i]) >> 16);
   }
   *scale = absmax;
   return true;
@@ -115,9 +122,9 @@ int64_t step_piece(const Piece& a, const Tables& t, const Hyper& h, float* m_spi
   int64_t n_bad = 0;
   for (int64_t start = 0, b = 0; start < a.n; start += BLOCK, ++b) {
     const int64_t n = a.n - start < BLOCK ? a.n - start : BLOCK;
-    adam_block<MAXIMIZE, DECAY, SMALL_W>(a.p + start, a.g + start, a.mc + start, a.ms[b],
-                                         a.vc + start, a.vs[b], n, t.maps, t.maps + 256, h, m,
-                                         v);
+    look_up(a.mc + start, n, t.maps, m);
+    look_up(a.vc + start, n, t.maps + 256, v);
+    adam_block<MAXIMIZE, DECAY, SMALL_W>(a.p + start, a.g + start, a.ms[b], a.vs[b], n, h, m, v);
     uint8_t flag = 0;
     if (!quantize_block(m, n, true, t.m_words, a.mc + start, a.ms + b)) {
       std::memcpy(m_spill + start, m, n * sizeof(float));
