@@ -1,4 +1,6 @@
-// 8-bit Adam on the CPU: one piece of whole blocks stepped in place (mtapply._cpu_eight_bit).
+// Adam on the CPU: one piece of whole blocks of 8-bit moments stepped in place
+// (mtapply._cpu_eight_bit), or one piece of float32 moments (mtapply._cpu_adam), the same
+// arithmetic (adam_element) in both.
 //
 // Each block's moments are dequantized, stepped with reference.adam_into's float32 operations
 // in its order (built with -ffp-contract=off: no fused multiply-adds), and quantized again as
@@ -32,40 +34,55 @@ inline float float_of(uint32_t b) {
   return x;
 }
 
-// DECAY: 0 none, 1 decoupled (p * (1 - lr * wd)), 2 L2 (g + wd * p). m and v hold the
-// moments' map values on entry (looked up apart: the arithmetic then vectorizes).
+// One element of Adam: reference.adam_into's float32 operations in its order. DECAY: 0 none,
+// 1 decoupled (p * (1 - lr * wd)), 2 L2 (g + wd * p). m0 and v0: the moments on entry.
+template <bool MAXIMIZE, int DECAY, bool SMALL_W>
+inline void adam_element(float& p, float g, float m0, float v0, const Hyper& h, float& m,
+                         float& v) {
+  // negated as a sign flip of the bits: -g + x folded into x - g would lose a NaN's sign
+  float grad = MAXIMIZE ? float_of(bits_of(g) ^ 0x80000000u) : g;
+  float param = p;
+  if (DECAY == 1) param = param * h.decay;
+  if (DECAY == 2) grad = grad + h.weight_decay * param;
+  float t = grad - m0;
+  float m1;
+  if (SMALL_W) {
+    t = t * h.w;
+    m1 = m0 + t;
+  } else {
+    t = t * h.keep;
+    m1 = grad - t;
+  }
+  float u = h.one_minus_beta2 * grad;
+  u = u * grad;
+  float v1 = v0 * h.beta2;
+  v1 = v1 + u;
+  float denom = std::sqrt(v1);
+  denom = denom / h.bias2;
+  denom = denom + h.eps;
+  float ratio = m1 / denom;
+  ratio = ratio * h.neg_step;
+  p = param + ratio;
+  m = m1;
+  v = v1;
+}
+
+// m and v hold the moments' map values on entry (looked up apart: the arithmetic then
+// vectorizes), scaled here by the block's absmax.
 template <bool MAXIMIZE, int DECAY, bool SMALL_W>
 void adam_block(float* __restrict p, const float* __restrict g, float ms, float vs, int64_t n,
                 const Hyper& h, float* __restrict m, float* __restrict v) {
   for (int64_t i = 0; i < n; ++i) {
-    // negated as a sign flip of the bits: -g + x folded into x - g would lose a NaN's sign
-    float grad = MAXIMIZE ? float_of(bits_of(g[i]) ^ 0x80000000u) : g[i];
-    float param = p[i];
-    if (DECAY == 1) param = param * h.decay;
-    if (DECAY == 2) grad = grad + h.weight_decay * param;
-    const float m0 = m[i] * ms;
-    const float v0 = v[i] * vs;
-    float t = grad - m0;
-    float m1;
-    if (SMALL_W) {
-      t = t * h.w;
-      m1 = m0 + t;
-    } else {
-      t = t * h.keep;
-      m1 = grad - t;
-    }
-    float u = h.one_minus_beta2 * grad;
-    u = u * grad;
-    float v1 = v0 * h.beta2;
-    v1 = v1 + u;
-    float denom = std::sqrt(v1);
-    denom = denom / h.bias2;
-    denom = denom + h.eps;
-    float ratio = m1 / denom;
-    ratio = ratio * h.neg_step;
-    p[i] = param + ratio;
-    m[i] = m1;
-    v[i] = v1;
+    adam_element<MAXIMIZE, DECAY, SMALL_W>(p[i], g[i], m[i] * ms, v[i] * vs, h, m[i], v[i]);
+  }
+}
+
+// float32 moments, stepped in place.
+template <bool MAXIMIZE, int DECAY, bool SMALL_W>
+void adam_floats(float* __restrict p, const float* __restrict g, float* __restrict m,
+                 float* __restrict v, int64_t n, const Hyper& h) {
+  for (int64_t i = 0; i < n; ++i) {
+    adam_element<MAXIMIZE, DECAY, SMALL_W>(p[i], g[i], m[i], v[i], h, m[i], v[i]);
   }
 }
 
@@ -141,18 +158,39 @@ int64_t step_piece(const Piece& a, const Tables& t, const Hyper& h, float* m_spi
 }
 
 using Stepper = int64_t (*)(const Piece&, const Tables&, const Hyper&, float*, float*, uint8_t*);
+using FloatStepper = void (*)(float*, const float*, float*, float*, int64_t, const Hyper&);
 
-template <bool MAXIMIZE, int DECAY>
-Stepper pick_w(bool small_w) {
-  return small_w ? step_piece<MAXIMIZE, DECAY, true> : step_piece<MAXIMIZE, DECAY, false>;
+// The instance of Pick's function (step_piece or adam_floats) for a variant: bit 0 maximize,
+// bits 1-2 the decay (0 none, 1 decoupled, 2 L2), bit 3 (1 - beta1) < 0.5.
+template <template <bool, int, bool> class Pick, bool MAXIMIZE, int DECAY>
+auto pick_w(bool small_w) {
+  return small_w ? Pick<MAXIMIZE, DECAY, true>::get() : Pick<MAXIMIZE, DECAY, false>::get();
 }
 
-template <bool MAXIMIZE>
-Stepper pick_decay(int decay, bool small_w) {
-  if (decay == 1) return pick_w<MAXIMIZE, 1>(small_w);
-  if (decay == 2) return pick_w<MAXIMIZE, 2>(small_w);
-  return pick_w<MAXIMIZE, 0>(small_w);
+template <template <bool, int, bool> class Pick, bool MAXIMIZE>
+auto pick_decay(int decay, bool small_w) {
+  if (decay == 1) return pick_w<Pick, MAXIMIZE, 1>(small_w);
+  if (decay == 2) return pick_w<Pick, MAXIMIZE, 2>(small_w);
+  return pick_w<Pick, MAXIMIZE, 0>(small_w);
 }
+
+template <template <bool, int, bool> class Pick>
+auto pick(int32_t variant) {
+  const int decay = (variant >> 1) & 3;
+  const bool small_w = (variant >> 3) & 1;
+  return (variant & 1) ? pick_decay<Pick, true>(decay, small_w)
+                       : pick_decay<Pick, false>(decay, small_w);
+}
+
+template <bool MAXIMIZE, int DECAY, bool SMALL_W>
+struct EightBit {
+  static Stepper get() { return step_piece<MAXIMIZE, DECAY, SMALL_W>; }
+};
+
+template <bool MAXIMIZE, int DECAY, bool SMALL_W>
+struct Floats {
+  static FloatStepper get() { return adam_floats<MAXIMIZE, DECAY, SMALL_W>; }
+};
 
 }  // namespace
 
@@ -170,9 +208,14 @@ extern "C" int64_t mtapply_adam8bit_piece(float* p, const float* g, uint8_t* m_c
   std::memcpy(&h, hyper, sizeof(Hyper));
   const Piece a{p, g, m_codes, m_scales, v_codes, v_scales, n};
   const Tables t{maps, m_words, v_words};
-  const int decay = (variant >> 1) & 3;
-  const bool small_w = (variant >> 3) & 1;
-  const Stepper step = (variant & 1) ? pick_decay<true>(decay, small_w)
-                                     : pick_decay<false>(decay, small_w);
-  return step(a, t, h, m_spill, v_spill, bad);
+  return pick<EightBit>(variant)(a, t, h, m_spill, v_spill, bad);
+}
+
+// Steps n elements of float32 Adam in place: param, grad and the moments, each dense and none
+// overlapping another; hyper and variant as mtapply_adam8bit_piece takes them.
+extern "C" void mtapply_adam_piece(float* p, const float* g, float* m, float* v, int64_t n,
+                                   const float* hyper, int32_t variant) {
+  Hyper h;
+  std::memcpy(&h, hyper, sizeof(Hyper));
+  pick<Floats>(variant)(p, g, m, v, n, h);
 }

@@ -6,7 +6,8 @@ given as one-element float32 arrays (device scalars on a GPU) are read when the 
 checked as the kernels check them: one out of its range makes the step write nothing.
 Elementwise ops step small tensors together, and tensors stored in the math type straight in
 their memory, a range of elements at a time, on up to MTAPPLY_CPU_THREADS threads; 8-bit
-state is stepped so too, a range of whole blocks at a time (`_cpu_eight_bit`).
+state is stepped so too, a range of whole blocks at a time (`_cpu_eight_bit`); float32 Adam's
+ranges by a native library where it is built (`_cpu_adam`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _cpu_eight_bit
+from . import _cpu_adam, _cpu_eight_bit
 from ._ranges import GRAD_SCALE
 from .stochastic import round_to_bfloat16_stochastic
 
@@ -320,7 +321,10 @@ def _run_in_place(spec, cache: dict, args: dict, grad_scale) -> frozenset:
             updates[dtype] = spec.cpu_in_place(args, dtype)
             if updates[dtype] is None:
                 return frozenset()
-    on_threads(pieces, lambda piece: _step_piece(piece, updates), cache["in_place_elements"])
+    numpy_step = lambda piece: _step_piece(piece, updates)  # noqa: E731
+    native = _cpu_adam.native_step(cache, pieces, updates, numpy_step)
+    items, step = native if native is not None else (pieces, numpy_step)
+    on_threads(items, step, cache["in_place_elements"])
     indices = cache.get("in_place")
     if indices is None:
         indices = cache["in_place"] = frozenset(i for i, _, _, _ in pieces)

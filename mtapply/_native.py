@@ -3,8 +3,9 @@
 - `torch_describe` reads torch tensors' addresses and layouts at C speed (the one-call API, and
   mtapply.torch's check that a group is as its plans were bound), and moves params' versions.
 - `xla_ffi` is the XLA FFI handler that launches mtapply's kernels inside `jax.jit`.
-- `cpu_eight_bit` steps 8-bit Adam on the CPU a piece at a time (mtapply._cpu_eight_bit),
-  bit for bit as the NumPy path; plain C, built without any framework's headers.
+- `cpu_eight_bit` steps 8-bit Adam (mtapply._cpu_eight_bit) and float32 Adam
+  (mtapply._cpu_adam) on the CPU a piece at a time, bit for bit as the NumPy path; plain C,
+  built without any framework's headers.
 
 Each is compiled with the system's C++ compiler (`$CXX`, else g++) (against the installed
 torch's or jaxlib's headers where it uses them), into `$MTAPPLY_CACHE_DIR/native`, under a name that covers the

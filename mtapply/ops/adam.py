@@ -104,6 +104,24 @@ class AdamSpec(OpSpec):
     def cpu_batchable(self) -> bool:
         return self.decay_mask is None and self.lr_labels is None
 
+    def cpu_in_place(self, args: dict, dtype):
+        """`cpu_update`'s step in place (`reference.adam_into`, the same operations); None
+        with amsgrad."""
+        if self.amsgrad or not self.cpu_batchable():
+            return None
+        options = dict(lr=args["lr"], step=args["step"], beta1=args["beta1"],
+                       beta2=args["beta2"], eps=args["eps"], weight_decay=args["weight_decay"],
+                       decoupled_weight_decay=self.decoupled_weight_decay,
+                       maximize=self.maximize, dtype=dtype)
+
+        def update(arrays: tuple, dests: tuple, scratch: list) -> None:
+            reference.adam_into(*arrays, dests, scratch, **options)
+
+        update.n_buffers = 3
+        if dtype is np.float32:
+            update.adam = options  # what the native step (mtapply._cpu_adam) takes instead
+        return update
+
     def _decay_factor(self, index: int) -> float:
         return 1.0 if self.decay_mask is None else self.decay_mask[index]
 
