@@ -336,11 +336,11 @@ def _step_piece(piece: tuple, updates: dict) -> None:
     scratch = _SCRATCH.__dict__.setdefault("arrays", {})  # dtype -> arrays of CHUNK elements
     _, dtype, arrays, dests = piece
     update = updates[dtype]
-    buffers = scratch.setdefault(dtype, [])
+    buffers = scratch.setdefault(dtype, [])  # as many as any update of the thread has needed
     while len(buffers) < update.n_buffers:
         buffers.append(np.empty(CHUNK, dtype))
     size = len(dests[0])
-    update(arrays, dests, buffers if size == CHUNK else [b[:size] for b in buffers])
+    update(arrays, dests, [b[:size] for b in buffers[:update.n_buffers]])
 
 
 def on_threads(items: list, step, elements: int) -> None:
