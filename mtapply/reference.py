@@ -17,56 +17,29 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, lr, step, bet
          maximize=False, dtype=np.float64):
     """One Adam/AdamW step as torch.optim.Adam/AdamW define it; `step` counts from 1.
 
-    Returns (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None), new arrays of `dtype`.
-    """
-    p, g, m, v = (np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq))
-    c = lambda x: dtype(x)  # noqa: E731 - scalars enter the math in its own type, as in torch
-    # each operation as written in the comments, in that order; in place only on arrays made
-    # here (the inputs may be the caller's own, or views of tensors: never written)
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            p = p * c(1 - lr * weight_decay)
-        else:  # g = g + wd * p
-            decay = c(weight_decay) * p
-            g = np.add(g, decay, out=_into(decay, g))
-    w = c(1 - beta1)
-    t = g - m
-    if w < 0.5:  # m = m + w * (g - m)
-        t *= w
-        m = np.add(m, t, out=_into(t, m))
-    else:  # m = g - (g - m) * (1 - w)
-        t *= c(1) - w
-        m = np.subtract(g, t, out=_into(t, g))
-    # v = v * beta2 + (1 - beta2) * g * g
-    u = c(1 - beta2) * g
-    u *= g
-    v = v * c(beta2)
-    v = np.add(v, u, out=_into(v, u))
-    vmax = None
-    second = v
+    Returns (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None), new arrays of `dtype` (the
+    inputs, which may be the caller's own or views of tensors, are never written)."""
+    inputs = [np.asarray(a, dtype=dtype) for a in (param, grad, exp_avg, exp_avg_sq)]
     if amsgrad:
-        vmax = np.maximum(np.asarray(max_exp_avg_sq, dtype=dtype), v)
-        second = vmax
-    step_size = lr / (1 - beta1**step)
-    # p = p + (-step_size) * (m / (sqrt(second) / sqrt(1 - beta2**step) + eps))
-    denom = np.sqrt(second, out=_into(u, second))
-    denom /= c(math.sqrt(1 - beta2**step))
-    denom += c(eps)
-    ratio = np.divide(m, denom, out=_into(denom, m))
-    ratio *= c(-step_size)
-    p = np.add(p, ratio, out=_into(ratio, p))
-    return p, m, v, vmax
+        inputs.append(np.asarray(max_exp_avg_sq, dtype=dtype))
+    shape = np.broadcast_shapes(*(a.shape for a in inputs))
+    p, g, m, v, *vmax = (np.broadcast_to(a, shape) for a in inputs)
+    dests = [np.empty(shape, dtype) for _ in range(4 if amsgrad else 3)]
+    adam_into(p, g, m, v, dests, [np.empty(shape, dtype) for _ in range(3)], lr=lr, step=step,
+              beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+              decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, dtype=dtype,
+              max_exp_avg_sq=vmax[0] if amsgrad else None)
+    return (*dests[:3], dests[3] if amsgrad else None)
 
 
 def adam_into(param, grad, exp_avg, exp_avg_sq, dests, scratch, *, lr, step, beta1=0.9,
               beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
-              maximize=False, dtype=np.float32) -> None:
-    """`adam`'s operations (amsgrad aside), in its order and types, into arrays given: `dests`
-    (param, exp_avg, exp_avg_sq) receive the new values (each may be its input's memory);
-    `scratch`: three arrays of the values' size and `dtype`. The inputs are arrays of `dtype`
-    of one shape."""
+              maximize=False, dtype=np.float32, max_exp_avg_sq=None) -> None:
+    """Adam's operations, each as written in the comments and in that order, with scalars in
+    the math's own type (as torch computes them), into arrays given: `dests` (param, exp_avg,
+    exp_avg_sq, and max_exp_avg_sq with amsgrad) receive the new values (each may be its
+    input's memory); `scratch`: three arrays of the values' size and `dtype`. The inputs are
+    arrays of `dtype` of one shape; `max_exp_avg_sq` given means amsgrad."""
     c = dtype
     p, g = param, grad
     held, t, u = scratch
@@ -75,37 +48,31 @@ def adam_into(param, grad, exp_avg, exp_avg_sq, dests, scratch, *, lr, step, bet
     if weight_decay != 0:
         if decoupled_weight_decay:
             p = np.multiply(p, c(1 - lr * weight_decay), out=dests[0])
-        else:
+        else:  # g = g + wd * p
             decay = np.multiply(c(weight_decay), p, out=t)
             g = np.add(g, decay, out=held)
     w = c(1 - beta1)
     np.subtract(g, exp_avg, out=t)
-    if w < 0.5:
+    if w < 0.5:  # m = m + w * (g - m)
         np.multiply(t, w, out=t)
         m = np.add(exp_avg, t, out=dests[1])
-    else:
+    else:  # m = g - (g - m) * (1 - w)
         np.multiply(t, c(1) - w, out=t)
         m = np.subtract(g, t, out=dests[1])
+    # v = v * beta2 + (1 - beta2) * g * g
     np.multiply(c(1 - beta2), g, out=u)
     np.multiply(u, g, out=u)
     v = np.multiply(exp_avg_sq, c(beta2), out=dests[2])
     np.add(v, u, out=v)
+    second = v if max_exp_avg_sq is None else np.maximum(max_exp_avg_sq, v, out=dests[3])
     step_size = lr / (1 - beta1**step)
-    denom = np.sqrt(v, out=u)
+    # p = p + (-step_size) * (m / (sqrt(second) / sqrt(1 - beta2**step) + eps))
+    denom = np.sqrt(second, out=u)
     np.divide(denom, c(math.sqrt(1 - beta2**step)), out=denom)
     np.add(denom, c(eps), out=denom)
     ratio = np.divide(m, denom, out=denom)
     np.multiply(ratio, c(-step_size), out=ratio)
     np.add(p, ratio, out=dests[0])
-
-
-def _into(made, *others):
-    """`made` (an array made by the caller) as the output of an operation with `others`, where
-    it has the operation's shape; else None (a new array)."""
-    if isinstance(made, np.ndarray) and made.shape == np.broadcast_shapes(
-            made.shape, *(np.shape(other) for other in others)):
-        return made
-    return None
 
 
 def adam8bit(param, grad, exp_avg, exp_avg_sq, *, lr, step, block=256, dtype=np.float32,
