@@ -322,9 +322,15 @@ def launcher_for(spec, refs, arrays, table_mode, device_id, stream) -> Launcher:
     dtypes = [tuple(refs[s][i].dtype for s in slots) for i in range(n)]
     numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
-    means = 0
-    shapes = getattr(spec, "shape_words", lambda refs: None)(refs)
-    if shapes is not None:  # a factored rule's tensor shapes, and its means' workspace
-        arrays = {**arrays, "shape_array": shapes[0]}
-        means = shapes[1]
+    arrays, means = with_shapes(spec, refs, arrays)
     return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream, means)
+
+
+def with_shapes(spec, refs, arrays: dict) -> tuple:
+    """(arrays, means): for a factored rule, `arrays` with its tensors' shapes (`shape_array`)
+    and the size of its means' workspace; for other ops `arrays` as they are and 0. `refs`:
+    slot -> per tensor an object with `shape` and `numel`."""
+    shapes = getattr(spec, "shape_words", lambda refs: None)(refs)
+    if shapes is None:
+        return arrays, 0
+    return {**arrays, "shape_array": shapes[0]}, shapes[1]

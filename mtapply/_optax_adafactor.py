@@ -11,7 +11,6 @@ back: small arrays, reshaped by XLA around the one call.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import NamedTuple
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._optax_engine import _CALLBACK_ENV, Engine
+from ._optax_engine import Engine
 from ._optax_make import FusedOptimizer, _state_dtype
 from ._optax_ops import UserRule, _mask_leaves
 from .rules import library
@@ -124,8 +123,8 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
     clipping_threshold, momentum, weight_decay_rate and eps may be arrays. weight_decay_mask
     (optax's: a pytree of bools like the params, or a callable of the params giving one)
     keeps the weight decay to the leaves where it is True; the leaves it leaves out are
-    stepped by a call of their own. Runs on the CPU (the factored rule has no CUDA kernel yet):
-    under a GPU backend the step is refused when traced, unless MTAPPLY_OPTAX_CALLBACK=host."""
+    stepped by a call of their own. On GPUs the factored rule's kernels run in the XLA FFI
+    call, as every mtapply.optax step, each param's shape passed to them when it is traced."""
     init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
                                 multiply_by_parameter_scale, clipping_threshold, momentum,
                                 dtype_momentum, weight_decay_rate, eps, factored,
@@ -191,7 +190,6 @@ def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_off
                             weight_decay_mask).init
 
     def run(params, grads, state, mode: str):
-        _refuse_gpu(rule)
         return _update(engine, rule, factored, min_dim, mask, grads, state, params, mode)
 
     return init, run
@@ -253,22 +251,6 @@ class _AdafactorRule(UserRule):
 
     def fixed_args(self, statics, lr, step, decay=None, *more) -> dict:
         return dict(lr=lr, step=step, decay=decay, **self.hyper)
-
-
-def _refuse_gpu(rule: UserRule) -> None:
-    """NotImplementedError, when the step is traced for a GPU, for a rule the XLA route
-    cannot run (the GPU call would otherwise fail inside XLA's run, far from the cause):
-    factored slots, whose kernels need each param's shape, which that route does not pass."""
-    program = rule.user.program
-    reason = ("its factored slots need each param's shape, which the XLA route does not pass"
-              if program.factored else program.cpu_only)
-    if (reason and jax.default_backend() in ("gpu", "cuda", "rocm")
-            and os.environ.get(_CALLBACK_ENV, "ffi") != "host"):
-        raise NotImplementedError(
-            f"mtapply.optax.{rule.name}: the rule {rule.user.name!r} does not run on a GPU "
-            f"under jax for now ({reason}): set MTAPPLY_OPTAX_CALLBACK=host before the step "
-            f"is traced (the NumPy step, through the host), step on the CPU, or use "
-            f"optax.{rule.name}")
 
 
 def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, mask, grads,

@@ -327,7 +327,18 @@ class Engine:
                           for d in jax.local_devices(backend="gpu")})
         elements = [int(np.prod(x.shape, dtype=np.int64)) for x in buffers]
         return _xla.prepare(spec, operand_table, offset_table, dtypes, numels, hyper,
-                            scalar_operands, devices, elements)
+                            scalar_operands, devices, elements,
+                            _shapes(spec, by_name, layouts, buffers, operand_table))
+
+
+def _shapes(spec, by_name: dict, layouts, buffers: list, operand_table) -> dict | None:
+    """Spec slot -> each leaf's shape of it, for a factored rule's kernels (None for others):
+    a tree slot's from its buffers, a flat slot's (laid out as the params) from its layout."""
+    if not getattr(getattr(spec, "program", None), "factored", False):
+        return None
+    return {name: (layouts[name].shapes if by_name[name].flat
+                   else [tuple(buffers[j].shape) for j in operand_table[:, s]])
+            for s, name in enumerate(spec.slots)}
 
 
 class _Runner:

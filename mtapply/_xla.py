@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _native
 from ._launch import field_word
-from ._launcher import Launcher
+from ._launcher import Launcher, with_shapes
 from .ops._spec import DeviceScalar
 
 TARGET = "mtapply_step"
@@ -76,7 +76,8 @@ def _configure(lib) -> None:
 
 
 def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numels: list,
-            hyper: dict, scalar_operands: dict, devices: list, elements: list) -> int:
+            hyper: dict, scalar_operands: dict, devices: list, elements: list,
+            shapes: dict | None = None) -> int:
     """Registers `spec` over a tree of len(numels) leaves and returns the plan's id; a call
     equal to one registered before (the same op, hyperparameters, tree and buffers) gets that
     plan's id, so tracing a step again (a transformation made anew for each step, as
@@ -91,21 +92,25 @@ def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numel
         workspaces, and the handler picks them by the device of XLA's stream.
     elements: the element count of each of the call's buffers (results, then arguments),
         which the handler checks at each call: a call partitioned by XLA would hand it parts.
+    shapes: spec slot -> the shape of each leaf's array of it (a factored rule's kernels read
+        each param's rows and columns); None where the op needs none.
     """
     elements = np.ascontiguousarray(elements, np.int64)
+    shapes = None if shapes is None else {k: tuple(tuple(int(n) for n in shape) for shape in v)
+                                          for k, v in shapes.items()}
     identity = _identity(spec, operands, offsets, dtypes, numels, hyper, scalar_operands,
-                         devices, elements)
+                         devices, elements, shapes)
     with _lock:
         if identity in _ids:
             return _ids[identity]
         plan_id = _register_plan(spec, operands, offsets, dtypes, numels, hyper,
-                                 scalar_operands, devices, elements)
+                                 scalar_operands, devices, elements, shapes)
         _ids[identity] = plan_id
         return plan_id
 
 
 def _identity(spec, operands, offsets, dtypes, numels, hyper, scalar_operands, devices,
-              elements) -> tuple:
+              elements, shapes) -> tuple:
     """Everything a registered plan depends on, hashable."""
     def value(v):
         return ("device", v.obj) if isinstance(v, DeviceScalar) else v
@@ -113,11 +118,12 @@ def _identity(spec, operands, offsets, dtypes, numels, hyper, scalar_operands, d
     return (spec.call_key(len(numels)), spec.param_mode, operands.tobytes(), operands.shape,
             offsets.tobytes(), tuple(dtypes), tuple(int(n) for n in numels),
             tuple(sorted((k, value(v)) for k, v in hyper.items())),
-            tuple(sorted(scalar_operands.items())), tuple(devices), elements.tobytes())
+            tuple(sorted(scalar_operands.items())), tuple(devices), elements.tobytes(),
+            None if shapes is None else tuple(sorted(shapes.items())))
 
 
 def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operands, devices,
-                   elements) -> int:
+                   elements, shapes) -> int:
     lib = _state["lib"]
     if operands.size and (operands.min() < 0 or operands.max() >= len(elements)):
         raise ValueError(f"mtapply: a plan's operand index is outside the call's "
@@ -136,7 +142,7 @@ def _register_plan(spec, operands, offsets, dtypes, numels, hyper, scalar_operan
     pointers = np.zeros((len(numels), len(spec.slots)), np.uint64)
     launchers = []
     for device_id in devices:
-        launcher = _device_launcher(spec, dtypes, numels, pointers, device_id)
+        launcher = _device_launcher(spec, dtypes, numels, pointers, device_id, shapes)
         launchers.append(launcher)
         for group, table, passes in zip(launcher.groups, launcher.tables, launcher.launches):
             _add_group(lib, plan_id, device_id, group, table, passes, args,
@@ -155,13 +161,17 @@ def _pointer_field(spec, name: str) -> str | None:
     return field if field.endswith("_out") and field in spec.arg_fields else None
 
 
-def _device_launcher(spec, dtypes, numels, pointers, device_id) -> Launcher:
+def _device_launcher(spec, dtypes, numels, pointers, device_id, shapes) -> Launcher:
     """The kernels, tables and workspaces of the plan on one GPU, ready before XLA runs."""
     import cupy
 
+    arrays, means = spec.tensor_arrays(len(numels)), 0
+    if shapes is not None:
+        arrays, means = with_shapes(spec, {k: [_Shape(s) for s in v] for k, v in shapes.items()},
+                                    arrays)
     with cupy.cuda.Device(device_id):
-        launcher = Launcher(spec, spec.tensor_arrays(len(numels)), dtypes, numels, pointers,
-                             "memcpy", device_id, 0)
+        launcher = Launcher(spec, arrays, dtypes, numels, pointers, "memcpy", device_id, 0,
+                            means)
         for passes in launcher.launches:  # an out-of-range value goes through, as in optax: a
             for launch in passes:  # skipped step would return the outputs unwritten
                 launch.set_invalid(0)
@@ -185,6 +195,13 @@ def _add_group(lib, plan_id, device_id, group, table, passes, args, operands, of
         numels.ctypes.data, operands.ctypes.data, offsets.ctypes.data)
     if status != 0:
         raise RuntimeError(f"mtapply: registering plan {plan_id} failed")
+
+
+class _Shape:
+    """An array's shape and element count, as a factored rule's `shape_words` reads them."""
+
+    def __init__(self, shape: tuple):
+        self.shape, self.numel = shape, int(np.prod(shape, dtype=np.int64))
 
 
 def placeholder(index: int) -> DeviceScalar:

@@ -10,7 +10,6 @@ chain: clipping, param scale, decay_rate) that its rows share with each other.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from .common import (Competitor, JaxLoop, Stepper, TensorLists, fused_step, generator,
@@ -90,17 +89,10 @@ def optax_jit(data: AdafactorData) -> Stepper:
 
 
 def mtapply_optax(data: AdafactorData, fused: bool) -> Stepper:
-    """mtapply.optax.adafactor (or its fused step) under jax.jit. Its factored rule runs on a
-    GPU under JAX only through the host (MTAPPLY_OPTAX_CALLBACK=host): without that the row is
-    skipped."""
-    import jax
-
+    """mtapply.optax.adafactor (or its fused step) under jax.jit: on a GPU its factored rule's
+    kernels in the XLA FFI call."""
     import mtapply.optax as mtx
 
-    if (jax.default_backend() in ("gpu", "cuda", "rocm")
-            and os.environ.get("MTAPPLY_OPTAX_CALLBACK", "ffi") != "host"):
-        raise RuntimeError("mtapply.optax.adafactor runs on a GPU only through the host: "
-                           "set MTAPPLY_OPTAX_CALLBACK=host to time that route")
     params, grads = jax_lists(data.lists())
     optimizer = (mtx.fused_adafactor if fused else mtx.adafactor)(LR)
     step = fused_step(optimizer) if fused else transformation_step(optimizer)
@@ -118,9 +110,7 @@ COMPETITORS = {
                              "torch.optim.Adafactor(foreach=False), tensor by tensor"),
     "optax-adafactor": Competitor(optax_jit, "optax.adafactor under jax.jit, donated"),
     "mtapply-optax": Competitor(lambda data: mtapply_optax(data, fused=False),
-                                "mtapply.optax.adafactor under jax.jit, donated "
-                                "(on a GPU: MTAPPLY_OPTAX_CALLBACK=host only)"),
+                                "mtapply.optax.adafactor under jax.jit, donated"),
     "mtapply-optax-fused": Competitor(lambda data: mtapply_optax(data, fused=True),
-                                      "mtapply.optax.fused_adafactor(...).step under jax.jit "
-                                      "(on a GPU: MTAPPLY_OPTAX_CALLBACK=host only)"),
+                                      "mtapply.optax.fused_adafactor(...).step under jax.jit"),
 }

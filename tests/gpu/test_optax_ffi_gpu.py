@@ -456,3 +456,51 @@ def test_scalar_state_steps_in_the_ffi_call_as_optax_contrib(gpu, name, form, mo
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         scale = max(np.abs(want).max(initial=0), 1e-3)
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * scale)
+
+
+ADAFACTOR_SHAPES = {"matrix": (256, 130), "stack": (3, 128, 129), "wide": (130, 520),
+                    "small": (6, 40), "bias": (7,), "column": (300, 1)}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+@pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay_rate": 0.01}],
+                         ids=["defaults", "momentum-decay"])
+def test_adafactor_steps_through_the_ffi_call_as_optax(gpu, fused, options, monkeypatch):
+    """mtapply.optax.adafactor under jit: one mtapply_step whose factored kernels take each
+    param's rows and columns (matrices, a stack, leaves too small to factor, vectors), and
+    optax.adafactor's params and state after 20 steps."""
+    monkeypatch.delenv("MTAPPLY_OPTAX_CALLBACK", raising=False)
+    rng = np.random.default_rng(9)
+
+    def tree():
+        return {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32), gpu)
+                for k, s in ADAFACTOR_SHAPES.items()}
+
+    params, grads_seq = tree(), [tree() for _ in range(20)]
+
+    def run(opt, through_step):
+        def step(p, s, g):
+            if through_step:
+                return opt.step(p, g, s)
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+        jitted = jax.jit(step)
+        p, s = params, opt.init(params)
+        for g in grads_seq:
+            p, s = jitted(p, s, g)
+        return p, s, jitted.lower(p, s, grads_seq[0])
+
+    mine = (mtx.fused_adafactor if fused else mtx.adafactor)(learning_rate=0.01, **options)
+    got, got_state, lowered = run(mine, fused)
+    targets = _custom_calls(lowered)
+    assert targets.count("mtapply_step") == 1 and not [t for t in targets if "callback" in t]
+    want, want_state, _ = run(optax.adafactor(learning_rate=0.01, **options), False)
+    pairs = list(zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state))))
+    assert len(pairs) == len(jax.tree.leaves((want, want_state)))
+    for g, w in pairs:
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape
+        scale = max(np.abs(w).max(initial=0), 1e-3)
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
+    moved = np.abs(np.asarray(got["matrix"]) - np.asarray(params["matrix"])).max()
+    assert moved > 1e-3  # the params did move
