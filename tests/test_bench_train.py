@@ -57,3 +57,37 @@ def test_the_lion_model_is_listed_with_float_lion_as_reference():
     assert "gpt2-lion8bit" in train.MODELS
     names = train.lion_optimizers(1e-4, 0.1)
     assert {"mtapply-lion", "mtapply-lion8bit"} <= set(names)
+
+
+def test_markov_batches_are_fixed_walks_over_a_small_vocabulary():
+    import torch
+
+    batches = train.markov_batches(3, 2, 40, "cpu", vocab=16)
+    assert batches.shape == (3, 2, 40) and batches.dtype == torch.int64
+    assert batches.min() >= 0 and batches.max() < 50257
+    assert len(torch.unique(batches)) <= 16
+    assert torch.equal(batches, train.markov_batches(3, 2, 40, "cpu", vocab=16))
+    assert not torch.equal(batches[0], batches[1])  # a fresh batch each step
+    pairs = set(zip(batches[..., :-1].flatten().tolist(), batches[..., 1:].flatten().tolist()))
+    assert len(pairs) < 16 * 16 / 2  # a chain's likely successors, not uniform pairs
+
+
+def test_each_model_reads_the_stream_from_its_own_start(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(train, "markov_batches",
+                        lambda count, batch, tokens, device: torch.arange(count).reshape(count, 1, 1)
+                        .expand(count, batch, tokens))
+    seen = []
+
+    class Model:
+        def __call__(self, input_ids, labels):
+            seen.append((id(self), int(input_ids[0, 0])))
+            return type("Out", (), {"loss": 0.0})()
+
+    loss = train.markov_loss(2, 4, pool=3)
+    a, b = Model(), Model()
+    for model in (a, b, b, a, a, a):
+        loss(model)
+    assert [k for m, k in seen if m == id(a)] == [0, 1, 2, 0]
+    assert [k for m, k in seen if m == id(b)] == [0, 1]

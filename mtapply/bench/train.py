@@ -6,8 +6,8 @@ runs them. The variants take turns in rounds, in one order and then the reverse 
 ...), so that drift of the host or the GPU hits them alike; each round times a run of steps
 between two synchronisations, and the table gives the median of the rounds as ms per step and
 as a ratio to the model's reference variant (torch's fused optimizer; optax in JAX). Each
-variant takes the same steps on the same batch, so a torch model's rows also give the loss after
-the run, against the reference's.
+variant takes the same steps on the same batches, so a torch model's rows also give the loss
+after the run, against the reference's.
 
 - gpt2: GPT-2 124M from a `transformers` config, AdamW, bf16 autocast, batch 8 x 512 tokens;
 - gpt2-groups: the same with a param group per tensor (layer-wise lr decay, no weight decay on
@@ -15,7 +15,8 @@ the run, against the reference's.
 - gpt2-muon: the same model with the usual hybrid, Muon for the blocks' matrices and AdamW for
   the rest: torch.optim.Muon + fused AdamW against mtapply.torch.Muon's one optimizer;
 - gpt2-lion8bit: the same model with Lion, its moment in 8 bits (mtapply.torch.Lion with
-  state_bits=8, and bitsandbytes' Lion8bit where installed) against float Lion;
+  state_bits=8, and bitsandbytes' Lion8bit where installed) against float Lion, on a fresh
+  batch each step from a fixed Markov chain (`markov_batches`);
 - resnet50: torchvision's ResNet-50, SGD with momentum and LARS, bf16 autocast, batch 32;
 - mlp: a deep narrow MLP (600 layers of 256, 1,200 small params), AdamW, fp32;
 - jax-mlp: an MLP in JAX (flax if installed, else plain JAX), optax.adamw against
@@ -196,11 +197,47 @@ def gpt2_muon(batch: int = 8, tokens: int = 512) -> Model:
 
 
 def gpt2_lion8bit(batch: int = 8, tokens: int = 512) -> Model:
-    build, loss = _gpt2(batch, tokens)
+    build, _ = _gpt2(batch, tokens)
     return Model("gpt2-lion8bit", f"GPT-2 124M, Lion (lr 1e-4, betas 0.9/0.99, weight decay 0.1) "
                                   f"with its moment in 8 bits and in float32, bf16 autocast, "
-                                  f"batch {batch} x {tokens}", "mtapply-lion",
-                 _torch_variants(lion_optimizers(1e-4, 0.1), build, loss))
+                                  f"batch {batch} x {tokens}, a fresh batch each step from a "
+                                  f"fixed Markov chain over {MARKOV_VOCAB} tokens", "mtapply-lion",
+                 _torch_variants(lion_optimizers(1e-4, 0.1), build, markov_loss(batch, tokens)))
+
+
+MARKOV_VOCAB = 2048  # tokens of the chain (ids spread over GPT-2's 50,257)
+
+
+def markov_batches(count: int, batch: int, tokens: int, device: str, seed: int = 3,
+                   vocab: int = MARKOV_VOCAB):
+    """`count` batches of token ids, each row a walk of a fixed Markov chain over `vocab` of
+    GPT-2's ids: a learnable stream (its loss falls toward the chain's entropy), unlike
+    uniform random ids, and unlike one batch seen again, one a model cannot memorise."""
+    import torch
+
+    gen = torch.Generator(device).manual_seed(seed)
+    ids = torch.randperm(50257, generator=gen, device=device)[:vocab]
+    transitions = torch.softmax(3.0 * torch.randn(vocab, vocab, generator=gen, device=device), 1)
+    state = torch.randint(0, vocab, (count * batch,), generator=gen, device=device)
+    walk = [state]
+    for _ in range(tokens - 1):
+        state = torch.multinomial(transitions[state], 1, generator=gen).squeeze(1)
+        walk.append(state)
+    return ids[torch.stack(walk, 1)].reshape(count, batch, tokens)
+
+
+def markov_loss(batch: int, tokens: int, pool: int = 64):
+    """A loss whose k-th call for a model reads batch k (mod `pool`) of `markov_batches`: each
+    variant, however the rounds interleave them, sees the same batches in the same order."""
+    batches = markov_batches(pool, batch, tokens, "cuda")
+    calls: dict = {}
+
+    def loss(model):
+        k = calls[id(model)] = calls.get(id(model), -1) + 1
+        ids = batches[k % pool]
+        return model(input_ids=ids, labels=ids).loss
+
+    return loss
 
 
 def lion_optimizers(lr: float, weight_decay: float) -> dict:
