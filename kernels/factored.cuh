@@ -22,6 +22,41 @@ namespace mta {
 
 constexpr int WARPS = MTA_BLOCK / 32;
 
+// Exact quotients n / d of a tensor's element indices by its rows or columns, without the
+// 64-bit division (some 70 instructions an element). Where every index is below 2^32 (the
+// tensor's numel at most 2^32), Granlund and Montgomery's round-up method: with l = ceil(log2 d)
+// and magic = floor(2^32 (2^l - d) / d) + 1 (below 2^32), n / d = (mulhi(magic, n) + n) >> l for
+// every n < 2^32, the sum taken in 64 bits; larger tensors divide in 64 bits.
+// tests/test_factored_division.py checks the arithmetic.
+struct Divider {
+  long long d;
+  unsigned magic, shift;
+  bool narrow;  // every index divided is below 2^32
+
+  __device__ static Divider of(long long divisor, long long numel) {
+    Divider v;
+    v.d = divisor > 0 ? divisor : 1;  // (a param that is not factored has no rows)
+    v.narrow = numel <= (1ll << 32) && v.d < (1ll << 32);
+    v.magic = 1u;
+    v.shift = 0u;
+    if (v.narrow && v.d > 1) {
+      const unsigned long long d = static_cast<unsigned long long>(v.d);
+      v.shift = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d)
+      v.magic = static_cast<unsigned>((((1ull << v.shift) - d) << 32) / d) + 1u;
+    }
+    return v;
+  }
+
+  __device__ __forceinline__ long long quotient(long long n) const {
+    if (narrow) {
+      const unsigned x = static_cast<unsigned>(n);
+      const unsigned long long high = __umulhi(x, magic);
+      return static_cast<long long>((high + x) >> shift);
+    }
+    return n / d;
+  }
+};
+
 // Slot S's value at index j of its own (row or column) vector, and its store.
 template <int S>
 __device__ __forceinline__ acc_t load_at(const char* base, long long j) {
