@@ -298,7 +298,7 @@ class _Writer:
 
     @property
     def vector_slots(self) -> set:
-        """The row and column slots (whose lines the factor pass runs)."""
+        """The row and column slots (whose lines the combine pass runs)."""
         return {s.name for s in self.program.slots if s.form in (ROW, COL)}
 
     def _update_lines(self) -> list:
