@@ -24,38 +24,60 @@ namespace mta {
 
 constexpr int WARPS = MTA_BLOCK / 32;
 
-// Exact quotients n / d of a tensor's element indices by its rows or columns, without the
-// 64-bit division (some 70 instructions an element). Where every index is below 2^32 (the
-// tensor's numel at most 2^32), Granlund and Montgomery's round-up method: with l = ceil(log2 d)
-// and magic = floor(2^32 (2^l - d) / d) + 1 (below 2^32), n / d = (mulhi(magic, n) + n) >> l for
-// every n < 2^32, the sum taken in 64 bits; larger tensors divide in 64 bits.
-// tests/test_factored_division.py checks the arithmetic.
+// Exact quotients n / d of a tensor's element indices by its rows or columns, without a 64-bit
+// division (some 70 instructions an element), by Granlund and Montgomery's round-up method for
+// N-bit words: with l = ceil(log2 d), magic = floor(2^N (2^l - d) / d) + 1 (below 2^N) and
+// t = mulhi(magic, n), n / d = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0) for every n < 2^N,
+// that is (t + n) >> l with the sum taken in 2N bits. The walker gives an indexed op each index
+// as an unsigned 32-bit word where every index of its tensor fits one (`narrow`): the cheaper
+// quotient; else as 64 bits. tests/test_factored_division.py checks the arithmetic.
 struct Divider {
-  long long d;
-  unsigned magic, shift;
-  bool narrow;  // every index divided is below 2^32
+  unsigned long long wide_magic;
+  unsigned magic, shift;       // 32-bit words (magic 0: d >= 2^32, every quotient is 0)
+  unsigned wide_first, wide_second;  // the 64-bit quotient's shifts
 
-  __device__ static Divider of(long long divisor, long long numel) {
+  __device__ static Divider of(long long divisor) {
+    // (a param that is not factored has no rows: any divisor will do)
+    const unsigned long long d = divisor > 1 ? static_cast<unsigned long long>(divisor) : 1ull;
+    const unsigned l = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d), 0 for d = 1
     Divider v;
-    v.d = divisor > 0 ? divisor : 1;  // (a param that is not factored has no rows)
-    v.narrow = numel <= (1ll << 32) && v.d < (1ll << 32);
-    v.magic = 1u;
-    v.shift = 0u;
-    if (v.narrow && v.d > 1) {
-      const unsigned long long d = static_cast<unsigned long long>(v.d);
-      v.shift = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d)
-      v.magic = static_cast<unsigned>((((1ull << v.shift) - d) << 32) / d) + 1u;
+    v.wide_magic = shifted_quotient((1ull << l) - d, d) + 1ull;
+    v.wide_first = min(l, 1u);
+    v.wide_second = l > 0u ? l - 1u : 0u;
+    v.magic = 0u;
+    v.shift = 32u;
+    if (d < (1ull << 32)) {
+      v.magic = static_cast<unsigned>((((1ull << l) - d) << 32) / d) + 1u;
+      v.shift = l;
     }
     return v;
   }
 
-  __device__ __forceinline__ long long quotient(long long n) const {
-    if (narrow) {
-      const unsigned x = static_cast<unsigned>(n);
-      const unsigned long long high = __umulhi(x, magic);
-      return static_cast<long long>((high + x) >> shift);
+  // floor(high * 2^64 / d) for high < d, by long division (once per block).
+  __device__ static unsigned long long shifted_quotient(unsigned long long high,
+                                                        unsigned long long d) {
+    unsigned long long rest = high, quotient = 0ull;
+#pragma unroll 1
+    for (int bit = 63; bit >= 0; --bit) {
+      const bool carry = (rest >> 63) != 0ull;
+      rest <<= 1;
+      if (carry || rest >= d) {
+        rest -= d;
+        quotient |= 1ull << bit;
+      }
     }
-    return n / d;
+    return quotient;
+  }
+
+  __device__ __forceinline__ unsigned quotient(unsigned n) const {
+    const unsigned long long t = __umulhi(n, magic);
+    return static_cast<unsigned>((t + n) >> shift);
+  }
+
+  __device__ __forceinline__ long long quotient(long long n) const {
+    const unsigned long long x = static_cast<unsigned long long>(n);
+    const unsigned long long t = __umul64hi(wide_magic, x);
+    return static_cast<long long>((t + ((x - t) >> wide_first)) >> wide_second);
   }
 };
 

@@ -60,11 +60,12 @@ def _vector_slots(program) -> list:
 
 def members(writer) -> list:
     """The members every functor of a factored rule has (kernels/walker.cuh, INDEXED)."""
-    return (["  static constexpr bool INDEXED = true;",
+    return (["  static constexpr bool INDEXED = true;", 
              f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
              "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
              "  Divider by_rows, by_cols;  // exact quotients of indices by rows and by cols",
+             "  bool narrow;  // every index fits 32 bits (the walker's Index: unsigned)",
              "  unsigned absent;  // slots the walker neither loads nor stores"]
             + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
 
@@ -81,8 +82,8 @@ def factored_reads(writer) -> list:
              "    const bool z_factored = z_shape[1] > 0;",
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
-             "    by_rows = Divider::of(rows, z_shape[0]);",
-             "    by_cols = Divider::of(cols, z_shape[0]);",
+             "    by_rows = Divider::of(rows);", "    by_cols = Divider::of(cols);",
+             "    narrow = z_shape[0] <= (1ll << 32);",
              f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
                for s in _vector_slots(program)])
@@ -91,9 +92,10 @@ def factored_reads(writer) -> list:
 def element_prologue(writer) -> list:
     """The first statements of a walker functor's branch for factored params: the element's
     row and column state, and its matrix's means."""
-    lines = ["const long long f_row = by_cols.quotient(index);  // the element's row in the stack",
-             "const long long f_matrix = by_rows.quotient(f_row);  // its matrix",
-             "const long long f_col = f_matrix * cols + (index - f_row * cols);  // its column"]
+    lines = ["const Index f_row = by_cols.quotient(index);  // the element's row in the stack",
+             "const Index f_matrix = by_rows.quotient(f_row);  // its matrix",
+             "const Index f_col = f_matrix * static_cast<Index>(cols) + "
+             "(index - f_row * static_cast<Index>(cols));  // its column"]
     for s in _vector_slots(writer.program):
         at = "f_row" if s.form == ROW else "f_col"
         slot = writer._slot(s.name)
@@ -102,7 +104,7 @@ def element_prologue(writer) -> list:
     for call in writer.passes.matrix_means:
         writer.mean_names[id(call[0])] = f"f_m{numbers[id(call[0])]}"
     for k, call in enumerate(firsts):
-        lines.append(f"const acc_t f_m{k} = acc_t(means[f_matrix * N_MATRIX + {k}]);  "
+        lines.append(f"const acc_t f_m{k} = acc_t(means[static_cast<long long>(f_matrix) * N_MATRIX + {k}]);  "
                      f"// {ast.unparse(call)}")
     return lines
 
