@@ -173,6 +173,7 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
   const int n_cols = static_cast<int>(min(static_cast<long long>(t.tile_cols), t.cols - col0));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   acc_t col_sums[LANE_COLS][N_COL] = {};
+#pragma unroll 2  // (two rows' loads in flight before either's warp_sum)
   for (int r = warp; r < n_rows; r += WARPS) {  // the same trips in every lane of the warp
     const long long j = row0 + r;
     acc_t row_sums[N_ROW] = {};
