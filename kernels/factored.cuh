@@ -2,7 +2,7 @@
 // stack of matrices (batch, rows, cols) over its last two dimensions, keeps some state as one
 // value per row or per column of each matrix. Its row and column means are reductions, which
 // run before the chunk walker's passes, on the same blocks:
-//   factor_walk   each tile of each matrix (TILE_ROWS x TILE_COLS elements, below) read once,
+//   factor_walk   each tile of each matrix (some rows by up to 128 columns: Tiles) read once,
 //                 coalesced, by a whole block: the tile's partial sums of the op's element
 //                 terms per row and per column, stored in the workspace;
 //   combine_walk  each row's and each column's partial sums added in a fixed order (no float
@@ -36,12 +36,14 @@ struct Divider {
   unsigned magic, shift;       // 32-bit words (magic 0: d >= 2^32, every quotient is 0)
   unsigned wide_first, wide_second;  // the 64-bit quotient's shifts
 
-  __device__ static Divider of(long long divisor) {
+  // For the indices of a tensor of `numel` elements: the 64-bit words only where they are used
+  // (their long division is some 500 instructions, in every thread of the block).
+  __device__ static Divider of(long long divisor, long long numel) {
     // (a param that is not factored has no rows: any divisor will do)
     const unsigned long long d = divisor > 1 ? static_cast<unsigned long long>(divisor) : 1ull;
     const unsigned l = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d), 0 for d = 1
     Divider v;
-    v.wide_magic = shifted_quotient((1ull << l) - d, d) + 1ull;
+    v.wide_magic = numel > (1ll << 32) ? shifted_quotient((1ull << l) - d, d) + 1ull : 0ull;
     v.wide_first = min(l, 1u);
     v.wide_second = l > 0u ? l - 1u : 0u;
     v.magic = 0u;
