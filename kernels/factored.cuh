@@ -1,26 +1,87 @@
 // Factored state (mtapply/rules/_factored.py): a param of two or more dimensions, seen as a
 // stack of matrices (batch, rows, cols) over its last two dimensions, keeps some state as one
 // value per row or per column of each matrix. Its row and column means are reductions, which
-// run before the chunk walker's passes, on the same blocks (a tensor's blocks share its rows,
-// then its columns, in fixed parts):
-//   factor_walk   each row's and each column's sums of the op's element terms, in a fixed
-//                 order (no float atomics: the same bits every run), then the op's finish of
-//                 that row or column (its new row or column state, stored);
+// run before the chunk walker's passes, on the same blocks:
+//   factor_walk   each tile of each matrix (some rows by up to 128 columns: Tiles) read once,
+//                 coalesced, by a whole block: the tile's partial sums of the op's element
+//                 terms per row and per column, stored in the workspace;
+//   combine_walk  each row's and each column's partial sums added in a fixed order (no float
+//                 atomics: the same bits every run), then the op's finish of that row or
+//                 column (its new row or column state, stored);
 //   matrix_walk   per matrix, the means over its rows (or columns) of those new values, into
 //                 the plan's workspace, which the later passes read.
 // A row of the stack is j = element / cols (batch * rows rows), a column c = (j / rows) * cols
 // + element % cols (batch * cols columns).
 //
 // The op (a generated rule functor, OWN_WALK) is made as an indexed op, Op(args, chunk, sums),
-// with members `factored`, `rows`, `cols`; factor_walk calls its terms(x, row_terms,
-// col_terms), finish_row(j, means) and finish_col(c, means) (N_ROW, N_COL values each),
-// matrix_walk its matrix(b, lane) for matrix b.
+// with members `factored`, `rows`, `cols`, `means`; factor_walk calls its terms(x, row_terms,
+// col_terms) (N_ROW, N_COL values each), combine_walk its finish_row(j, means) and
+// finish_col(c, means), matrix_walk its matrix(b, lane) for matrix b.
 #pragma once
 #include "walker.cuh"
 
 namespace mta {
 
 constexpr int WARPS = MTA_BLOCK / 32;
+
+// Exact quotients n / d of a tensor's element indices by its rows or columns, without a 64-bit
+// division (some 70 instructions an element), by Granlund and Montgomery's round-up method for
+// N-bit words: with l = ceil(log2 d), magic = floor(2^N (2^l - d) / d) + 1 (below 2^N) and
+// t = mulhi(magic, n), n / d = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0) for every n < 2^N,
+// that is (t + n) >> l with the sum taken in 2N bits. The walker gives an indexed op each index
+// as an unsigned 32-bit word where every index of its tensor fits one (`narrow`): the cheaper
+// quotient; else as 64 bits. tests/test_factored_division.py checks the arithmetic.
+struct Divider {
+  unsigned long long wide_magic;
+  unsigned magic, shift;       // 32-bit words (magic 0: d >= 2^32, every quotient is 0)
+  unsigned wide_first, wide_second;  // the 64-bit quotient's shifts
+
+  // For the indices of a tensor of `numel` elements: the 64-bit words only where they are used
+  // (their long division is some 500 instructions, in every thread of the block).
+  __device__ static Divider of(long long divisor, long long numel) {
+    // (a param that is not factored has no rows: any divisor will do)
+    const unsigned long long d = divisor > 1 ? static_cast<unsigned long long>(divisor) : 1ull;
+    const unsigned l = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d), 0 for d = 1
+    Divider v;
+    v.wide_magic = numel > (1ll << 32) ? shifted_quotient((1ull << l) - d, d) + 1ull : 0ull;
+    v.wide_first = min(l, 1u);
+    v.wide_second = l > 0u ? l - 1u : 0u;
+    v.magic = 0u;
+    v.shift = 32u;
+    if (d < (1ull << 32)) {
+      v.magic = static_cast<unsigned>((((1ull << l) - d) << 32) / d) + 1u;
+      v.shift = l;
+    }
+    return v;
+  }
+
+  // floor(high * 2^64 / d) for high < d, by long division (once per block).
+  __device__ static unsigned long long shifted_quotient(unsigned long long high,
+                                                        unsigned long long d) {
+    unsigned long long rest = high, quotient = 0ull;
+#pragma unroll 1
+    for (int bit = 63; bit >= 0; --bit) {
+      const bool carry = (rest >> 63) != 0ull;
+      rest <<= 1;
+      if (carry || rest >= d) {
+        rest -= d;
+        quotient |= 1ull << bit;
+      }
+    }
+    return quotient;
+  }
+
+  __device__ __forceinline__ unsigned quotient(unsigned n) const {
+    const unsigned long long t = __umulhi(n, magic);
+    return static_cast<unsigned>((t + n) >> shift);
+  }
+
+  __device__ __forceinline__ long long quotient(long long n) const {
+    const unsigned long long x = static_cast<unsigned long long>(n);
+    const unsigned long long t = __umul64hi(wide_magic, x);
+    return static_cast<long long>((t + ((x - t) >> wide_first)) >> wide_second);
+  }
+};
 
 // Slot S's value at index j of its own (row or column) vector, and its store.
 template <int S>
@@ -63,69 +124,101 @@ __device__ __forceinline__ void load_element(char* const (&ptr)[Op::N_SLOTS], lo
   if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
 }
 
-// Each row of the block's part: a warp sums its elements' row terms (lanes stride the row,
-// then the warp adds its lanes), and its first lane finishes the row.
+// The factor pass's tiles: each matrix is cut into tiles of TILE_ROWS x TILE_COLS elements (a
+// tile at most TILE elements; TILE_COLS a multiple of 32 up to MAX_TILE_COLS, so that a warp
+// reads whole 128-byte rows of a tile), taken in order (matrix, row group, column group) by the
+// tensor's blocks in turn. A tile's partial sums lie after the tensor's per-matrix means in the
+// workspace, as acc_t: per row and column group, and per column and row group (group-major, so
+// that the combine pass's threads read consecutive rows or columns).
+// mtapply/rules/_factored_cuda.py (factor_partials) reserves the same room.
+constexpr int TILE = 4096, MAX_TILE_COLS = 128, LANE_COLS = MAX_TILE_COLS / 32;
+
+struct Tiles {
+  long long batch, rows, cols;      // the stack of matrices
+  int tile_rows, tile_cols;
+  long long row_groups, col_groups;  // of each matrix
+  acc_t* row_parts;  // [(k * col_groups + g) * batch * rows + j]: sum k of stack row j in group g
+  acc_t* col_parts;  // [(k * row_groups + g) * batch * cols + c]: sum k of stack column c
+
+  __device__ long long count() const { return batch * row_groups * col_groups; }
+};
+
 template <class Op>
-__device__ void factor_rows(const Op& op, const Chunk& job, char* const (&ptr)[Op::N_SLOTS],
-                            acc_t grad_scale) {
-  long long first, last;
-  share(job.numel / op.cols, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index, first, last);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (long long j = first + warp; j < last; j += WARPS) {
-    acc_t sums[Op::N_ROW] = {};
-    for (long long c = lane; c < op.cols; c += 32) {
-      acc_t x[Op::N_SLOTS], row[Op::N_ROW], col[Op::N_COL > 0 ? Op::N_COL : 1];
-      load_element<Op>(ptr, j * op.cols + c, grad_scale, x);
-      op.terms(x, row, col);
-#pragma unroll
-      for (int k = 0; k < Op::N_ROW; ++k) sums[k] += row[k];
-    }
-    acc_t means[Op::N_ROW];
-#pragma unroll
-    for (int k = 0; k < Op::N_ROW; ++k) means[k] = warp_sum(sums[k]) / acc_t(op.cols);
-    if (lane == 0) op.finish_row(j, means);
-  }
+__device__ Tiles tiles_of(const Op& op, const Chunk& job) {
+  Tiles t;
+  t.rows = op.rows;
+  t.cols = op.cols;
+  t.batch = job.numel / (op.rows * op.cols);
+  t.tile_cols = static_cast<int>(min((op.cols + 31) / 32 * 32, static_cast<long long>(MAX_TILE_COLS)));
+  t.tile_rows = TILE / t.tile_cols;
+  t.row_groups = (t.rows + t.tile_rows - 1) / t.tile_rows;
+  t.col_groups = (t.cols + t.tile_cols - 1) / t.tile_cols;
+  t.row_parts = reinterpret_cast<acc_t*>(op.means + t.batch * Op::N_MATRIX);
+  t.col_parts = t.row_parts + Op::N_ROW * t.col_groups * t.batch * t.rows;
+  return t;
 }
 
-// Each column of the block's part, 32 at a time: lane l takes column c0 + l, warp w the rows
-// w, w + WARPS, ...; the warps' sums are added in warp order, and warp 0 finishes the columns.
+// One tile: warp w takes its rows w, w + WARPS, ..., lane l its columns l, l + 32, ...; each
+// row's terms are summed by its warp (lanes, then warp_sum), each column's by its lane over the
+// warp's rows and then over the warps in warp order: fixed orders, the same bits every run.
 template <class Op>
-__device__ void factor_cols(const Op& op, const Chunk& job, char* const (&ptr)[Op::N_SLOTS],
-                            acc_t grad_scale) {
-  __shared__ acc_t parts[WARPS][32][Op::N_COL];
-  long long first, last;
-  share(job.numel / op.rows, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index, first, last);
+__device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
+                            char* const (&ptr)[Op::N_SLOTS], acc_t grad_scale) {
+  constexpr int N_COL = Op::N_COL > 0 ? Op::N_COL : 1, N_ROW = Op::N_ROW > 0 ? Op::N_ROW : 1;
+  __shared__ acc_t parts[WARPS][MAX_TILE_COLS][N_COL];
+  const long long group = tile % t.col_groups, band = tile / t.col_groups;
+  const long long matrix = band / t.row_groups, row_group = band % t.row_groups;
+  const long long row0 = matrix * t.rows + row_group * t.tile_rows;  // its first stack row
+  const long long col0 = group * t.tile_cols;                        // its first column
+  const int n_rows = static_cast<int>(min(static_cast<long long>(t.tile_rows),
+                                          t.rows - row_group * t.tile_rows));
+  const int n_cols = static_cast<int>(min(static_cast<long long>(t.tile_cols), t.cols - col0));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (long long c0 = first; c0 < last; c0 += 32) {  // the same trips in every thread
-    const long long c = c0 + lane;
-    acc_t sums[Op::N_COL] = {};
-    if (c < last) {
-      const long long base = c / op.cols * op.rows * op.cols + c % op.cols;
-      for (long long r = warp; r < op.rows; r += WARPS) {
-        acc_t x[Op::N_SLOTS], row[Op::N_ROW > 0 ? Op::N_ROW : 1], col[Op::N_COL];
-        load_element<Op>(ptr, base + r * op.cols, grad_scale, x);
+  acc_t col_sums[LANE_COLS][N_COL] = {};
+#pragma unroll 2  // (two rows' loads in flight before either's warp_sum)
+  for (int r = warp; r < n_rows; r += WARPS) {  // the same trips in every lane of the warp
+    const long long j = row0 + r;
+    acc_t row_sums[N_ROW] = {};
+#pragma unroll
+    for (int q = 0; q < LANE_COLS; ++q) {
+      const int c = lane + 32 * q;
+      if (c < n_cols) {
+        acc_t x[Op::N_SLOTS], row[N_ROW], col[N_COL];
+        load_element<Op>(ptr, j * t.cols + col0 + c, grad_scale, x);
         op.terms(x, row, col);
 #pragma unroll
-        for (int k = 0; k < Op::N_COL; ++k) sums[k] += col[k];
+        for (int k = 0; k < Op::N_ROW; ++k) row_sums[k] += row[k];
+#pragma unroll
+        for (int k = 0; k < Op::N_COL; ++k) col_sums[q][k] += col[k];
       }
     }
 #pragma unroll
-    for (int k = 0; k < Op::N_COL; ++k) parts[warp][lane][k] = sums[k];
+    for (int k = 0; k < Op::N_ROW; ++k) {
+      const acc_t total = warp_sum(row_sums[k]);
+      if (lane == 0) t.row_parts[(k * t.col_groups + group) * t.batch * t.rows + j] = total;
+    }
+  }
+  if constexpr (Op::N_COL > 0) {
+#pragma unroll
+    for (int q = 0; q < LANE_COLS; ++q)
+#pragma unroll
+      for (int k = 0; k < N_COL; ++k) parts[warp][lane + 32 * q][k] = col_sums[q][k];
     __syncthreads();
-    if (warp == 0 && c < last) {
-      acc_t means[Op::N_COL];
+    for (int c = threadIdx.x; c < n_cols; c += MTA_BLOCK) {
 #pragma unroll
-      for (int k = 0; k < Op::N_COL; ++k) {
+      for (int k = 0; k < N_COL; ++k) {
         acc_t total = acc_t(0);
-        for (int w = 0; w < WARPS; ++w) total += parts[w][lane][k];
-        means[k] = total / acc_t(op.rows);
+        for (int w = 0; w < WARPS; ++w) total += parts[w][c][k];
+        t.col_parts[(k * t.row_groups + row_group) * t.batch * t.cols + matrix * t.cols + col0 + c] =
+            total;
       }
-      op.finish_col(c, means);
     }
-    __syncthreads();  // parts is written again by the next columns
+    __syncthreads();  // parts is written again by the next tile
   }
 }
 
+// The factor pass: every tile's partial sums of the element terms (the block's tiles are its
+// chunk index, then every tensor's chunk count further).
 template <class Op>
 __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   const Chunk job = chunk_of(launch);
@@ -135,8 +228,50 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   char* ptr[Op::N_SLOTS];
   char* param_copy = nullptr;
   element_pointers(job, ptr, param_copy);
-  if constexpr (Op::N_ROW > 0) factor_rows(op, job, ptr, grad_scale);
-  if constexpr (Op::N_COL > 0) factor_cols(op, job, ptr, grad_scale);
+  const Tiles t = tiles_of(op, job);
+  const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
+  for (long long tile = job.index; tile < t.count(); tile += blocks)
+    factor_tile(op, t, tile, ptr, grad_scale);
+}
+
+// The combine pass: each row's (column's) partial sums added in group order, its mean, and
+// the op's finish of that row (column); a thread each, the tensor's blocks sharing them.
+template <class Op>
+__device__ void combine_walk(const Launch<typename Op::Args>& launch) {
+  const Chunk job = chunk_of(launch);
+  const Op op(args_of(launch, job.tensor), job, launch.sums);
+  if (!op.factored) return;
+  const Tiles t = tiles_of(op, job);
+  const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
+  long long first, last;
+  if constexpr (Op::N_ROW > 0) {
+    const long long n = t.batch * t.rows;
+    share(n, blocks, job.index, first, last);
+    for (long long j = first + threadIdx.x; j < last; j += MTA_BLOCK) {
+      acc_t means[Op::N_ROW];
+#pragma unroll
+      for (int k = 0; k < Op::N_ROW; ++k) {
+        acc_t total = acc_t(0);
+        for (long long g = 0; g < t.col_groups; ++g) total += t.row_parts[(k * t.col_groups + g) * n + j];
+        means[k] = total / acc_t(t.cols);
+      }
+      op.finish_row(j, means);
+    }
+  }
+  if constexpr (Op::N_COL > 0) {
+    const long long n = t.batch * t.cols;
+    share(n, blocks, job.index, first, last);
+    for (long long c = first + threadIdx.x; c < last; c += MTA_BLOCK) {
+      acc_t means[Op::N_COL];
+#pragma unroll
+      for (int k = 0; k < Op::N_COL; ++k) {
+        acc_t total = acc_t(0);
+        for (long long g = 0; g < t.row_groups; ++g) total += t.col_parts[(k * t.row_groups + g) * n + c];
+        means[k] = total / acc_t(t.rows);
+      }
+      op.finish_col(c, means);
+    }
+  }
 }
 
 // Each matrix of the block's part, a warp each: the op's means over the matrix's rows or

@@ -20,8 +20,10 @@
 // the block's chunk from chunk_of, as walk does; MIN_BLOCKS (optional) asks the compiler for
 // that many resident blocks per SM. An op that sets INDEXED (factored state: values kept per row
 // or per column of a matrix) is made with the block's chunk, Op(args, chunk, sums), is called
-// with each element's flat index as its last argument, and has a member `absent`: the slots
-// that its tensor does not hold per element, which the walker neither loads nor stores.
+// with each element's flat index as its last argument (an unsigned 32-bit word where its member
+// `narrow` says every index of the tensor fits one, else a long long), and has a member
+// `absent`: the slots that its tensor does not hold per element, which the walker neither loads
+// nor stores.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -268,10 +270,11 @@ __device__ __forceinline__ unsigned absent_slots(const Op& op) {
 }
 
 // Applies op to W consecutive elements starting at i (W = MTA_VEC, or 1 for the scalar path);
-// an op that sums also adds each element's contributions to `acc`.
+// an op that sums also adds each element's contributions to `acc`; an indexed op gets each
+// element's index as an Index.
 // With master weights, `param_copy` is the 16-bit param that receives the rounded master; with
 // MTA_DELTA it is the slot that receives the update.
-template <class Op, int W>
+template <class Op, int W, class Index>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                       char* param_copy, long long i,
                                       float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
@@ -295,8 +298,8 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
       if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
     }
     if constexpr (Indexed<Op>::value) {
-      if constexpr (Op::N_SUMS > 0) op(x, acc, i + k);
-      else op(x, i + k);
+      if constexpr (Op::N_SUMS > 0) op(x, acc, static_cast<Index>(i + k));
+      else op(x, static_cast<Index>(i + k));
     } else if constexpr (Op::N_SUMS > 0) {
       op(x, acc);
     } else {
@@ -440,6 +443,27 @@ __device__ __forceinline__ Op make_op(const Launch<typename Op::Args>& launch, c
   else return Op(args_of(launch, job.tensor), job.tensor, launch.sums);
 }
 
+// The chunk's elements: vectors where the slots are 16-byte aligned, then the rest one by one.
+// An indexed op is given each element's index as an Index (an unsigned 32-bit word where its
+// tensor's indices fit one, which its functor divides more cheaply).
+template <class Op, class Index>
+__device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
+                                           char* const (&ptr)[Op::N_SLOTS], char* param_copy,
+                                           bool aligned, const Chunk& job,
+                                           float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+  const long long begin = job.begin, end = job.end;
+  long long scalar_from = begin;
+  // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
+  if (aligned) {
+    scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
+    for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
+      apply<Op, MTA_VEC, Index>(op, grad_scale, ptr, param_copy, i, acc);
+  }
+#pragma unroll 4
+  for (long long i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
+    apply<Op, 1, Index>(op, grad_scale, ptr, param_copy, i, acc);
+}
+
 // Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
 // or one warp where the host found every chunk of the launch no longer than a warp's vectors
 // (mtapply._source.block_threads): 2,000 blocks over 100-element tensors then fit on the GPU at
@@ -456,19 +480,15 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   char* ptr[N];  // an op may use only the first slots of the records (e.g. a norms pass)
   char* param_copy = nullptr;
   const unsigned long long address_bits = element_pointers(job, ptr, param_copy);
-  const long long begin = job.begin, end = job.end;
   const Op op = make_op<Op>(launch, job);
   float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
-  long long scalar_from = begin;
-  // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
-  if ((address_bits & 15ull) == 0) {
-    scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
-    for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
-      apply<Op, MTA_VEC>(op, grad_scale, ptr, param_copy, i, acc);
+  const bool aligned = (address_bits & 15ull) == 0;
+  if constexpr (Indexed<Op>::value) {  // (the same branch in every thread of the block)
+    if (op.narrow) walk_range<Op, unsigned>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+    else walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+  } else {
+    walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
   }
-#pragma unroll 4
-  for (long long i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
-    apply<Op, 1>(op, grad_scale, ptr, param_copy, i, acc);
   if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.tensor, job.index, numel);
 }
 

@@ -116,8 +116,9 @@ class Launcher:
                     launch.set_array("totals_array", all_sums.ptr + 4 * n_sums * len(numels))
 
     def _attach_means(self, n: int, stream: int) -> None:
-        """The workspace of a factored rule's per-matrix means (kernels/factored.cuh): n
-        doubles for the whole list (each tensor's offset is in its shape words)."""
+        """The workspace of a factored rule's per-matrix means and its factor pass's partial
+        sums (kernels/factored.cuh): n doubles for the whole list (each tensor's offset is in
+        its shape words)."""
         memory = _device_copy(np.zeros(max(n, 1), np.float64), stream)
         self._memory.append(memory)
         for passes in self.launches:

@@ -241,7 +241,7 @@ class _Writer:
             read = self._mask(slot.name for slot in program.slots
                               if slot.form not in (ROW, COL) and (
                                   read is None or slot.name in program.first_pass_slots))
-            call = call.replace(") const {", ", long long index) const {")
+            call = call.replace(") const {", ", Index index) const {")
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
@@ -251,7 +251,10 @@ class _Writer:
                  f"  using Args = {self.args};",
                  *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
-                 *self.constructor(reads), "", f"  __device__ __forceinline__ void {call}",
+                 *self.constructor(reads), "",
+                 *(("  template <class Index>  // (kernels/factored.cuh, Divider)",)
+                   if self.passes is not None else ()),
+                 f"  __device__ __forceinline__ void {call}",
                  *(f"    {line}" for line in self.body), "  }", "};", ""]
         return "\n".join(lines)
 
@@ -298,7 +301,7 @@ class _Writer:
 
     @property
     def vector_slots(self) -> set:
-        """The row and column slots (whose lines the factor pass runs)."""
+        """The row and column slots (whose lines the combine pass runs)."""
         return {s.name for s in self.program.slots if s.form in (ROW, COL)}
 
     def _update_lines(self) -> list:

@@ -1,10 +1,10 @@
-"""The CUDA side of factored slots (mtapply.rules._factored): the two reduction functors that
-run before the walker's passes (kernels/factored.cuh) and what the walker's functors of a
+"""The CUDA side of factored slots (mtapply.rules._factored): the reduction functors that run
+before the walker's passes (kernels/factored.cuh) and what the walker's functors of a
 factored rule add (their tensor's shape, and each element's row and column state).
 
 Every functor of a factored rule reads its tensor's shape from `shape_array` (4 words per
-tensor: numel, rows, cols (0 for a param that is not factored), and where its per-matrix means
-start in `means_array`, the plan's workspace of doubles).
+tensor: numel, rows, cols (0 for a param that is not factored), and where its per-matrix means,
+then its factor pass's partial sums, start in `means_array`, the plan's workspace of doubles).
 """
 from __future__ import annotations
 
@@ -20,12 +20,22 @@ SHAPE, MEANS = "shape_array", "means_array"  # the argument words (host and C++ 
 FIELDS = ("  const long long* shape_array;  // per tensor: numel, rows, cols (0: not factored), "
           "means offset",
           "  double* means_array;  // the per-matrix means (kernels/factored.cuh)")
-FACTORS, MATRIX = "Factors", "Matrix"  # the reduction functors' suffixes
+FACTORS, COMBINE, MATRIX = "Factors", "Combine", "Matrix"  # the reduction functors' suffixes
+TILE, MAX_TILE_COLS = 4096, 128  # the factor pass's tiles (kernels/factored.cuh, Tiles)
 
 
-def shape_words(shapes: list, n_matrix: int) -> tuple:
+def factor_partials(batch: int, rows: int, cols: int, n_row: int, n_col: int) -> int:
+    """The partial sums the factor pass stores for a stack of matrices (kernels/factored.cuh,
+    tiles_of): n_row per row and column group, n_col per column and row group."""
+    tile_cols = min(-(-cols // 32) * 32, MAX_TILE_COLS)
+    tile_rows = TILE // tile_cols
+    return batch * (n_row * rows * -(-cols // tile_cols) + n_col * cols * -(-rows // tile_rows))
+
+
+def shape_words(shapes: list, n_matrix: int, n_row: int = 0, n_col: int = 0) -> tuple:
     """(the (n, 4) int64 words of `shape_array` for params of these shapes, the doubles
-    `means_array` takes)."""
+    `means_array` takes: per factored param its per-matrix means, then its factor pass's
+    `n_row` row and `n_col` column partial sums)."""
     words = np.zeros((len(shapes), 4), np.int64)
     offset = 0
     for i, shape in enumerate(shapes):
@@ -33,8 +43,15 @@ def shape_words(shapes: list, n_matrix: int) -> tuple:
         if is_factored(shape) and words[i, 0]:
             batch, rows, cols = stacked(shape)
             words[i, 1:] = (rows, cols, offset)
-            offset += batch * n_matrix
+            offset += batch * n_matrix + factor_partials(batch, rows, cols, n_row, n_col)
     return words, offset
+
+
+def counts(program) -> tuple:
+    """(per-matrix means, row means, column means) of a factored rule's passes."""
+    made = passes(program)
+    return tuple(len(numbered(calls)[1]) for calls in
+                 ((c for c, _ in made.matrix_means), made.row_means, made.col_means))
 
 
 def _vector_slots(program) -> list:
@@ -43,10 +60,12 @@ def _vector_slots(program) -> list:
 
 def members(writer) -> list:
     """The members every functor of a factored rule has (kernels/walker.cuh, INDEXED)."""
-    return (["  static constexpr bool INDEXED = true;",
+    return (["  static constexpr bool INDEXED = true;", 
              f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
              "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
+             "  Divider by_rows, by_cols;  // exact quotients of indices by rows and by cols",
+             "  bool narrow;  // every index fits 32 bits (the walker's Index: unsigned)",
              "  unsigned absent;  // slots the walker neither loads nor stores"]
             + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
 
@@ -63,6 +82,8 @@ def factored_reads(writer) -> list:
              "    const bool z_factored = z_shape[1] > 0;",
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
+             "    by_rows = Divider::of(rows, z_shape[0]);",
+             "    by_cols = Divider::of(cols, z_shape[0]);", "    narrow = z_shape[0] <= (1ll << 32);",
              f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
                for s in _vector_slots(program)])
@@ -71,8 +92,10 @@ def factored_reads(writer) -> list:
 def element_prologue(writer) -> list:
     """The first statements of a walker functor's branch for factored params: the element's
     row and column state, and its matrix's means."""
-    lines = ["const long long f_row = index / cols;  // the element's row in the stack",
-             "const long long f_col = f_row / rows * cols + index % cols;  // its column"]
+    lines = ["const Index f_row = by_cols.quotient(index);  // the element's row in the stack",
+             "const Index f_matrix = by_rows.quotient(f_row);  // its matrix",
+             "const Index f_col = f_matrix * static_cast<Index>(cols) + "
+             "(index - f_row * static_cast<Index>(cols));  // its column"]
     for s in _vector_slots(writer.program):
         at = "f_row" if s.form == ROW else "f_col"
         slot = writer._slot(s.name)
@@ -81,7 +104,7 @@ def element_prologue(writer) -> list:
     for call in writer.passes.matrix_means:
         writer.mean_names[id(call[0])] = f"f_m{numbers[id(call[0])]}"
     for k, call in enumerate(firsts):
-        lines.append(f"const acc_t f_m{k} = acc_t(means[f_row / rows * N_MATRIX + {k}]);  "
+        lines.append(f"const acc_t f_m{k} = acc_t(means[static_cast<long long>(f_matrix) * N_MATRIX + {k}]);  "
                      f"// {ast.unparse(call)}")
     return lines
 
@@ -90,7 +113,8 @@ def reduction_functors(writer_of, program) -> list:
     """The C++ of the factor functor and (with per-matrix means) the matrix functor, each
     from a fresh writer (`writer_of(suffix)`)."""
     made = passes(program)
-    parts = [_Factors(writer_of(FACTORS), program, made).source()]
+    factors = _Factors(writer_of(FACTORS), program, made)
+    parts = [factors.source(), _combine(factors.w.struct)]
     if made.matrix_means:
         parts.append(_Matrix(writer_of(MATRIX), program, made).source())
     return parts
@@ -100,7 +124,15 @@ def reduction_names(program) -> tuple:
     made = passes(program)
     if made is None:  # (no CUDA kernel: see _factored_passes.refusal)
         return ()
-    return (FACTORS,) + ((MATRIX,) if made.matrix_means else ())
+    return (FACTORS, COMBINE) + ((MATRIX,) if made.matrix_means else ())
+
+
+def _combine(factors: str) -> str:
+    """The combine functor: the factor functor, walked by combine_walk."""
+    struct = factors.removesuffix(FACTORS) + COMBINE
+    return "\n".join([f"struct {struct} : {factors} {{", f"  using {factors}::{factors};",
+                      f"  __device__ static void walk(const Launch<Args>& launch) {{ "
+                      f"combine_walk<{struct}>(launch); }}", "};", ""])
 
 
 class _Reduction:

@@ -1,12 +1,12 @@
 """How a rule with factored slots runs on a GPU: which of its means the reduction passes take
 before the chunk walker's passes (kernels/factored.cuh), or why it cannot.
 
-- A line that assigns a `@row` (`@col`) slot runs once per row (column) in the factor pass: it
+- A line that assigns a `@row` (`@col`) slot runs once per row (column) in the combine pass: it
   reads numbers, hyperparameters, values computed from them, slots of its own form, and
-  row_mean (col_mean) of element values, which that pass sums over the row (column).
+  row_mean (col_mean) of element values, which the factor pass sums over the row (column).
 - col_mean of row values (row_mean of column values), read by element lines, are means over
   each matrix's rows (columns) of the new row (column) state: the matrix pass takes them.
-- The walker's passes read each element's row and column state after the factor pass wrote
+- The walker's passes read each element's row and column state after the combine pass wrote
   it: a line that reads a `@row` or `@col` slot comes after the line assigning it (if any).
 """
 from __future__ import annotations

@@ -160,12 +160,11 @@ class RuleSpec(OpSpec):
         `means_array`), see `_factored_cuda`; None for other rules."""
         if not self.program.factored:
             return None
-        passes = _factored_passes.passes(self.program)
-        n_matrix = len(_factored_passes.numbered(c for c, _ in passes.matrix_means)[1])
         params = refs[self.slots[0]]
         factored = [self._mode(refs, i, p) for i, p in enumerate(params)]
         return _factored_cuda.shape_words(
-            [p.shape if mode else (p.numel,) for p, mode in zip(params, factored)], n_matrix)
+            [p.shape if mode else (p.numel,) for p, mode in zip(params, factored)],
+            *_factored_cuda.counts(self.program))
 
     def _mode(self, refs: dict, i: int, param) -> bool:
         sizes: dict = {}

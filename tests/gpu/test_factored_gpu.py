@@ -15,7 +15,8 @@ import mtapply.torch as mt  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(64, 48), (3, 40, 50), (5,), (1, 300), (300, 1), (1024, 768)]
+# (257, 300): ragged tiles, more of them than the tensor's blocks (kernels/factored.cuh)
+SHAPES = [(64, 48), (3, 40, 50), (5,), (1, 300), (300, 1), (1024, 768), (257, 300)]
 SLOTS = ("row_var", "col_var", "variance")
 
 

@@ -1,0 +1,105 @@
+"""The factor pass's tiles and the combine pass (kernels/factored.cuh), emulated on the CPU with
+the kernels' index arithmetic: every partial sum lies in the room the host reserves for it
+(_factored_cuda.factor_partials), is written once, and the combined sums are the row and column
+sums of the stack."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from mtapply.rules import _factored_cuda
+
+KERNEL = pathlib.Path(__file__).parent.parent / "kernels" / "factored.cuh"
+WARPS = 8  # a block of 256 threads
+
+
+def test_the_host_and_the_kernel_cut_the_same_tiles():
+    source = KERNEL.read_text()
+    match = re.search(r"constexpr int TILE = (\d+), MAX_TILE_COLS = (\d+),", source)
+    assert match, "kernels/factored.cuh declares TILE and MAX_TILE_COLS"
+    assert (int(match[1]), int(match[2])) == (_factored_cuda.TILE, _factored_cuda.MAX_TILE_COLS)
+
+
+def tiles_of(batch, rows, cols, n_row):
+    """tiles_of's fields (row_parts at 0 of the tensor's partials)."""
+    tile_cols = min((cols + 31) // 32 * 32, _factored_cuda.MAX_TILE_COLS)
+    tile_rows = _factored_cuda.TILE // tile_cols
+    row_groups, col_groups = -(-rows // tile_rows), -(-cols // tile_cols)
+    return dict(tile_rows=tile_rows, tile_cols=tile_cols, row_groups=row_groups,
+                col_groups=col_groups, col_parts=n_row * col_groups * batch * rows)
+
+
+def factor_tile(t, tile, batch, rows, cols, terms, n_row, n_col, parts, written):
+    """factor_tile's stores, each sum added in the kernel's order (float64 here)."""
+    group, band = tile % t["col_groups"], tile // t["col_groups"]
+    matrix, row_group = band // t["row_groups"], band % t["row_groups"]
+    row0 = matrix * rows + row_group * t["tile_rows"]
+    col0 = group * t["tile_cols"]
+    n_rows = min(t["tile_rows"], rows - row_group * t["tile_rows"])
+    n_cols = min(t["tile_cols"], cols - col0)
+    flat = terms.reshape(batch * rows, cols)
+    for k in range(n_row):
+        for r in range(n_rows):
+            j = row0 + r
+            at = (k * t["col_groups"] + group) * batch * rows + j
+            parts[at] = flat[j, col0:col0 + n_cols].sum()
+            written[at] += 1
+    for k in range(n_col):
+        for c in range(n_cols):
+            at = (t["col_parts"] + (k * t["row_groups"] + row_group) * batch * cols
+                  + matrix * cols + col0 + c)
+            parts[at] = flat[row0:row0 + n_rows, col0 + c].sum()
+            written[at] += 1
+
+
+def combine(t, batch, rows, cols, n_row, n_col, parts):
+    """combine_walk's totals: per stack row, then per stack column, the groups in order."""
+    row_totals = [[sum(parts[(k * t["col_groups"] + g) * batch * rows + j]
+                       for g in range(t["col_groups"])) for j in range(batch * rows)]
+                  for k in range(n_row)]
+    col_totals = [[sum(parts[t["col_parts"] + (k * t["row_groups"] + g) * batch * cols + c]
+                       for g in range(t["row_groups"])) for c in range(batch * cols)]
+                  for k in range(n_col)]
+    return np.array(row_totals), np.array(col_totals)
+
+
+SHAPES = [(1, 1, 1), (1, 7, 5), (3, 5, 7), (2, 33, 97), (1, 200, 128), (1, 40, 300),
+          (4, 3, 1000), (1, 1000, 3), (2, 129, 65), (1, 4096, 1), (1, 1, 4096)]
+
+
+@pytest.mark.parametrize("n_row, n_col", [(1, 1), (2, 0), (0, 2)])
+@pytest.mark.parametrize("batch, rows, cols", SHAPES)
+def test_each_partial_is_stored_once_within_its_room_and_combines_to_the_sums(
+        batch, rows, cols, n_row, n_col):
+    room = _factored_cuda.factor_partials(batch, rows, cols, n_row, n_col)
+    parts, written = np.zeros(room), np.zeros(room, np.int64)
+    terms = np.random.default_rng(rows * cols).random((batch, rows, cols))
+    t = tiles_of(batch, rows, cols, n_row)
+    chunks = -(-batch * rows * cols // 4096)
+    count = batch * t["row_groups"] * t["col_groups"]
+    for block in range(chunks):  # factor_walk: a block's tiles
+        for tile in range(block, count, chunks):
+            factor_tile(t, tile, batch, rows, cols, terms, n_row, n_col, parts, written)
+    assert np.all(written == 1)  # every reserved value, each once
+    row_totals, col_totals = combine(t, batch, rows, cols, n_row, n_col, parts)
+    for k in range(n_row):
+        np.testing.assert_allclose(row_totals[k], terms.sum(axis=2).ravel())
+    for k in range(n_col):
+        np.testing.assert_allclose(col_totals[k], terms.sum(axis=1).ravel())
+
+
+def test_the_tiles_hold_at_most_a_tile_of_elements_in_whole_warp_rows():
+    for cols in (1, 31, 32, 33, 64, 65, 96, 127, 128, 129, 3072):
+        t = tiles_of(1, 10, cols, 1)
+        assert t["tile_cols"] % 32 == 0 and t["tile_cols"] <= _factored_cuda.MAX_TILE_COLS
+        assert t["tile_rows"] * t["tile_cols"] <= _factored_cuda.TILE
+
+
+def test_the_workspace_reserves_the_partials_after_each_params_means():
+    words, total = _factored_cuda.shape_words([(768, 3072), (5,), (2, 3, 4)], 1, 1, 1)
+    first = 1 + _factored_cuda.factor_partials(1, 768, 3072, 1, 1)
+    assert list(words[:, 3]) == [0, 0, first]
+    assert total == first + 2 + _factored_cuda.factor_partials(2, 3, 4, 1, 1)
