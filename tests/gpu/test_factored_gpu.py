@@ -126,18 +126,3 @@ def test_the_step_is_the_same_bits_every_run():
     for k, (first, second) in enumerate(zip(*results)):
         same = torch.equal(first.nan_to_num(7.0), second.nan_to_num(7.0))
         assert same, f"{('params', 'grads', *SLOTS)[k]} differs between two runs"
-
-
-def test_optax_adafactor_is_refused_on_a_gpu_with_the_way_out():
-    jax = pytest.importorskip("jax")
-    if jax.default_backend() not in ("gpu", "cuda"):
-        pytest.skip("jax has no GPU here")
-    import jax.numpy as jnp
-
-    import mtapply.optax as mo
-
-    params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
-    opt = mo.adafactor(learning_rate=1e-2)
-    state = opt.init(params)
-    with pytest.raises(NotImplementedError, match=r"MTAPPLY_OPTAX_CALLBACK=host"):
-        opt.update(params, state, params)
