@@ -1,7 +1,7 @@
 """Rules with factored slots (Adafactor) on a GPU: mtapply.torch.Adafactor against
 torch.optim.Adafactor over matrices, a batch of matrices, vectors and thin matrices in one list;
 the rule's step against its NumPy step, writing nothing outside its tensors (NaN guards around
-each) and the same bits every run; mtapply.optax.adafactor refused on a GPU, naming the way out."""
+each) and the same bits every run (mtapply.optax.adafactor on a GPU: test_optax_ffi_gpu.py)."""
 import numpy as np
 import pytest
 
