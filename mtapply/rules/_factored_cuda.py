@@ -60,7 +60,7 @@ def _vector_slots(program) -> list:
 
 def members(writer) -> list:
     """The members every functor of a factored rule has (kernels/walker.cuh, INDEXED)."""
-    return (["  static constexpr bool INDEXED = true;", 
+    return (["  static constexpr bool INDEXED = true;",
              f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
              "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
