@@ -207,6 +207,11 @@ def test_equal_calls_share_one_ffi_plan(monkeypatch):
     assert _xla.prepare(*args) == _xla.prepare(*args) == 1
     assert _xla.prepare(*args[:5], dict(lr=_xla.placeholder(0), beta1=0.5), *args[6:]) == 2
     assert len(registered) == 2
+    # the same element counts in other shapes (a factored rule's rows and columns): a plan each
+    assert _xla.prepare(*args, shapes={"params": [(3,), (2, 2)]}) == 3
+    assert _xla.prepare(*args, shapes={"params": [(3,), (4, 1)]}) == 4
+    assert _xla.prepare(*args, shapes={"params": [(3,), (4, 1)]}) == 4
+    assert registered[-1][-1] == {"params": ((3,), (4, 1))}
 
 
 def _rule_variants():
