@@ -234,44 +234,40 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
     factor_tile(op, t, tile, ptr, grad_scale);
 }
 
+// The means of n rows (or columns) from their partial sums, `groups` of them each (in `parts`,
+// K sums apiece, `count` elements to a row), added in group order: a thread each, the tensor's
+// blocks sharing them; `finish(j, means)` takes each.
+template <int K, class Finish>
+__device__ __forceinline__ void combine(long long n, long long groups, const acc_t* parts,
+                                        long long count, const Chunk& job, Finish finish) {
+  long long first, last;
+  share(n, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index, first, last);
+  for (long long j = first + threadIdx.x; j < last; j += MTA_BLOCK) {
+    acc_t means[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      acc_t total = acc_t(0);
+      for (long long g = 0; g < groups; ++g) total += parts[(k * groups + g) * n + j];
+      means[k] = total / acc_t(count);
+    }
+    finish(j, means);
+  }
+}
+
 // The combine pass: each row's (column's) partial sums added in group order, its mean, and
-// the op's finish of that row (column); a thread each, the tensor's blocks sharing them.
+// the op's finish of that row (column).
 template <class Op>
 __device__ void combine_walk(const Launch<typename Op::Args>& launch) {
   const Chunk job = chunk_of(launch);
   const Op op(args_of(launch, job.tensor), job, launch.sums);
   if (!op.factored) return;
   const Tiles t = tiles_of(op, job);
-  const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
-  long long first, last;
-  if constexpr (Op::N_ROW > 0) {
-    const long long n = t.batch * t.rows;
-    share(n, blocks, job.index, first, last);
-    for (long long j = first + threadIdx.x; j < last; j += MTA_BLOCK) {
-      acc_t means[Op::N_ROW];
-#pragma unroll
-      for (int k = 0; k < Op::N_ROW; ++k) {
-        acc_t total = acc_t(0);
-        for (long long g = 0; g < t.col_groups; ++g) total += t.row_parts[(k * t.col_groups + g) * n + j];
-        means[k] = total / acc_t(t.cols);
-      }
-      op.finish_row(j, means);
-    }
-  }
-  if constexpr (Op::N_COL > 0) {
-    const long long n = t.batch * t.cols;
-    share(n, blocks, job.index, first, last);
-    for (long long c = first + threadIdx.x; c < last; c += MTA_BLOCK) {
-      acc_t means[Op::N_COL];
-#pragma unroll
-      for (int k = 0; k < Op::N_COL; ++k) {
-        acc_t total = acc_t(0);
-        for (long long g = 0; g < t.row_groups; ++g) total += t.col_parts[(k * t.row_groups + g) * n + c];
-        means[k] = total / acc_t(t.rows);
-      }
-      op.finish_col(c, means);
-    }
-  }
+  if constexpr (Op::N_ROW > 0)
+    combine<Op::N_ROW>(t.batch * t.rows, t.col_groups, t.row_parts, t.cols, job,
+                       [&](long long j, const acc_t (&means)[Op::N_ROW]) { op.finish_row(j, means); });
+  if constexpr (Op::N_COL > 0)
+    combine<Op::N_COL>(t.batch * t.cols, t.row_groups, t.col_parts, t.rows, job,
+                       [&](long long c, const acc_t (&means)[Op::N_COL]) { op.finish_col(c, means); });
 }
 
 // Each matrix of the block's part, a warp each: the op's means over the matrix's rows or
