@@ -273,3 +273,33 @@ def test_a_summing_rule_with_8_bit_state_compiles():
     assert all("_q12u8" in f for f in lamb.functors_for(dtypes))
     source = lamb.source(dtypes)
     assert _source.compile_offline(source, "sm_90", lamb.compile_options(dtypes))[:4] == b"\x7fELF"
+
+
+def test_a_factored_rule_keeps_its_momentum_in_8_bits_beside_its_factored_state():
+    """optax's Adafactor rule with momentum, the momentum (ema) in 8 bits: the state maker shapes
+    the factored slots as rows and columns, not as the param; 20 steps stay within the 8-bit
+    format of the float32 run; a GPU step is refused, naming the slots."""
+    rule = library.adafactor_optax(momentum=True)
+    eight = rule.with_state_bits(8, slots=("ema",), threshold=1)
+    shapes = [(300, 260), (7,), (5000,), (3, 130, 140)]
+    rng = np.random.default_rng(4)
+    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    floats, start = [p.copy() for p in params], [p.copy() for p in params]
+    state = eight.state(params, min_dim_size=128)
+    assert eight.slots[2:] == ("row_var", "col_var", "variance", "ema", "ema_absmax")
+    for name, column in zip(eight.slots[2:5], state):
+        assert [x.shape for x in column] == [rule.state_shapes(s, 128)[name] for s in shapes]
+    assert [x.dtype for x in state[3]] == [np.uint8] * 4
+    float_state = [[np.zeros(rule.state_shapes(s, 128)[name], np.float32) for s in shapes]
+                   for name in ("row_var", "col_var", "variance", "ema")]
+    for t in range(1, 21):
+        grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        hyper = dict(lr=0.01, decay=1 - t ** -0.8, momentum=0.9)
+        eight.step(params, grads, *state, **hyper)
+        rule.step(floats, [g.copy() for g in grads], *float_state, **hyper)
+    for k, (p, f, p0) in enumerate(zip(params, floats, start)):
+        moved = np.abs(f - p0).mean()
+        assert moved > 1e-3 and np.abs(p - f).mean() <= 0.05 * moved, f"params[{k}]"
+    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots "
+                                                  r"step on the CPU only"):
+        eight.spec().refuse_cuda()

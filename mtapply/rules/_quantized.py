@@ -57,6 +57,14 @@ class QuantizedRuleSpec(RuleSpec):
         self.eight_bit_slots = tuple((list_name(s), scale_name(s), s not in self.unsigned)
                                      for s in self.eight_bit)
 
+    def refuse_cuda(self) -> None:
+        super().refuse_cuda()
+        if self.program.factored:  # the 8-bit walk takes no indexed (factored) functors yet
+            raise NotImplementedError(
+                f"rule {self.rule_name!r}: 8-bit slots ({', '.join(self.eight_bit)}) beside "
+                f"factored slots step on the CPU only for now; on a GPU keep them in float32 "
+                f"(the rule without with_state_bits) or step these tensors on the CPU")
+
     def _quantized(self, dtypes: tuple) -> bool:
         return dtypes[self.slots.index(list_name(self.eight_bit[0]))] == "uint8"
 
@@ -192,21 +200,23 @@ class QuantizedRule:
                             f"({', '.join(self.slots)}), got {len(lists)}")
         return dict(zip(spec.slots, lists))
 
-    def state(self, params) -> tuple:
+    def state(self, params, min_dim_size: int = 1) -> tuple:
         """The state lists for `params` (torch tensors, CuPy or NumPy arrays; in their
         framework, on their devices), in `slots` order after param and grad: each state slot
         at its declared first value (`Rule.initial`), as 8-bit codes for params of at least
-        `threshold` elements (float32 below), then the scales of each 8-bit slot."""
+        `threshold` elements (float32 below), then the scales of each 8-bit slot. A factored
+        rule's slots take their shapes from `Rule.state_shapes(param.shape, min_dim_size)`."""
         states = [s for s in self.rule.slots if s not in ("param", "grad")]
         columns = {name: [] for name in states + [scale_name(s) for s in self.eight_bit]}
         for i, param in enumerate(params):
             host = None
             quantized = _numel(param) >= self.threshold
+            shapes = self.rule.state_shapes(tuple(param.shape), min_dim_size)
             for slot in states:
                 first = self.rule.initial[slot]
                 if first == "param" and host is None:
                     host = _host_values(param)
-                values = host if first == "param" else np.full(tuple(param.shape), first, np.float32)
+                values = host if first == "param" else np.full(shapes[slot], first, np.float32)
                 if slot in self.eight_bit and quantized:
                     codes, absmax = quantization.quantize_blockwise(values, signed=slot not in
                                                                     self.unsigned)
