@@ -126,3 +126,16 @@ def test_the_step_is_the_same_bits_every_run():
     for k, (first, second) in enumerate(zip(*results)):
         same = torch.equal(first.nan_to_num(7.0), second.nan_to_num(7.0))
         assert same, f"{('params', 'grads', *SLOTS)[k]} differs between two runs"
+
+
+def test_8_bit_momentum_beside_factored_slots_is_refused_on_a_gpu_before_any_write():
+    rule = library.adafactor_optax(momentum=True).with_state_bits(8, slots=("ema",), threshold=1)
+    gen = torch.Generator("cuda").manual_seed(3)
+    params = [torch.randn(s, device="cuda", generator=gen) for s in [(300, 260), (7,)]]
+    grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in params]
+    state = rule.state(params, min_dim_size=128)
+    before = [t.clone() for t in (*params, *(x for column in state for x in column))]
+    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots"):
+        rule.step(params, grads, *state, lr=0.01, decay=0.5, momentum=0.9)
+    after = [*params, *(x for column in state for x in column)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
