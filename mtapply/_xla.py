@@ -95,6 +95,7 @@ def prepare(spec, operands: np.ndarray, offsets: np.ndarray, dtypes: list, numel
     shapes: spec slot -> the shape of each leaf's array of it (a factored rule's kernels read
         each param's rows and columns); None where the op needs none.
     """
+    getattr(spec, "refuse_cuda", lambda: None)()  # a rule without CUDA kernels, by name
     elements = np.ascontiguousarray(elements, np.int64)
     shapes = None if shapes is None else {k: tuple(tuple(int(n) for n in shape) for shape in v)
                                           for k, v in shapes.items()}

@@ -241,3 +241,31 @@ def test_rules_of_array_hyperparameters_compile(spec, dtypes):
     assert cubin[:4] == b"\x7fELF"
     for k in range(len(spec.functors)):
         assert _source.entry_name(k).encode() in cubin
+
+
+def test_the_ffi_route_refuses_what_the_kernels_cannot_step_before_registering(monkeypatch):
+    """The XLA route checks as the torch and CuPy routes do: a rule with no CUDA kernel (8-bit
+    slots beside factored ones) is refused by name, and factored slots that fit neither mode
+    (param-shaped row vectors) are refused naming the param, before any plan is made."""
+    from mtapply import _launcher, _xla
+    from mtapply.rules import library
+
+    registered = []
+    monkeypatch.setattr(_xla, "_ids", {})
+    monkeypatch.setattr(_xla, "_register_plan", lambda *a: registered.append(a) or 1)
+    rule = library.adafactor_optax(momentum=True)
+    eight = rule.with_state_bits(8, slots=("ema",)).spec()
+    table = np.zeros((1, len(eight.slots)), np.int64)
+    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots"):
+        _xla.prepare(eight, table, table, [("float32",) * len(eight.slots)], [6], {}, {}, [0],
+                     [6] * len(eight.slots))
+    assert not registered
+    spec = rule.spec()
+    good = {name: [(2, 3)] for name in spec.slots}
+    good.update(row_vars=[(2, 1)], col_vars=[(1, 3)], variances=[(0,)])
+    arrays, means = _launcher.with_shapes(spec, {k: [_xla._Shape(s) for s in v]
+                                                 for k, v in good.items()}, {})
+    assert arrays["shape_array"][0][:3].tolist() == [6, 2, 3] and means > 0
+    bad = dict(good, row_vars=[(2, 3)], col_vars=[(2, 3)])
+    with pytest.raises(ValueError, match=r"params\[0\] has shape \(2, 3\)"):
+        _launcher.with_shapes(spec, {k: [_xla._Shape(s) for s in v] for k, v in bad.items()}, {})

@@ -161,6 +161,8 @@ class RuleSpec(OpSpec):
         if not self.program.factored:
             return None
         params = refs[self.slots[0]]
+        for i, param in enumerate(params):  # (the XLA route comes here without check_tensors)
+            self._check_factored(refs, i, param)
         factored = [self._mode(refs, i, p) for i, p in enumerate(params)]
         return _factored_cuda.shape_words(
             [p.shape if mode else (p.numel,) for p, mode in zip(params, factored)],
