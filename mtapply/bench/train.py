@@ -226,9 +226,10 @@ def markov_batches(count: int, batch: int, tokens: int, device: str, seed: int =
     return ids[torch.stack(walk, 1)].reshape(count, batch, tokens)
 
 
-def markov_loss(batch: int, tokens: int, pool: int = 64):
+def markov_loss(batch: int, tokens: int, pool: int = 256):
     """A loss whose k-th call for a model reads batch k (mod `pool`) of `markov_batches`: each
-    variant, however the rounds interleave them, sees the same batches in the same order."""
+    variant, however the rounds interleave them, sees the same batches in the same order, each
+    one once in runs of up to `pool` steps (the defaults take 75)."""
     batches = markov_batches(pool, batch, tokens, "cuda")
     calls: dict = {}
 
