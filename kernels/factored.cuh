@@ -55,7 +55,8 @@ struct Divider {
     return v;
   }
 
-  // floor(high * 2^64 / d) for high < d, by long division (once per block).
+  // floor(high * 2^64 / d) for high < d, by long division (each thread, for a tensor of more
+  // than 2^32 elements only).
   __device__ static unsigned long long shifted_quotient(unsigned long long high,
                                                         unsigned long long d) {
     unsigned long long rest = high, quotient = 0ull;
@@ -126,7 +127,7 @@ __device__ __forceinline__ void load_element(char* const (&ptr)[Op::N_SLOTS], lo
 
 // The factor pass's tiles: each matrix is cut into tiles of TILE_ROWS x TILE_COLS elements (a
 // tile at most TILE elements; TILE_COLS a multiple of 32 up to MAX_TILE_COLS, so that a warp
-// reads whole 128-byte rows of a tile), taken in order (matrix, row group, column group) by the
+// reads whole rows of a tile: 128 bytes of float32 where cols is a multiple of 32), taken in order (matrix, row group, column group) by the
 // tensor's blocks in turn. A tile's partial sums lie after the tensor's per-matrix means in the
 // workspace, as acc_t: per row and column group, and per column and row group (group-major, so
 // that the combine pass's threads read consecutive rows or columns).

@@ -187,18 +187,6 @@ def test_refusals():
         tx.update(_grads(params, 0), tx.init(params))
 
 
-def test_a_step_traced_for_a_gpu_is_not_refused(monkeypatch):
-    """The factored rule has kernels, which the XLA route runs with each param's shape: the
-    step traces under a GPU backend (here it then runs the CPU's branch)."""
-    params = _params()
-    tx = mtx.adafactor(learning_rate=0.01)
-    state = tx.init(params)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    want, _ = optax.adafactor(learning_rate=0.01).update(_grads(params, 0), state, params)
-    got, _ = jax.jit(tx.update)(_grads(params, 0), state, params)
-    _close(got, want, 1e-5, 1e-6)
-
-
 X64 = """
 import jax
 jax.config.update("jax_enable_x64", True)

@@ -216,6 +216,10 @@ class QuantizedRule:
                 first = self.rule.initial[slot]
                 if first == "param" and host is None:
                     host = _host_values(param)
+                if first == "param" and shapes[slot] != tuple(param.shape):
+                    raise ValueError(f"rule {self.name!r}: slot {slot!r} starts as the param but "
+                                     f"is shaped {shapes[slot]} beside params[{i}] "
+                                     f"{tuple(param.shape)}: start it at a number")
                 values = host if first == "param" else np.full(shapes[slot], first, np.float32)
                 if slot in self.eight_bit and quantized:
                     codes, absmax = quantization.quantize_blockwise(values, signed=slot not in
