@@ -36,6 +36,9 @@ struct Divider {
   unsigned magic, shift;       // 32-bit words (magic 0: d >= 2^32, every quotient is 0)
   unsigned wide_first, wide_second;  // the 64-bit quotient's shifts
 
+  // Whether every index of a tensor of `numel` elements fits 32 bits (the quotients it takes).
+  __device__ static bool narrow(long long numel) { return numel <= (1ll << 32); }
+
   // For the indices of a tensor of `numel` elements: the 64-bit words only where they are used
   // (their long division is some 500 instructions, in every thread of the block).
   __device__ static Divider of(long long divisor, long long numel) {
@@ -43,7 +46,7 @@ struct Divider {
     const unsigned long long d = divisor > 1 ? static_cast<unsigned long long>(divisor) : 1ull;
     const unsigned l = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d), 0 for d = 1
     Divider v;
-    v.wide_magic = numel > (1ll << 32) ? shifted_quotient((1ull << l) - d, d) + 1ull : 0ull;
+    v.wide_magic = narrow(numel) ? 0ull : shifted_quotient((1ull << l) - d, d) + 1ull;
     v.wide_first = min(l, 1u);
     v.wide_second = l > 0u ? l - 1u : 0u;
     v.magic = 0u;

@@ -83,7 +83,7 @@ def factored_reads(writer) -> list:
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
              "    by_rows = Divider::of(rows, z_shape[0]);",
-             "    by_cols = Divider::of(cols, z_shape[0]);", "    narrow = z_shape[0] <= (1ll << 32);",
+             "    by_cols = Divider::of(cols, z_shape[0]);", "    narrow = Divider::narrow(z_shape[0]);",
              f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
                for s in _vector_slots(program)])
