@@ -239,22 +239,27 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
 }
 
 // The means of n rows (or columns) from their partial sums, `groups` of them each (in `parts`,
-// K sums apiece, `count` elements to a row), added in group order: a thread each, the tensor's
-// blocks sharing them; `finish(j, means)` takes each.
+// K sums apiece, `count` elements to a row), the tensor's blocks sharing the rows;
+// `finish(j, means)` takes each. A thread adds a row's few groups in group order; a warp takes a
+// row of many (some thousand in an embedding's columns, a latency-bound loop for one thread):
+// lane l adds groups l, l + 32, ..., then warp_sum. Either order is fixed: the same bits every run.
 template <int K, class Finish>
 __device__ __forceinline__ void combine(long long n, long long groups, const acc_t* parts,
                                         long long count, const Chunk& job, Finish finish) {
   long long first, last;
   share(n, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index, first, last);
-  for (long long j = first + threadIdx.x; j < last; j += MTA_BLOCK) {
+  const bool by_warps = groups >= 32;  // (the same in every thread of the block)
+  const int lane = by_warps ? threadIdx.x % 32 : 0, stride = by_warps ? 32 : 1;
+  const long long start = first + (by_warps ? threadIdx.x / 32 : threadIdx.x);
+  for (long long j = start; j < last; j += MTA_BLOCK / stride) {  // the same trips in a warp
     acc_t means[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       acc_t total = acc_t(0);
-      for (long long g = 0; g < groups; ++g) total += parts[(k * groups + g) * n + j];
-      means[k] = total / acc_t(count);
+      for (long long g = lane; g < groups; g += stride) total += parts[(k * groups + g) * n + j];
+      means[k] = (by_warps ? warp_sum(total) : total) / acc_t(count);
     }
-    finish(j, means);
+    if (lane == 0) finish(j, means);
   }
 }
 
