@@ -201,23 +201,30 @@ def gpt2_lion8bit(batch: int = 8, tokens: int = 512) -> Model:
     return Model("gpt2-lion8bit", f"GPT-2 124M, Lion (lr 1e-4, betas 0.9/0.99, weight decay 0.1) "
                                   f"with its moment in 8 bits and in float32, bf16 autocast, "
                                   f"batch {batch} x {tokens}, a fresh batch each step from a "
-                                  f"fixed Markov chain over {MARKOV_VOCAB} tokens", "mtapply-lion",
+                                  f"fixed Markov chain over {MARKOV_VOCAB} tokens ({MARKOV_SUCCESSORS} "
+                                  f"successors each)", "mtapply-lion",
                  _torch_variants(lion_optimizers(1e-4, 0.1), build, markov_loss(batch, tokens)))
 
 
-MARKOV_VOCAB = 2048  # tokens of the chain (ids spread over GPT-2's 50,257)
+MARKOV_VOCAB = 512  # tokens of the chain (ids spread over GPT-2's 50,257)
+MARKOV_SUCCESSORS = 4  # the tokens each token may be followed by
 
 
 def markov_batches(count: int, batch: int, tokens: int, device: str, seed: int = 3,
-                   vocab: int = MARKOV_VOCAB):
+                   vocab: int = MARKOV_VOCAB, successors: int = MARKOV_SUCCESSORS):
     """`count` batches of token ids, each row a walk of a fixed Markov chain over `vocab` of
-    GPT-2's ids: a learnable stream (its loss falls toward the chain's entropy), unlike
-    uniform random ids, and unlike one batch seen again, one a model cannot memorise."""
+    GPT-2's ids, each token followed by one of `successors` others (random weights): a stream
+    whose loss falls within a few hundred steps from ln(vocab) toward the chain's entropy (some
+    1.1 nats by default), unlike uniform random ids, and unlike one batch seen again, one a
+    model cannot memorise."""
     import torch
 
     gen = torch.Generator(device).manual_seed(seed)
     ids = torch.randperm(50257, generator=gen, device=device)[:vocab]
-    transitions = torch.softmax(3.0 * torch.randn(vocab, vocab, generator=gen, device=device), 1)
+    following = torch.stack([torch.randperm(vocab, generator=gen, device=device)[:successors]
+                             for _ in range(vocab)])
+    weights = torch.softmax(torch.randn(vocab, successors, generator=gen, device=device), 1)
+    transitions = torch.zeros(vocab, vocab, device=device).scatter_(1, following, weights)
     state = torch.randint(0, vocab, (count * batch,), generator=gen, device=device)
     walk = [state]
     for _ in range(tokens - 1):
