@@ -30,7 +30,9 @@ constexpr int WARPS = MTA_BLOCK / 32;
 // t = mulhi(magic, n), n / d = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0) for every n < 2^N,
 // that is (t + n) >> l with the sum taken in 2N bits. The walker gives an indexed op each index
 // as an unsigned 32-bit word where every index of its tensor fits one (`narrow`): the cheaper
-// quotient; else as 64 bits. tests/test_factored_division.py checks the arithmetic.
+// quotient; else as 64 bits. The magic numbers are made once on the host (divider_words in
+// mtapply/rules/_factored_cuda.py), not by a long division in every thread of every block;
+// tests/test_factored_division.py checks the arithmetic.
 struct Divider {
   unsigned long long wide_magic;
   unsigned magic, shift;       // 32-bit words (magic 0: d >= 2^32, every quotient is 0)
@@ -39,40 +41,15 @@ struct Divider {
   // Whether every index of a tensor of `numel` elements fits 32 bits (the quotients it takes).
   __device__ static bool narrow(long long numel) { return numel <= (1ll << 32); }
 
-  // For the indices of a tensor of `numel` elements: the 64-bit words only where they are used
-  // (their long division is some 500 instructions, in every thread of the block).
-  __device__ static Divider of(long long divisor, long long numel) {
-    // (a param that is not factored has no rows: any divisor will do)
-    const unsigned long long d = divisor > 1 ? static_cast<unsigned long long>(divisor) : 1ull;
-    const unsigned l = 64u - static_cast<unsigned>(__clzll(d - 1));  // ceil(log2 d), 0 for d = 1
+  // From its three words in the tensor's shape_array (each pair as low and high halves).
+  __device__ static Divider of(const long long* words) {
     Divider v;
-    v.wide_magic = narrow(numel) ? 0ull : shifted_quotient((1ull << l) - d, d) + 1ull;
-    v.wide_first = min(l, 1u);
-    v.wide_second = l > 0u ? l - 1u : 0u;
-    v.magic = 0u;
-    v.shift = 32u;
-    if (d < (1ull << 32)) {
-      v.magic = static_cast<unsigned>((((1ull << l) - d) << 32) / d) + 1u;
-      v.shift = l;
-    }
+    v.wide_magic = static_cast<unsigned long long>(words[0]);
+    v.magic = static_cast<unsigned>(words[1]);
+    v.shift = static_cast<unsigned>(static_cast<unsigned long long>(words[1]) >> 32);
+    v.wide_first = static_cast<unsigned>(words[2]);
+    v.wide_second = static_cast<unsigned>(static_cast<unsigned long long>(words[2]) >> 32);
     return v;
-  }
-
-  // floor(high * 2^64 / d) for high < d, by long division (each thread, for a tensor of more
-  // than 2^32 elements only).
-  __device__ static unsigned long long shifted_quotient(unsigned long long high,
-                                                        unsigned long long d) {
-    unsigned long long rest = high, quotient = 0ull;
-#pragma unroll 1
-    for (int bit = 63; bit >= 0; --bit) {
-      const bool carry = (rest >> 63) != 0ull;
-      rest <<= 1;
-      if (carry || rest >= d) {
-        rest -= d;
-        quotient |= 1ull << bit;
-      }
-    }
-    return quotient;
   }
 
   __device__ __forceinline__ unsigned quotient(unsigned n) const {

@@ -1,44 +1,24 @@
 """The exact quotients of kernels/factored.cuh's Divider (the walker's passes divide each element's
-index by its tensor's cols, and its row by the rows), emulated in 32- and 64-bit words as the
-device computes them: the unsigned 32-bit quotient for every index below 2^32 and divisor, the
-64-bit one for every index below 2^63."""
+index by its tensor's cols, and its row by the rows) from the words the host makes
+(_factored_cuda.divider_words), emulated in 32- and 64-bit words as the device computes them: the
+unsigned 32-bit quotient for every index below 2^32 and divisor, the 64-bit one for every index
+below 2^63."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mtapply.rules import library
+from mtapply.rules import _factored_cuda, library
 
 LIMIT = 1 << 32  # the narrow quotient's indices: below 2^32
 WORD = (1 << 64) - 1
 
 
 def divider_of(d: int) -> dict:
-    """Divider::of's words for divisor d (1 <= d < 2^63), in its 32- and 64-bit arithmetic."""
-    shift = (d - 1).bit_length()  # 64 - __clzll(d - 1): ceil(log2 d)
-    high = (1 << shift) - d
-    assert 0 <= high < d
-    wide_magic = ((high << 64) // d) + 1  # the long division's quotient, plus one
-    assert wide_magic <= WORD
-    words = dict(wide_magic=wide_magic, wide_first=min(shift, 1), wide_second=max(shift - 1, 0),
-                 magic=0, shift=32)
-    if d < LIMIT:
-        assert (high << 32) <= WORD  # the shifted word keeps every bit
-        words.update(magic=(((high << 32) & WORD) // d) + 1, shift=shift)
-        assert words["magic"] < LIMIT
-    return words
-
-
-def shifted_quotient(high: int, d: int) -> int:
-    """Divider::shifted_quotient's long division, bit by bit in 64-bit words."""
-    rest, quotient = high, 0
-    for bit in range(63, -1, -1):
-        carry = rest >> 63
-        rest = (rest << 1) & WORD
-        if carry or rest >= d:
-            rest = (rest - d) & WORD
-            quotient |= 1 << bit
-    return quotient
+    """The Divider's words for divisor d (1 <= d < 2^63), as divider_words makes them."""
+    wide, narrow, shifts = (w & WORD for w in _factored_cuda.divider_words(d))
+    return dict(wide_magic=wide, magic=narrow & 0xffffffff, shift=narrow >> 32,
+                wide_first=shifts & 0xffffffff, wide_second=shifts >> 32)
 
 
 def magic_of(d: int) -> tuple:
@@ -116,9 +96,21 @@ def test_the_wide_quotient_is_exact(d):
 
 
 @pytest.mark.parametrize("d", WIDE_DIVISORS)
-def test_the_long_division_finds_the_wide_magic(d):
-    high = (1 << (d - 1).bit_length()) - d
-    assert shifted_quotient(high, d) + 1 == divider_of(d)["wide_magic"]
+def test_the_magic_numbers_fit_their_words(d):
+    words = divider_of(d)
+    assert 1 <= words["wide_magic"] <= WORD
+    assert words["wide_first"] + words["wide_second"] == (d - 1).bit_length()
+    if d < LIMIT:
+        assert 1 <= words["magic"] < LIMIT and words["shift"] == (d - 1).bit_length() <= 32
+    else:
+        assert (words["magic"], words["shift"]) == (0, 32)
+
+
+def test_a_param_that_is_not_factored_divides_by_one():
+    words, _ = _factored_cuda.shape_words([(5,), (3, 4)], 1, 1, 1)
+    assert words.shape[1] == _factored_cuda.SHAPE_WORDS
+    assert tuple(words[0, 4:7]) == tuple(words[0, 7:]) == _factored_cuda.divider_words(1)
+    assert tuple(words[1, 4:]) == _factored_cuda.divider_words(3) + _factored_cuda.divider_words(4)
 
 
 def test_every_index_of_a_small_tensor_finds_its_row_column_and_matrix():

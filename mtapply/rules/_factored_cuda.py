@@ -2,9 +2,10 @@
 before the walker's passes (kernels/factored.cuh) and what the walker's functors of a
 factored rule add (their tensor's shape, and each element's row and column state).
 
-Every functor of a factored rule reads its tensor's shape from `shape_array` (4 words per
-tensor: numel, rows, cols (0 for a param that is not factored), and where its per-matrix means,
-then its factor pass's partial sums, start in `means_array`, the plan's workspace of doubles).
+Every functor of a factored rule reads its tensor's shape from `shape_array` (SHAPE_WORDS words
+per tensor: numel, rows, cols (0 for a param that is not factored), where its per-matrix means,
+then its factor pass's partial sums, start in `means_array`, the plan's workspace of doubles,
+and the words of its Dividers by rows and by cols, made here once rather than in every thread).
 """
 from __future__ import annotations
 
@@ -18,10 +19,27 @@ from ._language import names_read
 
 SHAPE, MEANS = "shape_array", "means_array"  # the argument words (host and C++ names)
 FIELDS = ("  const long long* shape_array;  // per tensor: numel, rows, cols (0: not factored), "
-          "means offset",
+          "means offset, the Dividers' words",
           "  double* means_array;  // the per-matrix means (kernels/factored.cuh)")
 FACTORS, COMBINE, MATRIX = "Factors", "Combine", "Matrix"  # the reduction functors' suffixes
 TILE, MAX_TILE_COLS = 4096, 128  # the factor pass's tiles (kernels/factored.cuh, Tiles)
+SHAPE_WORDS = 10  # numel, rows, cols, means offset, then 3 words per Divider (by rows, by cols)
+WORD = (1 << 64) - 1
+
+
+def divider_words(d: int) -> tuple:
+    """The three int64 words of kernels/factored.cuh's Divider for divisor d (1 where a param
+    is not factored): its 64-bit magic, its 32-bit magic and shift, and its 64-bit shifts, each
+    pair as low and high halves of a word. The magic numbers of the round-up method: with
+    l = ceil(log2 d), floor(2^N (2^l - d) / d) + 1 for N-bit words (0 with shift 32: a divisor
+    of 2^32 or more, whose 32-bit quotients are all 0)."""
+    d = max(d, 1)
+    shift = (d - 1).bit_length()
+    high = (1 << shift) - d
+    wide_magic = ((high << 64) // d) + 1
+    magic, narrow_shift = (((high << 32) // d) + 1, shift) if d < (1 << 32) else (0, 32)
+    words = (wide_magic, magic | narrow_shift << 32, min(shift, 1) | max(shift - 1, 0) << 32)
+    return tuple(w - (1 << 64) if w >= (1 << 63) else w for w in words)  # as int64 bits
 
 
 def factor_partials(batch: int, rows: int, cols: int, n_row: int, n_col: int) -> int:
@@ -33,17 +51,18 @@ def factor_partials(batch: int, rows: int, cols: int, n_row: int, n_col: int) ->
 
 
 def shape_words(shapes: list, n_matrix: int, n_row: int = 0, n_col: int = 0) -> tuple:
-    """(the (n, 4) int64 words of `shape_array` for params of these shapes, the doubles
-    `means_array` takes: per factored param its per-matrix means, then its factor pass's
-    `n_row` row and `n_col` column partial sums)."""
-    words = np.zeros((len(shapes), 4), np.int64)
+    """(the (n, SHAPE_WORDS) int64 words of `shape_array` for params of these shapes, the
+    doubles `means_array` takes: per factored param its per-matrix means, then its factor
+    pass's `n_row` row and `n_col` column partial sums)."""
+    words = np.zeros((len(shapes), SHAPE_WORDS), np.int64)
     offset = 0
     for i, shape in enumerate(shapes):
         words[i, 0] = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         if is_factored(shape) and words[i, 0]:
             batch, rows, cols = stacked(shape)
-            words[i, 1:] = (rows, cols, offset)
+            words[i, 1:4] = (rows, cols, offset)
             offset += batch * n_matrix + factor_partials(batch, rows, cols, n_row, n_col)
+        words[i, 4:] = divider_words(int(words[i, 1])) + divider_words(int(words[i, 2]))
     return words, offset
 
 
@@ -79,12 +98,12 @@ def factored_reads(writer) -> list:
     """The constructor's reads of the tensor's shape."""
     program = writer.program
     absent = writer._mask(s.name for s in program.slots if s.form == UNFACTORED) or "0u"
-    return ([f"    const long long* z_shape = a.{SHAPE} + 4 * static_cast<long long>(tensor);",
+    return ([f"    const long long* z_shape = a.{SHAPE} + {SHAPE_WORDS} * static_cast<long long>(tensor);",
              "    const bool z_factored = z_shape[1] > 0;",
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
-             "    by_rows = Divider::of(rows, z_shape[0]);",
-             "    by_cols = Divider::of(cols, z_shape[0]);", "    narrow = Divider::narrow(z_shape[0]);",
+             "    by_rows = Divider::of(z_shape + 4);", "    by_cols = Divider::of(z_shape + 7);",
+             "    narrow = Divider::narrow(z_shape[0]);",
              f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
                for s in _vector_slots(program)])
