@@ -23,6 +23,7 @@
 namespace mta {
 
 constexpr int WARPS = MTA_BLOCK / 32;
+constexpr int SHAPE_WORDS = 10;  // per tensor in shape_array (mtapply/rules/_factored_cuda.py)
 
 // Exact quotients n / d of a tensor's element indices by its rows or columns, without a 64-bit
 // division (some 70 instructions an element), by Granlund and Montgomery's round-up method for
@@ -125,16 +126,16 @@ struct Tiles {
 };
 
 template <class Op>
-__device__ Tiles tiles_of(const Op& op, const Chunk& job) {
+__device__ Tiles tiles_of(long long rows, long long cols, long long numel, double* means) {
   Tiles t;
-  t.rows = op.rows;
-  t.cols = op.cols;
-  t.batch = job.numel / (op.rows * op.cols);
-  t.tile_cols = static_cast<int>(min((op.cols + 31) / 32 * 32, static_cast<long long>(MAX_TILE_COLS)));
+  t.rows = rows;
+  t.cols = cols;
+  t.batch = numel / (rows * cols);
+  t.tile_cols = static_cast<int>(min((cols + 31) / 32 * 32, static_cast<long long>(MAX_TILE_COLS)));
   t.tile_rows = TILE / t.tile_cols;
   t.row_groups = (t.rows + t.tile_rows - 1) / t.tile_rows;
   t.col_groups = (t.cols + t.tile_cols - 1) / t.tile_cols;
-  t.row_parts = reinterpret_cast<acc_t*>(op.means + t.batch * Op::N_MATRIX);
+  t.row_parts = reinterpret_cast<acc_t*>(means + t.batch * Op::N_MATRIX);
   t.col_parts = t.row_parts + Op::N_ROW * t.col_groups * t.batch * t.rows;
   return t;
 }
@@ -209,14 +210,23 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   char* ptr[Op::N_SLOTS];
   char* param_copy = nullptr;
   element_pointers(job, ptr, param_copy);
-  const Tiles t = tiles_of(op, job);
+  const Tiles t = tiles_of<Op>(op.rows, op.cols, job.numel, op.means);
   const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
   for (long long tile = job.index; tile < t.count(); tile += blocks)
     factor_tile(op, t, tile, ptr, grad_scale);
 }
 
+// The blocks of a tensor's `blocks` that take its n rows (or columns) of `groups` partial sums
+// each in the combine pass: a whole block's worth apiece (a thread or, for many groups, a warp
+// a row), so that a pass over a few thousand rows keeps a few blocks busy and the rest return
+// before they make the op (its hyperparameters: some hundred instructions a thread).
+__device__ __forceinline__ long long busy_blocks(long long n, long long groups, long long blocks) {
+  const long long each = groups >= 32 ? WARPS : MTA_BLOCK;
+  return min(blocks, (n + each - 1) / each);
+}
+
 // The means of n rows (or columns) from their partial sums, `groups` of them each (in `parts`,
-// K sums apiece, `count` elements to a row), the tensor's blocks sharing the rows;
+// K sums apiece, `count` elements to a row), the tensor's busy blocks sharing the rows;
 // `finish(j, means)` takes each. A thread adds a row's few groups in group order; a warp takes a
 // row of many (some thousand in an embedding's columns, a latency-bound loop for one thread):
 // lane l adds groups l, l + 32, ..., then warp_sum. Either order is fixed: the same bits every run.
@@ -224,7 +234,7 @@ template <int K, class Finish>
 __device__ __forceinline__ void combine(long long n, long long groups, const acc_t* parts,
                                         long long count, const Chunk& job, Finish finish) {
   long long first, last;
-  share(n, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index, first, last);
+  share(n, busy_blocks(n, groups, (job.numel + MTA_CHUNK - 1) / MTA_CHUNK), job.index, first, last);
   const bool by_warps = groups >= 32;  // (the same in every thread of the block)
   const int lane = by_warps ? threadIdx.x % 32 : 0, stride = by_warps ? 32 : 1;
   const long long start = first + (by_warps ? threadIdx.x / 32 : threadIdx.x);
@@ -241,13 +251,19 @@ __device__ __forceinline__ void combine(long long n, long long groups, const acc
 }
 
 // The combine pass: each row's (column's) partial sums added in group order, its mean, and
-// the op's finish of that row (column).
+// the op's finish of that row (column). A block with no rows returns before making the op.
 template <class Op>
 __device__ void combine_walk(const Launch<typename Op::Args>& launch) {
   const Chunk job = chunk_of(launch);
-  const Op op(args_of(launch, job.tensor), job, launch.sums);
-  if (!op.factored) return;
-  const Tiles t = tiles_of(op, job);
+  const typename Op::Args args = args_of(launch, job.tensor);
+  const long long* shape = args.shape_array + SHAPE_WORDS * static_cast<long long>(job.tensor);
+  if (shape[1] == 0) return;  // (not factored)
+  const Tiles t = tiles_of<Op>(shape[1], shape[2], job.numel, args.means_array + shape[3]);
+  const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
+  if (job.index >= max(Op::N_ROW > 0 ? busy_blocks(t.batch * t.rows, t.col_groups, blocks) : 0ll,
+                       Op::N_COL > 0 ? busy_blocks(t.batch * t.cols, t.row_groups, blocks) : 0ll))
+    return;
+  const Op op(args, job, launch.sums);
   if constexpr (Op::N_ROW > 0)
     combine<Op::N_ROW>(t.batch * t.rows, t.col_groups, t.row_parts, t.cols, job,
                        [&](long long j, const acc_t (&means)[Op::N_ROW]) { op.finish_row(j, means); });
@@ -257,15 +273,20 @@ __device__ void combine_walk(const Launch<typename Op::Args>& launch) {
 }
 
 // Each matrix of the block's part, a warp each: the op's means over the matrix's rows or
-// columns (its `matrix`, whose first lane stores them).
+// columns (its `matrix`, whose first lane stores them). The tensor's first blocks take the
+// matrices, WARPS apiece; the rest return before making the op.
 template <class Op>
 __device__ void matrix_walk(const Launch<typename Op::Args>& launch) {
   const Chunk job = chunk_of(launch);
-  const Op op(args_of(launch, job.tensor), job, launch.sums);
-  if (!op.factored) return;
+  const typename Op::Args args = args_of(launch, job.tensor);
+  const long long* shape = args.shape_array + SHAPE_WORDS * static_cast<long long>(job.tensor);
+  if (shape[1] == 0) return;  // (not factored)
+  const long long batch = job.numel / (shape[1] * shape[2]);
+  const long long blocks = min((job.numel + MTA_CHUNK - 1) / MTA_CHUNK, (batch + WARPS - 1) / WARPS);
+  if (job.index >= blocks) return;
+  const Op op(args, job, launch.sums);
   long long first, last;
-  share(job.numel / (op.rows * op.cols), (job.numel + MTA_CHUNK - 1) / MTA_CHUNK, job.index,
-        first, last);
+  share(batch, blocks, job.index, first, last);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (long long b = first + warp; b < last; b += WARPS) op.matrix(b, lane);
 }

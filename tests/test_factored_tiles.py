@@ -23,6 +23,11 @@ def test_the_host_and_the_kernel_cut_the_same_tiles():
     assert (int(match[1]), int(match[2])) == (_factored_cuda.TILE, _factored_cuda.MAX_TILE_COLS)
 
 
+def test_the_host_and_the_kernel_lay_out_the_same_shape_words():
+    match = re.search(r"constexpr int SHAPE_WORDS = (\d+);", KERNEL.read_text())
+    assert match and int(match[1]) == _factored_cuda.SHAPE_WORDS
+
+
 def tiles_of(batch, rows, cols, n_row):
     """tiles_of's fields (row_parts at 0 of the tensor's partials)."""
     tile_cols = min((cols + 31) // 32 * 32, _factored_cuda.MAX_TILE_COLS)
@@ -103,3 +108,28 @@ def test_the_workspace_reserves_the_partials_after_each_params_means():
     first = 1 + _factored_cuda.factor_partials(1, 768, 3072, 1, 1)
     assert list(words[:, 3]) == [0, 0, first]
     assert total == first + 2 + _factored_cuda.factor_partials(2, 3, 4, 1, 1)
+
+
+def share(n, blocks, index):
+    each = -(-n // blocks)
+    first = min(index * each, n)
+    return first, min(first + each, n)
+
+
+def busy_blocks(n, groups, blocks):
+    each = WARPS if groups >= 32 else WARPS * 32
+    return min(blocks, -(-n // each))
+
+
+def takes_each_once(n, busy, blocks):
+    taken = [j for index in range(blocks) for j in range(*share(n, busy, index))]
+    return sorted(taken) == list(range(n)) and busy <= blocks
+
+
+@pytest.mark.parametrize("batch, rows, cols", SHAPES + [(1, 50257, 768), (12, 768, 3072)])
+def test_the_busy_blocks_of_the_combine_and_matrix_passes_take_each_row_once(batch, rows, cols):
+    blocks = -(-batch * rows * cols // 4096)  # the tensor's chunks
+    t = tiles_of(batch, rows, cols, 1)
+    for n, groups in ((batch * rows, t["col_groups"]), (batch * cols, t["row_groups"])):
+        assert takes_each_once(n, busy_blocks(n, groups, blocks), blocks)
+    assert takes_each_once(batch, min(blocks, -(-batch // WARPS)), blocks)  # matrix_walk
