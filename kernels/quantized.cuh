@@ -13,7 +13,10 @@
 // with the chunk's block scales (ChunkScales). A step then runs at the speed of its loads and
 // stores. Groups of tensors too small for 8-bit states run the op on the chunk walker. A pass
 // that sums (a rule's first pass, e.g. LAMB's norms) walks the same blocks, dequantizing the
-// 8-bit slots as the update will, and writes nothing but its sums.
+// 8-bit slots as the update will, and writes nothing but its sums. An INDEXED op (factored
+// state, walker.cuh) is made with the chunk and given each element's index, as the chunk walker
+// gives them; the slots its tensor lacks (`absent`) are neither loaded nor stored. Its factored
+// slots are never 8-bit (Rule.with_state_bits refuses them), so an absent slot holds floats.
 #pragma once
 #include "walker.cuh"
 #include "dynamic_maps.cuh"
@@ -222,7 +225,10 @@ struct ChunkScales {
 template <class Op, unsigned QUANTIZED, unsigned UNSIGNED>
 struct Quantized {
   static constexpr bool OWN_WALK = true;
-  static constexpr int MIN_BLOCKS = 4;  // per SM: caps registers at 64 (occupancy over spills)
+  // per SM: caps registers at 64 (occupancy over spills); 80 for an indexed op, as on the chunk
+  // walker (its shape, dividers and row and column pointers take some 30 registers: it used
+  // about 115 uncapped, spilled some 600 bytes a thread at 64 and about 130 at 80)
+  static constexpr int MIN_BLOCKS = Indexed<Op>::value ? 3 : 4;
   static constexpr int N = Op::N_SLOTS;
   static constexpr int NQ = bits_set(QUANTIZED);
   // the param is not read where it is taken as zero (the op then writes its update to slot 0)
@@ -257,37 +263,91 @@ struct Quantized {
     maps.load();  // then synchronizes
     const Chunk job{record.tensor, record.index, record.numel, record.begin, record.end, bases};
     const float grad_scale = float(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
-    // whole words of every slot (GROUP elements each) where every base allows them; blocks from
-    // `whole` on are cut by the tensor's end (or unaligned) and go element by element
-    const bool aligned = bases_aligned<0>(job) && updates_aligned(job);
     const int blocks = ChunkScales<NQ>::blocks(job);
-    const int whole = aligned ? static_cast<int>((min(job.end, job.numel / QBLOCK * QBLOCK) - job.begin) / QBLOCK) : 0;
-    const Op op(args_of(launch, job.tensor), job.tensor, launch.sums);  // (an earlier pass's)
-    // each warp takes every WARPS-th block of the chunk, counted by its index there (a 32-bit
-    // counter: a 64-bit one spilled to local memory)
+    if constexpr (Indexed<Op>::value) {  // (the same branch in every thread of the block)
+      const Op op = make_op<Op>(launch, job);
+      const int whole = whole_blocks(job, op.absent);
+      if (op.narrow) walk_blocks<unsigned>(launch, maps, scales, op, grad_scale, job, whole, blocks);
+      else walk_blocks<long long>(launch, maps, scales, op, grad_scale, job, whole, blocks);
+    } else {
+      const int whole = whole_blocks(job, 0u);
+      const Op op(args_of(launch, job.tensor), job.tensor, launch.sums);  // (an earlier pass's)
+      walk_blocks<long long>(launch, maps, scales, op, grad_scale, job, whole, blocks);
+    }
+  }
+
+  // The chunk's blocks that go in whole words of every slot (GROUP elements each), where every
+  // base allows them; blocks from there on are cut by the tensor's end (or unaligned) and go
+  // element by element.
+  static __device__ __forceinline__ int whole_blocks(const Chunk& job, unsigned absent) {
+    const bool aligned = bases_aligned<0>(job, absent) && updates_aligned(job);
+    return aligned ? static_cast<int>((min(job.end, job.numel / QBLOCK * QBLOCK) - job.begin) / QBLOCK) : 0;
+  }
+
+  // The chunk's quantization blocks: each warp takes every WARPS-th block of the chunk, counted
+  // by its index there (a 32-bit counter: a 64-bit one spilled to local memory). An indexed op
+  // gets each element's index as an Index (unused by other ops).
+  template <class Index>
+  static __device__ __forceinline__ void walk_blocks(const Launch<Args>& launch, const Maps& maps,
+                                                     ChunkScales<NQ>& scales, const Op& op,
+                                                     float grad_scale, const Chunk& job, int whole,
+                                                     int blocks) {
     constexpr int WARPS = MTA_BLOCK / 32;
     int local = threadIdx.x / 32;
     if constexpr (SUMS) {
       float acc[SUMS ? Op::N_SUMS : 1] = {};
-      for (; local < whole; local += WARPS) sum_block<true>(maps, scales, op, grad_scale, job, local, acc);
-      for (; local < blocks; local += WARPS) sum_block<false>(maps, scales, op, grad_scale, job, local, acc);
+      for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
+      for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
       finish_sums<Op>(launch, acc, job.tensor, job.index, job.numel);
     } else {
-      for (; local < whole; local += WARPS) update_block<true>(maps, scales, op, grad_scale, job, local);
-      for (; local < blocks; local += WARPS) update_block<false>(maps, scales, op, grad_scale, job, local);
+      for (; local < whole; local += WARPS) update_block<true, Index>(maps, scales, op, grad_scale, job, local);
+      for (; local < blocks; local += WARPS) update_block<false, Index>(maps, scales, op, grad_scale, job, local);
       scales.template store<N>(job);
     }
   }
 
-  // Words of GROUP elements: 16 bytes of floats, 8 of 16-bit values, 4 of codes.
+  // An indexed op reads its element's row and column state: an element past the tensor's end
+  // (computed with zeros, never stored) takes the last element's index, not one past the vectors.
+  template <bool VECTOR>
+  static __device__ __forceinline__ long long within(long long index, long long numel) {
+    if constexpr (VECTOR || !Indexed<Op>::value) return ((void)numel, index);
+    else return min(index, numel - 1);
+  }
+
+  // The op on one element's values x (the lane's element at `index`), adding to acc where it sums.
+  template <class Index>
+  static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], long long index) {
+    if constexpr (Indexed<Op>::value) op(x, static_cast<Index>(index));
+    else op(x);
+  }
+  template <class Index>
+  static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], float (&acc)[SUMS ? Op::N_SUMS : 1],
+                                               long long index) {
+    if constexpr (Indexed<Op>::value) op(x, acc, static_cast<Index>(index));
+    else op(x, acc);
+  }
+
+  // Words of GROUP elements: 16 bytes of floats, 8 of 16-bit values, 4 of codes; only the
+  // slots the walk loads or stores count (not an indexed op's row and column vectors, nor the
+  // slots its tensor lacks).
   template <int S>
-  static __device__ __forceinline__ bool bases_aligned(const Chunk& job) {
+  static __device__ __forceinline__ bool bases_aligned(const Chunk& job, unsigned absent) {
     if constexpr (S == N) {
       return true;
+    } else if constexpr ((((READ | Op::WRITTEN) >> S) & 1u) == 0u) {
+      return bases_aligned<S + 1>(job, absent);
     } else {
       constexpr unsigned long long align = GROUP * sizeof(typename SlotType<S>::type) - 1;
-      return (static_cast<unsigned long long>(job.addresses[S]) & align) == 0 && bases_aligned<S + 1>(job);
+      const bool aligned = (static_cast<unsigned long long>(job.addresses[S]) & align) == 0 || lacks<S>(absent);
+      return aligned && bases_aligned<S + 1>(job, absent);
     }
+  }
+
+  // Whether the tensor lacks slot S (an indexed op's `absent`; no slot of other ops).
+  template <int S>
+  static __device__ __forceinline__ bool lacks(unsigned absent) {
+    if constexpr (Indexed<Op>::value) return ((absent >> S) & 1u) != 0u;
+    else return ((void)absent, false);
   }
 
   static __device__ __forceinline__ bool updates_aligned(const Chunk& job) {
@@ -299,13 +359,21 @@ struct Quantized {
 #endif
   }
 
+  // The slots the op reads; those the tensor lacks are zero, as the chunk walker has them.
   template <int S, bool VECTOR>
-  static __device__ __forceinline__ void load(const Chunk& job, long long i, LaneSlots<0, N>& lanes) {
+  static __device__ __forceinline__ void load(const Chunk& job, long long i, unsigned absent,
+                                              LaneSlots<0, N>& lanes) {
     if constexpr (S < N) {
       typedef typename SlotType<S>::type T;
-      if constexpr (((READ >> S) & 1u) != 0u)
-        load_lane(reinterpret_cast<const T*>(job.addresses[S]), i, job.numel, VECTOR, lane_slot<S>(lanes));
-      load<S + 1, VECTOR>(job, i, lanes);
+      if constexpr (((READ >> S) & 1u) != 0u) {
+        if (lacks<S>(absent)) {
+#pragma unroll
+          for (int k = 0; k < PER_LANE; ++k) lane_slot<S>(lanes)[k] = T{};
+        } else {
+          load_lane(reinterpret_cast<const T*>(job.addresses[S]), i, job.numel, VECTOR, lane_slot<S>(lanes));
+        }
+      }
+      load<S + 1, VECTOR>(job, i, absent, lanes);
     }
   }
 
@@ -329,13 +397,13 @@ struct Quantized {
   // The sums of one quantization block, a warp's: the op on the block's elements (the 8-bit
   // slots dequantized as the update will read them), each adding its terms to the lane's acc.
   // Nothing is written, so every lane reads the block's scales.
-  template <bool VECTOR>
+  template <bool VECTOR, class Index>
   static __device__ __forceinline__ void sum_block(const Maps& maps, const ChunkScales<NQ>& scales, const Op& op,
                                                    float grad_scale, const Chunk& job, int local,
                                                    float (&acc)[SUMS ? Op::N_SUMS : 1]) {
     const long long i = job.begin + local * QBLOCK + (threadIdx.x % 32) * GROUP;
     LaneSlots<0, N> lanes;
-    load<0, VECTOR>(job, i, lanes);
+    load<0, VECTOR>(job, i, absent_slots(op), lanes);
     float scale[NQ];
 #pragma unroll
     for (int q = 0; q < NQ; ++q) scale[q] = scales.scale[q][local];
@@ -347,17 +415,17 @@ struct Quantized {
       if constexpr (Op::GRAD >= 0) {
         if (grad_scale != 1.0f) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
       }
-      op(x, acc);
+      apply<Index>(op, x, acc, element(i, k));
     }
   }
 
   // One quantization block, a warp's: the op on the block, its fresh scales and codes.
-  template <bool VECTOR>
+  template <bool VECTOR, class Index>
   static __device__ __forceinline__ void update_block(const Maps& maps, ChunkScales<NQ>& scales, const Op& op,
                                                       float grad_scale, const Chunk& job, int local) {
     const long long i = job.begin + local * QBLOCK + (threadIdx.x % 32) * GROUP;
     LaneSlots<0, N> lanes;
-    load<0, VECTOR>(job, i, lanes);
+    load<0, VECTOR>(job, i, absent_slots(op), lanes);
     // The block's old scales: lane 0 reads them from shared memory and hands them to the other
     // lanes in registers, so that lane 0 alone touches this block's entries (it writes the
     // fresh scales below): no other thread reads them, and no barrier is needed (no other warp
@@ -374,7 +442,7 @@ struct Quantized {
       if constexpr (Op::GRAD >= 0) {
         if (grad_scale != 1.0f) x[Op::GRAD] = x[Op::GRAD] / grad_scale;  // the same for the whole launch
       }
-      op(x);
+      apply<Index>(op, x, within<VECTOR>(element(i, k), job.numel));
 #pragma unroll
       for (int s = 0; s < N; ++s) out[s][k] = x[s];
       finite_codes<0>(out, k);
@@ -442,10 +510,12 @@ struct Quantized {
       } else if constexpr (written<S>() && S == 0) {
         store_params(reinterpret_cast<T*>(job.addresses[S]), i, job.numel, VECTOR, out[S], op);
       } else if constexpr (written<S>()) {
-        T rounded[PER_LANE];
+        if (!lacks<S>(absent_slots(op))) {
+          T rounded[PER_LANE];
 #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) rounded[k] = from_acc<T>(out[S][k]);
-        store_lane(reinterpret_cast<T*>(job.addresses[S]), i, job.numel, VECTOR, rounded);
+          for (int k = 0; k < PER_LANE; ++k) rounded[k] = from_acc<T>(out[S][k]);
+          store_lane(reinterpret_cast<T*>(job.addresses[S]), i, job.numel, VECTOR, rounded);
+        }
       }
       store<S + 1, VECTOR>(maps, op, job, i, lanes, out, fresh);
     }

@@ -228,13 +228,18 @@ __device__ __forceinline__ void store_vec(char* base, long long i, const acc_t (
 }
 
 // Loads the slots among S..N-1 that the op reads (bit s of READ), W elements at i (W = 1: one
-// element), into registers; the others, and those `absent` from the tensor, are zero.
+// element), into registers; the others, and those `absent` from the tensor, are zero. A slot
+// not read is not compiled either: it may hold 8-bit codes (a factored rule's reductions beside
+// 8-bit slots, quantized.cuh), which have no to_acc.
 template <int S, int N, unsigned READ, int W>
 __device__ __forceinline__ void load_slots(char* const (&ptr)[N], long long i, acc_t (&v)[N][W],
                                            unsigned absent = 0u) {
   if constexpr (S < N) {
     using T = typename SlotType<S>::type;
-    if (!((READ >> S) & 1u) || ((absent >> S) & 1u)) {
+    if constexpr (((READ >> S) & 1u) == 0u) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) v[S][k] = acc_t(0);
+    } else if ((absent >> S) & 1u) {
 #pragma unroll
       for (int k = 0; k < W; ++k) v[S][k] = acc_t(0);
     } else if constexpr (W == 1) {

@@ -20,8 +20,8 @@ A rule written with `mtapply.rule` becomes one too: `transformation(rule, learni
 arguments and semantics; `nadam` and `nadamw` are `adam` and `adamw` with nesterov=True, as
 optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's. `adafactor` is
 optax.adafactor (its arguments and its state, the chain's tuple) on the rule
-`library.adafactor_optax`, factored over each param's two largest dimensions as optax's; it
-runs on the CPU (no CUDA kernel for factored rules yet: a GPU step is refused when traced);
+`library.adafactor_optax`, factored over each param's two largest dimensions as optax's (on
+GPUs in the XLA FFI call, as every mtapply.optax step);
 its fused form `fused_adafactor` keeps optax's state as it is.
 
 Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,

@@ -244,11 +244,12 @@ def test_rules_of_array_hyperparameters_compile(spec, dtypes):
 
 
 def test_the_ffi_route_refuses_what_the_kernels_cannot_step_before_registering(monkeypatch):
-    """The XLA route checks as the torch and CuPy routes do: a rule with no CUDA kernel (8-bit
-    slots beside factored ones) is refused by name, and factored slots that fit neither mode
-    (param-shaped row vectors) are refused naming the param, before any plan is made."""
+    """The XLA route checks as the torch and CuPy routes do: a rule with no CUDA kernel (an
+    8-bit slot that a factored rule's row and column means read) is refused by name, and
+    factored slots that fit neither mode (param-shaped row vectors) are refused naming the
+    param, before any plan is made; an 8-bit momentum beside factored slots registers."""
     from mtapply import _launcher, _xla
-    from mtapply.rules import library
+    from mtapply.rules import library, rule as make_rule
 
     registered = []
     monkeypatch.setattr(_xla, "_ids", {})
@@ -256,10 +257,23 @@ def test_the_ffi_route_refuses_what_the_kernels_cannot_step_before_registering(m
     rule = library.adafactor_optax(momentum=True)
     eight = rule.with_state_bits(8, slots=("ema",)).spec()
     table = np.zeros((1, len(eight.slots)), np.int64)
-    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots"):
-        _xla.prepare(eight, table, table, [("float32",) * len(eight.slots)], [6], {}, {}, [0],
-                     [6] * len(eight.slots))
-    assert not registered
+    assert _xla.prepare(eight, table, table, [("float32",) * len(eight.slots)], [6], {}, {},
+                        [0], [6] * len(eight.slots)) == 1
+    assert len(registered) == 1
+    summed = make_rule("ema_means", slots="param:rw grad:r ema:rw row_var:rw@row "
+                                             "col_var:rw@col variance:rw@unfactored",
+                          hyper={}, update="""
+                              ema = 0.9 * ema + 0.1 * grad
+                              row_var = row_mean(ema * ema)
+                              col_var = col_mean(ema * ema)
+                              variance = ema * ema
+                              v = row_var * col_var / col_mean(row_var) if factored else variance
+                              param = param - 0.01 * ema * rsqrt(v + 1e-30)
+                          """).with_state_bits(8, slots=("ema",)).spec()
+    with pytest.raises(NotImplementedError, match=r"8-bit slot 'ema' is read by the row and"):
+        _xla.prepare(summed, table, table, [("float32",) * len(summed.slots)], [6], {}, {}, [0],
+                     [6] * len(summed.slots))
+    assert len(registered) == 1
     spec = rule.spec()
     good = {name: [(2, 3)] for name in spec.slots}
     good.update(row_vars=[(2, 1)], col_vars=[(1, 3)], variances=[(0,)])

@@ -278,7 +278,7 @@ def test_a_summing_rule_with_8_bit_state_compiles():
 def test_a_factored_rule_keeps_its_momentum_in_8_bits_beside_its_factored_state():
     """optax's Adafactor rule with momentum, the momentum (ema) in 8 bits: the state maker shapes
     the factored slots as rows and columns, not as the param; 20 steps stay within the 8-bit
-    format of the float32 run; a GPU step is refused, naming the slots."""
+    format of the float32 run."""
     rule = library.adafactor_optax(momentum=True)
     eight = rule.with_state_bits(8, slots=("ema",), threshold=1)
     shapes = [(300, 260), (7,), (5000,), (3, 130, 140)]
@@ -300,6 +300,57 @@ def test_a_factored_rule_keeps_its_momentum_in_8_bits_beside_its_factored_state(
     for k, (p, f, p0) in enumerate(zip(params, floats, start)):
         moved = np.abs(f - p0).mean()
         assert moved > 1e-3 and np.abs(p - f).mean() <= 0.05 * moved, f"params[{k}]"
-    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots "
-                                                  r"step on the CPU only"):
-        eight.spec().refuse_cuda()
+    eight.spec().refuse_cuda()  # (its kernels: test_a_factored_rule_with_8_bit_state_compiles)
+
+
+def _factored_dtypes(spec, param: str, eight_bit: bool) -> tuple:
+    """A group's dtypes: params and grads of `param`, 8-bit slots as codes (or float32 state,
+    for small params), every other slot float32."""
+    codes = {f"{slot}s" for slot in spec.eight_bit} if eight_bit else set()
+    return tuple(param if name in ("params", "grads") else "uint8" if name in codes
+                 else "float32" for name in spec.slots)
+
+
+@pytest.mark.parametrize("param,mode", [("float32", "inplace"), ("bfloat16", "inplace"),
+                                        ("float32", "delta"), ("bfloat16", "delta"),
+                                        ("bfloat16", "stochastic")])
+def test_a_factored_rule_with_8_bit_state_compiles(param, mode):
+    """Adafactor's momentum in 8 bits beside its factored slots: the reductions as they are,
+    then the sums and the update on the 8-bit walk (indexed functors), in each param mode
+    (optax's updates, stochastic rounding of bfloat16 params) and with float32 state."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="kernels cannot be compiled offline")
+    from mtapply import _source
+
+    eight = library.adafactor_optax(momentum=True).with_state_bits(8, slots=("ema",))
+    spec = eight.spec(stochastic_rounding=mode == "stochastic")
+    if mode == "delta":
+        spec = spec.with_param_mode("delta")
+    for quantized in (True, False):
+        dtypes = _factored_dtypes(spec, param, quantized)  # (optax's updates float32)
+        functors = spec.functors_for(dtypes)
+        assert [f.endswith("_q32u0") for f in functors] == [False] * 3 + [quantized] * 2
+        source = spec.source(dtypes)
+        cubin = _source.compile_offline(source, "sm_90", spec.compile_options(dtypes))
+        assert cubin[:4] == b"\x7fELF"
+        for k in range(len(functors)):
+            assert _source.entry_name(k).encode() in cubin
+
+
+def test_an_8_bit_slot_that_a_factored_rule_sums_by_rows_is_refused_on_a_gpu():
+    """The factor pass sums each element's terms from the slots as stored: a slot it reads
+    cannot be 8-bit codes on a GPU (the CPU dequantizes it first)."""
+    rule = mtapply.rule("ema_factored", slots="param:rw grad:r ema:rw row_var:rw@row "
+                                              "col_var:rw@col variance:rw@unfactored",
+                        hyper=dict(lr=(1e-2, "> 0")),
+                        update="""
+                            ema = 0.9 * ema + 0.1 * grad
+                            row_var = 0.5 * row_var + 0.5 * row_mean(ema * ema + 1e-30)
+                            col_var = 0.5 * col_var + 0.5 * col_mean(ema * ema + 1e-30)
+                            variance = 0.5 * variance + 0.5 * (ema * ema + 1e-30)
+                            v = row_var * col_var / col_mean(row_var) if factored else variance
+                            param = param - lr * ema * rsqrt(v)
+                        """)
+    rule.spec().refuse_cuda()  # in float32: the GPU passes run it
+    with pytest.raises(NotImplementedError, match=r"8-bit slot 'ema' is read by the row and "
+                                                  r"column means"):
+        rule.with_state_bits(8, slots=("ema",)).spec().refuse_cuda()

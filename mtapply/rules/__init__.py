@@ -151,7 +151,8 @@ class Rule:
 
     def cuda_source(self) -> str:
         """The CUDA functor the rule generates (compiled after mtapply's chunk walker);
-        NotImplementedError for a rule that runs on the CPU only (factored slots)."""
+        NotImplementedError for a rule that runs on the CPU only (factored lines the GPU
+        passes cannot run)."""
         self.spec().refuse_cuda()
         return self.spec().functor_text
 

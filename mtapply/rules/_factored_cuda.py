@@ -209,29 +209,12 @@ class _Factors(_Reduction):
                             f"  static constexpr unsigned READ = {read};"],
                            methods, "factor_walk")
 
-    def _element_lines(self) -> set:
-        """Indices of the element lines the means' arguments need, for factored params."""
-        program = self.program
-        needed = set().union(*(names_read(c.args[0]) for c in (*self.rows[1], *self.cols[1])))
-        kept = set()
-        last = max(self.passes.vector_lines)
-        for k in range(last - 1, -1, -1):
-            line = program.lines[k]
-            if (line.target in needed and not program.kind(line.expr).uniform
-                    and k not in self.passes.vector_lines and line.only != UNFACTORED_ONLY):
-                kept.add(k)
-                needed |= names_read(line.expr)
-        return kept
-
     def _element_reads(self) -> set:
-        kept = self._element_lines()
-        names = set().union(*(names_read(c.args[0]) for c in (*self.rows[1], *self.cols[1])),
-                            *(names_read(self.program.lines[k].expr) for k in kept))
-        return {s.name for s in self.program.slots if s.name in names and s.form == FULL}
+        return factor_reads(self.program)
 
     def _terms(self) -> None:
         w, program = self.w, self.program
-        kept, done = self._element_lines(), set()
+        kept, done = _element_lines(program, self.passes), set()
         for k, line in enumerate(program.lines[:self.passes.limit]):
             if k in kept:
                 w._line(line)
@@ -265,6 +248,38 @@ class _Factors(_Reduction):
             if s.written:
                 w.body.append(f"store_at<{w._slot(s.name)}>(p_{s.name}, j, "
                               f"x[{w._slot(s.name)}]);")
+
+
+def _mean_calls(made) -> tuple:
+    """One row_mean or col_mean call of each argument that the factor pass sums."""
+    return numbered(made.row_means)[1] + numbered(made.col_means)[1]
+
+
+def _element_lines(program, made) -> set:
+    """Indices of the element lines the means' arguments need, for factored params (none where
+    no line assigns row or column state: nothing is summed)."""
+    if not made.vector_lines:
+        return set()
+    needed = set().union(*(names_read(c.args[0]) for c in _mean_calls(made)))
+    kept = set()
+    last = max(made.vector_lines)
+    for k in range(last - 1, -1, -1):
+        line = program.lines[k]
+        if (line.target in needed and not program.kind(line.expr).uniform
+                and k not in made.vector_lines and line.only != UNFACTORED_ONLY):
+            kept.add(k)
+            needed |= names_read(line.expr)
+    return kept
+
+
+def factor_reads(program) -> set:
+    """The full slots the factor pass reads at each element (the terms of the row and column
+    means): it reads them as stored, so none of them may be kept in 8 bits."""
+    made = passes(program)
+    kept = _element_lines(program, made)
+    names = set().union(*(names_read(c.args[0]) for c in _mean_calls(made)),
+                        *(names_read(program.lines[k].expr) for k in kept))
+    return {s.name for s in program.slots if s.name in names and s.form == FULL}
 
 
 class _Matrix(_Reduction):

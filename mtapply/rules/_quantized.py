@@ -14,6 +14,7 @@ import numpy as np
 from .. import _calls, _source, quantization
 from ..plan import Plan
 from ..ops.adam8bit import QUANTIZED_CHUNK, check_eight_bit, dynamic_maps_source
+from . import _factored_cuda
 from ._spec import RuleSpec, list_name
 
 
@@ -42,28 +43,40 @@ class QuantizedRuleSpec(RuleSpec):
                              **{s: (("float32",), False) for s in self.scale_slots}}
         mask = sum(1 << names.index(s) for s in self.eight_bit)
         unsigned_mask = sum(1 << names.index(s) for s in self.unsigned)
-        # each pass's functor (mta::Rule_<digest>Sums, mta::Rule_<digest>) on the 8-bit walk
+        # each element pass's functor (mta::Rule_<digest>Sums, mta::Rule_<digest>) on the 8-bit
+        # walk; a factored rule's reductions first, as they are (they read no 8-bit slot:
+        # refuse_cuda)
         suffix = f"_q{mask}u{unsigned_mask}"
         self.name = f"{self.name}:8bit:{mask}:{unsigned_mask}"
         self._plain_file = self.kernel_file
         self.kernel_file = f"{self.functor.split('::')[1].lower()}{suffix}.cuh"
+        reductions = len(_factored_cuda.reduction_names(program)) if program.factored else 0
+        elements = self.functors[reductions:]
         _source.register_generated("dynamic_maps.cuh", dynamic_maps_source())
         _source.register_generated(self.kernel_file, "\n".join([
             f'#include "{self._plain_file}"', '#include "quantized.cuh"', "namespace mta {",
             *(f"struct {plain.split('::')[1]}{suffix} : Quantized<{plain}, {mask}u, "
-              f"{unsigned_mask}u> {{}};" for plain in self.functors),
+              f"{unsigned_mask}u> {{}};" for plain in elements),
             "}  // namespace mta", ""]))
-        self._quantized_functors = tuple(f"{plain}{suffix}" for plain in self.functors)
+        self._quantized_functors = (self.functors[:reductions]
+                                    + tuple(f"{plain}{suffix}" for plain in elements))
         self.eight_bit_slots = tuple((list_name(s), scale_name(s), s not in self.unsigned)
                                      for s in self.eight_bit)
 
     def refuse_cuda(self) -> None:
+        """Also refuses 8-bit slots that a factored rule's row and column means read: the
+        factor pass sums each element's terms from the slots as stored, without the 8-bit
+        walk's scales."""
         super().refuse_cuda()
-        if self.program.factored:  # the 8-bit walk takes no indexed (factored) functors yet
+        if not self.program.factored:
+            return
+        summed = sorted(_factored_cuda.factor_reads(self.program) & set(self.eight_bit))
+        if summed:
             raise NotImplementedError(
-                f"rule {self.rule_name!r}: 8-bit slots ({', '.join(self.eight_bit)}) beside "
-                f"factored slots step on the CPU only for now; on a GPU keep them in float32 "
-                f"(the rule without with_state_bits) or step these tensors on the CPU")
+                f"rule {self.rule_name!r}: the 8-bit slot {summed[0]!r} is read by the row and "
+                f"column means, which on a GPU sum the slots as stored (not dequantized): keep "
+                f"it in float32 (with_state_bits(8, slots=...) without it) or step these "
+                f"tensors on the CPU")
 
     def _quantized(self, dtypes: tuple) -> bool:
         return dtypes[self.slots.index(list_name(self.eight_bit[0]))] == "uint8"

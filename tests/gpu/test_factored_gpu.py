@@ -128,14 +128,100 @@ def test_the_step_is_the_same_bits_every_run():
         assert same, f"{('params', 'grads', *SLOTS)[k]} differs between two runs"
 
 
-def test_8_bit_momentum_beside_factored_slots_is_refused_on_a_gpu_before_any_write():
-    rule = library.adafactor_optax(momentum=True).with_state_bits(8, slots=("ema",), threshold=1)
-    gen = torch.Generator("cuda").manual_seed(3)
-    params = [torch.randn(s, device="cuda", generator=gen) for s in [(300, 260), (7,)]]
-    grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in params]
+# 8-bit momentum beside factored slots (min_dim_size 128, threshold 1000): factored matrices
+# (a stack, a ragged one whose last quantization block is cut), a matrix below min_dim_size
+# that keeps a full variance, a long vector, and a short one that keeps float32 state
+EIGHT_SHAPES = [(300, 260), (3, 130, 140), (257, 300), (100, 120), (5000,), (7,)]
+EIGHT_HYPER = dict(lr=1e-2, decay=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def _eight_bit_adafactor():
+    return library.adafactor_optax(momentum=True).with_state_bits(8, slots=("ema",),
+                                                                  threshold=1000)
+
+
+def _eight_bit_state(rule, params, rng):
+    """The state lists at random values (never zeros): 8-bit momentum where `state` makes
+    codes, positive second moments."""
+    from mtapply import quantization
+
+    columns = [list(c) for c in rule.state(params, min_dim_size=128)]
+    for k in range(len(params)):
+        for j in range(3):  # row_var, col_var, variance
+            columns[j][k] = np.abs(rng.standard_normal(columns[j][k].shape)).astype(np.float32) + 0.01
+        ema = (rng.standard_normal(params[k].shape) * 0.01).astype(np.float32)
+        if columns[3][k].dtype == np.uint8:
+            codes, columns[4][k] = quantization.quantize_blockwise(ema, True)
+            columns[3][k] = codes.reshape(ema.shape)
+        else:
+            columns[3][k] = ema
+    return columns
+
+
+def _on_gpu(arrays, offset=0):
+    """On the GPU; with offset 1 each a view one element into its storage (not 16-byte
+    aligned: the 8-bit walk's element by element path)."""
+    out = []
+    for a in arrays:
+        flat = np.concatenate([np.zeros(offset, a.dtype), a.reshape(-1)])
+        out.append(torch.from_numpy(flat).cuda()[offset:].view(a.shape))
+    return out
+
+
+def _assert_8_bit_close(got_params, want_params, got_state, want_state, where):
+    """Within the 8-bit walk's tolerances (tests/gpu/test_rule_state_bits_gpu.py): params and
+    float state as float32 math allows, codes equal but for values on a midpoint."""
+    lr = EIGHT_HYPER["lr"]
+    for k, (p, w) in enumerate(zip(got_params, want_params)):
+        got = p.float().cpu().numpy()
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=lr * 0.2, err_msg=f"{where} params[{k}]")
+        assert np.isclose(got, w, rtol=1e-5, atol=1e-6).mean() >= 0.999, f"{where} params[{k}]"
+    names = ("row_var", "col_var", "variance", "ema", "ema_absmax")
+    for name, column, want_column in zip(names, got_state, want_state):
+        for k, (x, w) in enumerate(zip(column, want_column)):
+            got = x.cpu().numpy()
+            if got.dtype == np.uint8:
+                diff = np.abs(got.astype(int) - w.astype(int))
+                assert diff.max(initial=0) <= 1 and (diff == 0).mean() >= 0.999, f"{where} {name}[{k}]"
+            else:
+                np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-7, err_msg=f"{where} {name}[{k}]")
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_8_bit_momentum_beside_factored_slots_follows_the_numpy_step(offset):
+    """optax's Adafactor rule with its momentum in 8 bits: the factored reductions, then the
+    sums and the update on the 8-bit walk (indexed functors), against the rule's NumPy step
+    from the same inputs at each step."""
+    rule = _eight_bit_adafactor()
+    rng = np.random.default_rng(5)
+    params = [rng.standard_normal(s).astype(np.float32) for s in EIGHT_SHAPES]
+    host = (params, _eight_bit_state(rule, params, rng))
+    assert [c.dtype for c in host[1][3]] == [np.uint8] * 5 + [np.float32]
+    assert [c.size for c in host[1][2]] == [0, 0, 0, 12000, 5000, 7]  # full variance: unfactored
+    # each step from equal inputs: a code on a midpoint may round either way, and a block's
+    # scale would carry it into later steps
+    for t in range(1, 4):
+        gpu = (_on_gpu(host[0], offset), [_on_gpu(c, offset) for c in host[1]])
+        grads = [rng.standard_normal(s).astype(np.float32) for s in EIGHT_SHAPES]
+        rule.step(gpu[0], _on_gpu(grads, offset), *gpu[1], **EIGHT_HYPER)
+        rule.step(host[0], grads, *host[1], **EIGHT_HYPER)
+        torch.cuda.synchronize()
+        _assert_8_bit_close(gpu[0], host[0], gpu[1], host[1], f"offset {offset} step {t}")
+
+
+def test_8_bit_momentum_beside_factored_slots_with_bf16_params():
+    rule = _eight_bit_adafactor()
+    rng = np.random.default_rng(6)
+    shapes = EIGHT_SHAPES[:2] + EIGHT_SHAPES[3:5]
+    params = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to("cuda", torch.bfloat16)
+              for s in shapes]
+    host_params = [p.float().cpu().numpy() for p in params]
     state = rule.state(params, min_dim_size=128)
-    before = [t.clone() for t in (*params, *(x for column in state for x in column))]
-    with pytest.raises(NotImplementedError, match=r"8-bit slots \(ema\) beside factored slots"):
-        rule.step(params, grads, *state, lr=0.01, decay=0.5, momentum=0.9)
-    after = [*params, *(x for column in state for x in column)]
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    host_state = [[x.cpu().numpy().copy() for x in c] for c in state]
+    grads = [torch.randn(s, device="cuda").to(torch.bfloat16) for s in shapes]
+    rule.step(params, grads, *state, **EIGHT_HYPER)
+    rule.step(host_params, [g.float().cpu().numpy() for g in grads], *host_state, **EIGHT_HYPER)
+    torch.cuda.synchronize()
+    for k, (p, w) in enumerate(zip(params, host_params)):
+        want = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(p.float().cpu().numpy(), want, rtol=1e-2, atol=1e-2, err_msg=str(k))

@@ -504,3 +504,80 @@ def test_adafactor_steps_through_the_ffi_call_as_optax(gpu, fused, options, monk
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
     moved = np.abs(np.asarray(got["matrix"]) - np.asarray(params["matrix"])).max()
     assert moved > 1e-3  # the params did move
+
+
+# optax's Adafactor rule with its momentum in 8 bits beside the factored slots (min_dim_size
+# 128, threshold 1000): factored matrices and a stack, a matrix below min_dim_size that keeps a
+# full variance, a long vector and a short one that keeps float32 state
+EIGHT_SHAPES = {"matrix": (300, 260), "stack": (3, 130, 140), "thin": (100, 120),
+                "vector": (5000,), "bias": (7,)}
+EIGHT_HYPER = dict(decay=0.5, eps=1e-30, clipping_threshold=1.0, weight_decay=0.01,
+                   momentum=0.9)
+
+
+def _eight_bit_adafactor_engine():
+    """(the rule, its engine, the jitted step returning updates) of the 8-bit Adafactor."""
+    from mtapply._optax_eight_bit import EightBitUserRule
+    from mtapply._optax_engine import Engine
+    from mtapply.rules import library
+
+    rule = library.adafactor_optax(momentum=True).with_state_bits(8, slots=("ema",),
+                                                                  threshold=1000)
+    made = EightBitUserRule(rule, EIGHT_HYPER)
+    engine = Engine(made, 1e-2)
+    return rule, made, jax.jit(lambda p, g, s: engine.apply(p, g, s, mode="delta"))
+
+
+def _eight_bit_adafactor_follows_numpy(device, check_lowered=None):
+    """Three steps through the engine on `device`, each from the inputs of the rule's NumPy
+    step: params within float32 math, codes equal but for values on a midpoint."""
+    from mtapply import quantization
+
+    rule, made, step = _eight_bit_adafactor_engine()
+    names, rng = list(EIGHT_SHAPES), np.random.default_rng(7)
+    params = [rng.standard_normal(EIGHT_SHAPES[k]).astype(np.float32) for k in names]
+    state = [list(c) for c in rule.state(params, min_dim_size=128)]
+    for k, p in enumerate(params):  # a momentum to carry (the state starts at zero)
+        if state[3][k].dtype == np.uint8:
+            codes, state[4][k] = quantization.quantize_blockwise(
+                (rng.standard_normal(p.shape) * 0.01).astype(np.float32), True)
+            state[3][k] = codes.reshape(p.shape)
+
+    def tree(values):
+        return {k: jax.device_put(jnp.asarray(v), device) for k, v in zip(names, values)}
+
+    for t in range(1, 4):
+        grads = [rng.standard_normal(EIGHT_SHAPES[k]).astype(np.float32) for k in names]
+        inner = made.state_type(jnp.zeros([], jnp.int32), *(tree(c) for c in state))
+        args = (tree(params), tree(grads), inner)
+        updates, new_state = step(*args)
+        if check_lowered:
+            check_lowered(step.lower(*args))
+        got_params = [np.array(args[0][k] + updates[k]) for k in names]  # (before the host step)
+        got_state = [[np.array(getattr(new_state, field)[k]) for k in names] for field in made.slots]
+        rule.step(params, grads, *state, lr=1e-2, **EIGHT_HYPER)
+        for k, name in enumerate(names):
+            got = got_params[k]
+            np.testing.assert_allclose(got, params[k], rtol=1e-5, atol=2e-3, err_msg=f"step {t} {name}")
+            assert np.isclose(got, params[k], rtol=1e-5, atol=1e-6).mean() >= 0.999, name
+            for field, column, mine_column in zip(made.slots, state, got_state):
+                mine = mine_column[k]
+                if mine.dtype == np.uint8:
+                    diff = np.abs(mine.astype(int) - column[k].astype(int))
+                    assert diff.max(initial=0) <= 1 and (diff == 0).mean() >= 0.999, (field, name)
+                else:
+                    np.testing.assert_allclose(mine, column[k], rtol=1e-4, atol=1e-7,
+                                               err_msg=f"step {t} {field}[{name}]")
+
+
+def test_8_bit_momentum_beside_factored_slots_steps_through_the_ffi_call(gpu, monkeypatch):
+    """The factored reductions and the 8-bit walk's indexed passes in one mtapply_step custom
+    call, against the rule's NumPy step."""
+    monkeypatch.delenv("MTAPPLY_OPTAX_CALLBACK", raising=False)
+
+    def one_call(lowered):
+        targets = _custom_calls(lowered)
+        assert targets.count("mtapply_step") == 1 and not [t for t in targets if "callback" in t]
+
+    _eight_bit_adafactor_follows_numpy(gpu, one_call)
+
