@@ -75,15 +75,16 @@ SHAPES = [(1, 1, 1), (1, 7, 5), (3, 5, 7), (2, 33, 97), (1, 200, 128), (1, 40, 3
           (4, 3, 1000), (1, 1000, 3), (2, 129, 65), (1, 4096, 1), (1, 1, 4096)]
 
 
+@pytest.mark.parametrize("chunk", [4096, _factored_cuda.CHUNK])
 @pytest.mark.parametrize("n_row, n_col", [(1, 1), (2, 0), (0, 2)])
 @pytest.mark.parametrize("batch, rows, cols", SHAPES)
 def test_each_partial_is_stored_once_within_its_room_and_combines_to_the_sums(
-        batch, rows, cols, n_row, n_col):
+        batch, rows, cols, n_row, n_col, chunk):
     room = _factored_cuda.factor_partials(batch, rows, cols, n_row, n_col)
     parts, written = np.zeros(room), np.zeros(room, np.int64)
     terms = np.random.default_rng(rows * cols).random((batch, rows, cols))
     t = tiles_of(batch, rows, cols, n_row)
-    chunks = -(-batch * rows * cols // 4096)
+    chunks = -(-batch * rows * cols // chunk)
     count = batch * t["row_groups"] * t["col_groups"]
     for block in range(chunks):  # factor_walk: a block's tiles
         for tile in range(block, count, chunks):
@@ -126,9 +127,10 @@ def takes_each_once(n, busy, blocks):
     return sorted(taken) == list(range(n)) and busy <= blocks
 
 
+@pytest.mark.parametrize("chunk", [4096, _factored_cuda.CHUNK])
 @pytest.mark.parametrize("batch, rows, cols", SHAPES + [(1, 50257, 768), (12, 768, 3072)])
-def test_the_busy_blocks_of_the_combine_and_matrix_passes_take_each_row_once(batch, rows, cols):
-    blocks = -(-batch * rows * cols // 4096)  # the tensor's chunks
+def test_the_busy_blocks_of_the_combine_and_matrix_passes_take_each_row_once(batch, rows, cols, chunk):
+    blocks = -(-batch * rows * cols // chunk)  # the tensor's chunks
     t = tiles_of(batch, rows, cols, 1)
     for n, groups in ((batch * rows, t["col_groups"]), (batch * cols, t["row_groups"])):
         assert takes_each_once(n, busy_blocks(n, groups, blocks), blocks)
