@@ -7,6 +7,12 @@ the last two. Each update therefore moves those two dimensions last (keeping the
 transpose of the param and grad only where they are not last already (never for matrices), and
 turns optax's row and column vectors into the rule's (..., rows, 1) and (..., 1, cols) slots and
 back: small arrays, reshaped by XLA around the one call.
+
+With `state_bits=8` the momentum is kept in 8 bits: optax's `EmaState` becomes an
+`EightBitEmaState` whose `ema` holds uint8 codes (float32 for params under `min_8bit_size`
+elements) and `ema_absmax` their block scales, laid out as the rule steps them (a param's two
+largest dimensions last): blocks of 256 elements are runs of that order, so they are never
+transposed.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import quantization
+from ._optax_eight_bit import EightBitUserRule, storage
 from ._optax_engine import Engine
 from ._optax_make import FusedOptimizer, _state_dtype
 from ._optax_ops import UserRule, _mask_leaves
@@ -54,6 +62,16 @@ def _layout(shape: tuple, factored: bool, min_dim_size: int) -> _Layout:
         return _Layout(None, identity)
     pair = sorted((largest, second))
     return _Layout((largest, second), tuple(i for i in identity if i not in pair) + tuple(pair))
+
+
+class EightBitEmaState(NamedTuple):
+    """optax's EmaState with its ema in 8 bits (`adafactor(state_bits=8)`): per param, uint8
+    codes in the rule's layout (float32 under min_8bit_size elements) and their block scales
+    (empty for float32)."""
+
+    count: jax.Array
+    ema: object
+    ema_absmax: object
 
 
 def _to_rule(x, layout: _Layout):
@@ -113,7 +131,8 @@ def _number(option: str, value):
 def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, decay_offset=0,
               multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
               dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30, factored=True,
-              weight_decay_mask=None) -> optax.GradientTransformation:
+              weight_decay_mask=None, *, state_bits=None,
+              min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adafactor on the rule `mtapply.rules.library.adafactor_optax`: optax's arguments,
     defaults and state (its chain's tuple, `FactoredState` first), one call per update.
 
@@ -124,11 +143,15 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
     (optax's: a pytree of bools like the params, or a callable of the params giving one)
     keeps the weight decay to the leaves where it is True; the leaves it leaves out are
     stepped by a call of their own. On GPUs the factored rule's kernels run in the XLA FFI
-    call, as every mtapply.optax step, each param's shape passed to them when it is traced."""
+    call, as every mtapply.optax step, each param's shape passed to them when it is traced.
+
+    state_bits=8 keeps the momentum (which needs `momentum`) in 8 bits, params under
+    min_8bit_size elements (4096) in float32: the state's EmaState becomes an
+    EightBitEmaState (see the module docstring); the factored moments stay optax's."""
     init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
                                 multiply_by_parameter_scale, clipping_threshold, momentum,
                                 dtype_momentum, weight_decay_rate, eps, factored,
-                                weight_decay_mask)
+                                weight_decay_mask, state_bits, min_8bit_size)
 
     def step(grads, state, params):
         if params is None:
@@ -148,7 +171,8 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
 def fused_adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8,
                     decay_offset=0, multiply_by_parameter_scale=True, clipping_threshold=1.0,
                     momentum=None, dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30,
-                    factored=True, weight_decay_mask=None) -> FusedOptimizer:
+                    factored=True, weight_decay_mask=None, *, state_bits=None,
+                    min_8bit_size=None) -> FusedOptimizer:
     """`adafactor` as a fused step: `opt.step(params, grads, state) -> (params, state)`, the
     step writing the new params (in place under a jit that donates params and state, except
     for params whose two largest dimensions it moves last, which go through moved copies).
@@ -157,7 +181,7 @@ def fused_adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0
     init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
                                 multiply_by_parameter_scale, clipping_threshold, momentum,
                                 dtype_momentum, weight_decay_rate, eps, factored,
-                                weight_decay_mask)
+                                weight_decay_mask, state_bits, min_8bit_size)
 
     def step(params, grads, state):
         return run(params, grads, state, "inplace")
@@ -173,21 +197,32 @@ def _as_it_is(state, params):
 
 def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
                     multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
-                    weight_decay_rate, eps, factored, weight_decay_mask) -> tuple:
+                    weight_decay_rate, eps, factored, weight_decay_mask, state_bits=None,
+                    min_8bit_size=None) -> tuple:
     """(init, run): optax's own init (the same state, so that either transformation takes the
-    other's) and run(params, grads, state, mode), one step in the engine's mode ("delta": the
-    updates; "inplace": the new params)."""
+    other's; with 8-bit momentum its EmaState made 8-bit) and run(params, grads, state, mode),
+    one step in the engine's mode ("delta": the updates; "inplace": the new params)."""
     factored = _static_bool("factored", factored)
     min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
+    bits, min_8bit = _momentum_storage(state_bits, min_8bit_size, momentum, dtype_momentum)
     rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
-                           clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps)
+                           clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps,
+                           min_8bit if bits == 8 else None)
     # without a weight decay optax has no add_decayed_weights link, and so no mask
     mask = None if weight_decay_rate is None else weight_decay_mask
     engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
-    init = _OPTAX_ADAFACTOR(learning_rate, min_dim, decay_rate, decay_offset,
-                            multiply_by_parameter_scale, clipping_threshold, momentum,
-                            dtype_momentum, weight_decay_rate, eps, factored,
-                            weight_decay_mask).init
+    optax_init = _OPTAX_ADAFACTOR(learning_rate, min_dim, decay_rate, decay_offset,
+                                  multiply_by_parameter_scale, clipping_threshold, momentum,
+                                  dtype_momentum, weight_decay_rate, eps, factored,
+                                  weight_decay_mask).init
+
+    def init(params):
+        state = optax_init(params)
+        if bits != 8:
+            return state
+        layouts = [_layout(np.shape(x), factored, min_dim) for x in jax.tree.leaves(params)]
+        return tuple(_eight_bit_ema(link, params, layouts, min_8bit)
+                     if isinstance(link, optax.EmaState) else link for link in state)
 
     def run(params, grads, state, mode: str):
         return _update(engine, rule, factored, min_dim, mask, grads, state, params, mode)
@@ -195,10 +230,47 @@ def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_off
     return init, run
 
 
+def _momentum_storage(state_bits, min_8bit_size, momentum, dtype_momentum) -> tuple:
+    """(state_bits, min_8bit_size) of the momentum, checked: 8 needs a momentum to keep and
+    chooses its dtype itself."""
+    bits, min_8bit = storage(state_bits, min_8bit_size)
+    if bits == 16:
+        raise ValueError("mtapply.optax.adafactor: state_bits=16 is dtype_momentum=jnp.bfloat16; "
+                         "state_bits takes 8 (or 32)")
+    if bits == 8 and momentum is None:
+        raise ValueError("mtapply.optax.adafactor keeps no momentum without momentum=...: "
+                         "state_bits=8 has nothing to store (leave it at 32)")
+    if bits == 8 and dtype_momentum not in (None, jnp.float32):
+        raise ValueError(f"mtapply.optax.adafactor: state_bits and dtype_momentum both choose "
+                         f"the momentum's dtype (got dtype_momentum={dtype_momentum}): pass one "
+                         f"of them")
+    return bits, min_8bit
+
+
+def _eight_bit_ema(link, params, layouts: list, min_8bit: int) -> EightBitEmaState:
+    """optax's zero EmaState as 8-bit codes (float32 under min_8bit elements), in the rule's
+    layout."""
+    codes, scales = quantization.quantize_blockwise(np.zeros(quantization.BLOCK, np.float32),
+                                                    signed=True)
+    emas, absmaxes = [], []
+    for x, layout in zip(jax.tree.leaves(params), layouts):
+        shape = tuple(np.shape(x)[i] for i in layout.perm)
+        size = int(np.prod(shape, dtype=np.int64))
+        eight = size >= min_8bit
+        emas.append(jnp.full(shape, int(codes[0]), jnp.uint8) if eight
+                    else jnp.zeros(shape, jnp.float32))
+        absmaxes.append(jnp.full(quantization.n_blocks(size) if eight else 0, float(scales[0]),
+                                 jnp.float32))
+    treedef = jax.tree.structure(params)
+    return EightBitEmaState(link.count, treedef.unflatten(emas), treedef.unflatten(absmaxes))
+
+
 def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipping_threshold,
-                    momentum, dtype_momentum, weight_decay_rate, eps) -> UserRule:
+                    momentum, dtype_momentum, weight_decay_rate, eps,
+                    min_8bit=None) -> UserRule:
     """The rule of these options: None (clipping, momentum) and False leave a link's line
-    out; the numbers are its hyperparameters."""
+    out; the numbers are its hyperparameters. min_8bit: the momentum in 8 bits for params of
+    that many elements or more."""
     param_scale = _static_bool("multiply_by_parameter_scale", multiply_by_parameter_scale)
     _state_dtype("adafactor", "dtype_momentum", dtype_momentum)
     weight_decay = 0.0 if weight_decay_rate is None else weight_decay_rate
@@ -209,6 +281,10 @@ def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipp
         hyper["momentum"] = _number("momentum", momentum)
     lines = library.adafactor_optax(clipping_threshold is not None, param_scale,
                                     momentum is not None)
+    if min_8bit is not None:
+        lines = lines.with_state_bits(8, slots=("ema",), threshold=min_8bit)
+        return _EightBitAdafactorRule(lines, hyper, _number("decay_rate", decay_rate),
+                                      _number("decay_offset", decay_offset))
     return _AdafactorRule(lines, hyper, _number("decay_rate", decay_rate),
                           _number("decay_offset", decay_offset))
 
@@ -253,6 +329,10 @@ class _AdafactorRule(UserRule):
         return dict(lr=lr, step=step, decay=decay, **self.hyper)
 
 
+class _EightBitAdafactorRule(_AdafactorRule, EightBitUserRule):
+    """The rule with its momentum in 8 bits (fields `ema` and `ema_absmax`)."""
+
+
 def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, mask, grads,
             state, params, mode: str):
     """(updates, state) of one step, or (new params, state) in the "inplace" mode: optax's
@@ -262,11 +342,15 @@ def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, 
     flags = None if mask is None else _mask_leaves(mask, params, treedef, "weight_decay_mask")
     layouts = [_layout(x.shape, factored, min_dim) for x in leaves]
     rms_state = next(s for s in state if isinstance(s, optax.FactoredState))
-    ema_state = next((s for s in state if isinstance(s, optax.EmaState)), None)
+    ema_state = next((s for s in state if isinstance(s, (optax.EmaState, EightBitEmaState))),
+                     None)
+    _check_momentum_state(rule, ema_state)
     v_rows, v_cols, vs = (treedef.flatten_up_to(t) for t in
                           (rms_state.v_row, rms_state.v_col, rms_state.v))
     slots = _rule_slots(layouts, v_rows, v_cols, vs)
-    if ema_state is not None:
+    if isinstance(ema_state, EightBitEmaState):  # (in the rule's layout already)
+        slots += [treedef.flatten_up_to(ema_state.ema), treedef.flatten_up_to(ema_state.ema_absmax)]
+    elif ema_state is not None:
         slots.append([_to_rule(x, l) for x, l in
                       zip(treedef.flatten_up_to(ema_state.ema), layouts)])
     inner = rule.state_type(rms_state.count, *(treedef.unflatten(s) for s in slots))
@@ -277,6 +361,16 @@ def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, 
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)
+
+
+def _check_momentum_state(rule, ema_state) -> None:
+    """A float momentum state given to the 8-bit transformation, or the reverse, is refused."""
+    eight = isinstance(rule, _EightBitAdafactorRule)
+    if ema_state is not None and eight != isinstance(ema_state, EightBitEmaState):
+        made, given = ("8-bit", "float") if eight else ("float", "8-bit")
+        raise ValueError(f"mtapply.optax.adafactor: a {made} momentum's transformation was "
+                         f"given a {given} momentum state: init the state with the same "
+                         f"state_bits")
 
 
 def _rule_slots(layouts: list, v_rows: list, v_cols: list, vs: list) -> list:
@@ -318,6 +412,9 @@ def _new_state(state: tuple, inner, treedef, layouts: list, v_rows: list, v_cols
         if isinstance(link, optax.FactoredState):
             link = link._replace(count=inner.count, v_row=treedef.unflatten(v_row),
                                  v_col=treedef.unflatten(v_col), v=treedef.unflatten(v))
+        elif isinstance(link, EightBitEmaState):
+            link = link._replace(count=optax.safe_increment(link.count), ema=inner.ema,
+                                 ema_absmax=inner.ema_absmax)
         elif isinstance(link, optax.EmaState):
             ema = [_from_rule(x, l) for x, l in zip(treedef.flatten_up_to(inner.ema), layouts)]
             link = link._replace(count=optax.safe_increment(link.count),

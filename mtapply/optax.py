@@ -61,7 +61,7 @@ dtype. `optax.tree_map_params` maps a function over each flat buffer (the slot h
 params placeholder after `init` of one); a map that pairs the slots with other trees like the
 params (building sharding specs from the params' ones) needs flat_state=False.
 `state_bits=8` (adam, adamw, nadam, nadamw, sgd with momentum, the library's transformations,
-`transformation` and their fused forms) keeps every slot the update writes as uint8 codes of
+`transformation` and their fused forms; adafactor's momentum: see `EightBitEmaState`) keeps every slot the update writes as uint8 codes of
 256-element blocks with a float32 scale each (`<slot>_absmax`), second moments on the map of
 values >= 0, as bitsandbytes' 8-bit optimizers; leaves under `min_8bit_size` elements (4096)
 keep float32. The state is then the rule's, named as its slots (`exp_avg`, `exp_avg_sq`, ...;
@@ -124,7 +124,7 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from ._optax_adafactor import adafactor, fused_adafactor
+from ._optax_adafactor import EightBitEmaState, adafactor, fused_adafactor
 from ._optax_library import (adadelta, adagrad, adamax, adan, dadapt_adamw, fused_adadelta,
                              fused_adagrad, fused_adamax, fused_adan, fused_dadapt_adamw,
                              fused_lion, fused_prodigy, fused_radam, fused_rmsprop,
@@ -466,8 +466,8 @@ def fused(rule, learning_rate=None, *, state_bits=None, min_8bit_size=None, unsi
                   learning_rate)
 
 
-__all__ = ["AdamState", "FusedOptimizer", "LambState", "LarsState", "SgdState", "adadelta",
-           "adafactor", "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw",
+__all__ = ["AdamState", "EightBitEmaState", "FusedOptimizer", "LambState", "LarsState",
+           "SgdState", "adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "adan", "alias", "dadapt_adamw",
            "flat_state",
            "fused", "fused_adadelta", "fused_adafactor", "fused_adagrad", "fused_adam", "fused_adamax",
            "fused_adamw", "fused_adan", "fused_dadapt_adamw", "fused_lamb", "fused_lars", "fused_lion", "fused_multi_transform",

@@ -187,6 +187,57 @@ def test_refusals():
         tx.update(_grads(params, 0), tx.init(params))
 
 
+def test_8_bit_momentum_follows_optax_to_the_precision_of_its_state():
+    """state_bits=8: the momentum's codes beside optax's factored moments; the transformation
+    and the fused step alike, each element's movement within a few percent of optax's."""
+    params = _params()
+    options = dict(learning_rate=0.01, momentum=0.9, weight_decay_rate=0.01)
+    mine, state = _run(mtx.adafactor(**options, state_bits=8), params, steps=4)
+    want, _ = _run(optax.adafactor(**options), params, steps=4)
+    fused = mtx.fused_adafactor(**options, state_bits=8)
+    got, fused_state = params, fused.init(params)
+    for step in range(4):
+        got, fused_state = fused.step(got, _grads(got, step), fused_state)
+    _close(got, mine, rtol=1e-6, atol=1e-7)
+    for k in ("matrix", "wide", "stack", "first"):
+        start, ours, ref = (np.asarray(t[k], np.float64) for t in (params, mine, want))
+        relative = np.abs(ours - ref) / np.maximum(np.abs(ref - start), 1e-12)
+        assert np.median(relative) < 0.02 and np.mean(relative > 0.5) < 0.03, k
+    for k in ("small", "bias", "scalar"):  # float32 momentum: optax's step
+        np.testing.assert_allclose(np.asarray(mine[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_8_bit_momentum_state_holds_codes_in_the_rules_layout():
+    params = _params()
+    state = mtx.adafactor(0.01, momentum=0.9, state_bits=8).init(params)
+    assert jax.tree.structure(state[0]) == jax.tree.structure(optax.adafactor(0.01).init(params)[0])
+    ema = next(link for link in state if isinstance(link, mtx.EightBitEmaState))
+    assert ema.ema["first"].shape == (2, 300, 130)  # its two largest dimensions last
+    assert ema.ema["stack"].shape == (3, 140, 129) and ema.ema["matrix"].shape == (160, 130)
+    for k in ("matrix", "wide", "stack", "first"):
+        assert ema.ema[k].dtype == jnp.uint8
+        assert ema.ema_absmax[k].shape == (-(-params[k].size // 256),)
+    for k in ("small", "bias", "scalar"):  # under min_8bit_size: float32, no scales
+        assert ema.ema[k].dtype == jnp.float32 and ema.ema_absmax[k].shape == (0,)
+    small = mtx.adafactor(0.01, momentum=0.9, state_bits=8, min_8bit_size=100).init(params)
+    assert next(link for link in small if isinstance(link, mtx.EightBitEmaState)
+                ).ema["small"].dtype == jnp.uint8
+
+
+def test_8_bit_momentum_refusals():
+    with pytest.raises(ValueError, match="keeps no momentum without momentum"):
+        mtx.adafactor(0.01, state_bits=8)
+    with pytest.raises(ValueError, match="state_bits and dtype_momentum both choose"):
+        mtx.adafactor(0.01, momentum=0.9, dtype_momentum=jnp.bfloat16, state_bits=8)
+    with pytest.raises(ValueError, match="dtype_momentum=jnp.bfloat16"):
+        mtx.adafactor(0.01, momentum=0.9, state_bits=16)
+    params = _params()
+    eight, plain = (mtx.adafactor(0.01, momentum=0.9, state_bits=bits) for bits in (8, None))
+    for tx, other in ((eight, plain), (plain, eight)):
+        with pytest.raises(ValueError, match="init the state with the same state_bits"):
+            tx.update(_grads(params, 0), other.init(params), params)
+
+
 X64 = """
 import jax
 jax.config.update("jax_enable_x64", True)
