@@ -462,6 +462,21 @@ ADAFACTOR_SHAPES = {"matrix": (256, 130), "stack": (3, 128, 129), "wide": (130, 
                     "small": (6, 40), "bias": (7,), "column": (300, 1)}
 
 
+def _adafactor_run(opt, through_step, params, grads_seq) -> tuple:
+    """(params, state, the lowered step) after jitted steps over grads_seq, by the fused step
+    or by update and apply_updates."""
+    def step(p, s, g):
+        if through_step:
+            return opt.step(p, g, s)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+    jitted = jax.jit(step)
+    p, s = params, opt.init(params)
+    for g in grads_seq:
+        p, s = jitted(p, s, g)
+    return p, s, jitted.lower(p, s, grads_seq[0])
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
 @pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay_rate": 0.01}],
                          ids=["defaults", "momentum-decay"])
@@ -479,16 +494,7 @@ def test_adafactor_steps_through_the_ffi_call_as_optax(gpu, fused, options, monk
     params, grads_seq = tree(), [tree() for _ in range(20)]
 
     def run(opt, through_step):
-        def step(p, s, g):
-            if through_step:
-                return opt.step(p, g, s)
-            updates, s = opt.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-        jitted = jax.jit(step)
-        p, s = params, opt.init(params)
-        for g in grads_seq:
-            p, s = jitted(p, s, g)
-        return p, s, jitted.lower(p, s, grads_seq[0])
+        return _adafactor_run(opt, through_step, params, grads_seq)
 
     mine = (mtx.fused_adafactor if fused else mtx.adafactor)(learning_rate=0.01, **options)
     got, got_state, lowered = run(mine, fused)
@@ -523,16 +529,7 @@ def test_adafactor_with_8_bit_momentum_steps_through_the_ffi_call(gpu, fused, mo
     options = dict(learning_rate=0.01, momentum=0.9, weight_decay_rate=0.01)
 
     def run(opt, through_step):
-        def step(p, s, g):
-            if through_step:
-                return opt.step(p, g, s)
-            updates, s = opt.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-        jitted = jax.jit(step)
-        p, s = params, opt.init(params)
-        for g in grads_seq:
-            p, s = jitted(p, s, g)
-        return p, s, jitted.lower(p, s, grads_seq[0])
+        return _adafactor_run(opt, through_step, params, grads_seq)
 
     mine = (mtx.fused_adafactor if fused else mtx.adafactor)(**options, state_bits=8)
     got, state, lowered = run(mine, fused)
