@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import quantization
 from ._optax_eight_bit import EightBitUserRule, storage
 from ._optax_engine import Engine
 from ._optax_make import FusedOptimizer, _state_dtype
@@ -221,7 +220,7 @@ def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_off
         if bits != 8:
             return state
         layouts = [_layout(np.shape(x), factored, min_dim) for x in jax.tree.leaves(params)]
-        return tuple(_eight_bit_ema(link, params, layouts, min_8bit)
+        return tuple(_eight_bit_ema(rule, link, params, layouts)
                      if isinstance(link, optax.EmaState) else link for link in state)
 
     def run(params, grads, state, mode: str):
@@ -247,22 +246,14 @@ def _momentum_storage(state_bits, min_8bit_size, momentum, dtype_momentum) -> tu
     return bits, min_8bit
 
 
-def _eight_bit_ema(link, params, layouts: list, min_8bit: int) -> EightBitEmaState:
-    """optax's zero EmaState as 8-bit codes (float32 under min_8bit elements), in the rule's
-    layout."""
-    codes, scales = quantization.quantize_blockwise(np.zeros(quantization.BLOCK, np.float32),
-                                                    signed=True)
-    emas, absmaxes = [], []
-    for x, layout in zip(jax.tree.leaves(params), layouts):
-        shape = tuple(np.shape(x)[i] for i in layout.perm)
-        size = int(np.prod(shape, dtype=np.int64))
-        eight = size >= min_8bit
-        emas.append(jnp.full(shape, int(codes[0]), jnp.uint8) if eight
-                    else jnp.zeros(shape, jnp.float32))
-        absmaxes.append(jnp.full(quantization.n_blocks(size) if eight else 0, float(scales[0]),
-                                 jnp.float32))
-    treedef = jax.tree.structure(params)
-    return EightBitEmaState(link.count, treedef.unflatten(emas), treedef.unflatten(absmaxes))
+def _eight_bit_ema(rule, link, params, layouts: list) -> EightBitEmaState:
+    """optax's zero EmaState as the 8-bit rule's `ema` and `ema_absmax` (float32 under its
+    threshold), made by the rule for params of the rule's layout."""
+    moved = jax.tree.structure(params).unflatten(
+        [jax.ShapeDtypeStruct(tuple(np.shape(x)[i] for i in layout.perm), jnp.float32)
+         for x, layout in zip(jax.tree.leaves(params), layouts)])
+    return EightBitEmaState(link.count, rule.init_slot("ema", moved, None),
+                            rule.init_slot("ema_absmax", moved, None))
 
 
 def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipping_threshold,
