@@ -17,6 +17,8 @@ from ._language import STEP, Program, names_read
 
 HELPERS = """
 template <class T> __device__ __forceinline__ T rule_rsqrt(T x) { return T(1) / sqrt(x); }
+// float: the hardware reciprocal square root (2 ulp, as torch.rsqrt on CUDA), not a division
+template <> __device__ __forceinline__ float rule_rsqrt(float x) { return rsqrtf(x); }
 template <class T> __device__ __forceinline__ T rule_mod(T a, T b) { return a - b * floor(a / b); }
 template <class T> __device__ __forceinline__ T rule_sign(T x) {
   return x != x ? x : T((x > T(0)) - (x < T(0)));
