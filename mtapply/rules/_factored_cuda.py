@@ -87,8 +87,11 @@ def members(writer) -> list:
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
              "  Divider by_rows, by_cols;  // exact quotients of indices by rows and by cols",
              "  bool narrow;  // every index fits 32 bits (the walker's Index: unsigned)",
+             "  bool single;  // one matrix (a 2-D param): every element's matrix is 0",
              "  unsigned absent;  // slots the walker neither loads nor stores"]
-            + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
+            + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)]
+            + [f"  acc_t single_m{k};  // a single matrix's means, read once"
+               for k in range(_n_matrix(writer))])
 
 
 def _n_matrix(writer) -> int:
@@ -105,16 +108,19 @@ def factored_reads(writer) -> list:
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
              "    by_rows = Divider::of(z_shape + 4);", "    by_cols = Divider::of(z_shape + 7);",
              "    narrow = Divider::narrow(z_shape[0]);",
-             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
+             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;",
+             "    single = z_factored && z_shape[0] == z_shape[1] * z_shape[2];"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
-               for s in _vector_slots(program)])
+               for s in _vector_slots(program)]
+            + [f"    single_m{k} = single ? acc_t(means[{k}]) : acc_t(0);"
+               for k in range(_n_matrix(writer))])
 
 
 def element_prologue(writer) -> list:
     """The first statements of a walker functor's branch for factored params: the element's
     row and column state, and its matrix's means."""
     lines = ["const Index f_row = by_cols.quotient(index);  // the element's row in the stack",
-             "const Index f_matrix = by_rows.quotient(f_row);  // its matrix",
+             "const Index f_matrix = single ? Index(0) : by_rows.quotient(f_row);  // its matrix",
              "const Index f_col = f_matrix * static_cast<Index>(cols) + "
              "(index - f_row * static_cast<Index>(cols));  // its column"]
     for s in _vector_slots(writer.program):
@@ -125,7 +131,8 @@ def element_prologue(writer) -> list:
     for call in writer.passes.matrix_means:
         writer.mean_names[id(call[0])] = f"f_m{numbers[id(call[0])]}"
     for k, call in enumerate(firsts):
-        lines.append(f"const acc_t f_m{k} = acc_t(means[static_cast<long long>(f_matrix) * N_MATRIX + {k}]);  "
+        lines.append(f"const acc_t f_m{k} = single ? single_m{k} : "
+                     f"acc_t(means[static_cast<long long>(f_matrix) * N_MATRIX + {k}]);  "
                      f"// {ast.unparse(call)}")
     return lines
 
