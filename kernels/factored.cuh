@@ -92,18 +92,22 @@ __device__ __forceinline__ void share(long long n, long long blocks, long long i
   last = min(first + each, n);
 }
 
-// The values of the slots the op reads at element i, as the walker loads them (the grad
-// unscaled by AMP's scale).
-template <class Op>
-__device__ __forceinline__ void load_element(char* const (&ptr)[Op::N_SLOTS], long long i,
-                                             acc_t grad_scale, acc_t (&x)[Op::N_SLOTS]) {
+// The values of the slots the op reads at the W elements from i, as the walker loads them (the
+// grad unscaled by AMP's scale): W = 4 as whole words (i a multiple of 4, the bases 16-byte
+// aligned), W = 1 one element.
+template <class Op, int W>
+__device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], long long i,
+                                              acc_t grad_scale, acc_t (&x)[W][Op::N_SLOTS]) {
   constexpr int N = Op::N_SLOTS;
   constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
-  acc_t v[N][1];
-  load_slots<0, N, READ, 1>(ptr, i, v);
+  acc_t v[N][W];
+  load_slots<0, N, READ, W>(ptr, i, v);
 #pragma unroll
-  for (int s = 0; s < N; ++s) x[s] = v[s][0];
-  if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
+  for (int k = 0; k < W; ++k) {
+#pragma unroll
+    for (int s = 0; s < N; ++s) x[k][s] = v[s][k];
+    if (grad_scale != acc_t(1)) x[k][Op::GRAD] = x[k][Op::GRAD] / grad_scale;
+  }
 }
 
 // The factor pass's tiles: each matrix is cut into tiles of TILE_ROWS x TILE_COLS elements (a
@@ -140,10 +144,20 @@ __device__ Tiles tiles_of(long long rows, long long cols, long long numel, doubl
   return t;
 }
 
-// One tile: warp w takes its rows w, w + WARPS, ..., lane l its columns l, l + 32, ...; each
-// row's terms are summed by its warp (lanes, then warp_sum), each column's by its lane over the
-// warp's rows and then over the warps in warp order: fixed orders, the same bits every run.
-template <class Op>
+// One tile: warp w takes its rows w, w + WARPS, ..., IN_FLIGHT of them at once (their loads all
+// issued before any sum), lane l its LANE_COLS columns: 4l to 4l + 3 as one vector (VEC: cols a
+// multiple of 4, the bases 16-byte aligned), else l, l + 32, .... Each row's terms are summed by
+// its warp (lanes, then warp_sum), each column's by its lane over the warp's rows and then over
+// the warps in warp order: fixed orders, the same bits every run.
+constexpr int IN_FLIGHT = 2;
+
+// The tile column of lane's q-th value.
+template <bool VEC>
+__device__ __forceinline__ int lane_column(int lane, int q) {
+  return VEC ? LANE_COLS * lane + q : lane + 32 * q;
+}
+
+template <class Op, bool VEC>
 __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
                             char* const (&ptr)[Op::N_SLOTS], acc_t grad_scale) {
   constexpr int N_COL = Op::N_COL > 0 ? Op::N_COL : 1, N_ROW = Op::N_ROW > 0 ? Op::N_ROW : 1;
@@ -157,34 +171,53 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
   const int n_cols = static_cast<int>(min(static_cast<long long>(t.tile_cols), t.cols - col0));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   acc_t col_sums[LANE_COLS][N_COL] = {};
-#pragma unroll 2  // (two rows' loads in flight before either's warp_sum)
-  for (int r = warp; r < n_rows; r += WARPS) {  // the same trips in every lane of the warp
-    const long long j = row0 + r;
-    acc_t row_sums[N_ROW] = {};
+  for (int r0 = warp; r0 < n_rows; r0 += IN_FLIGHT * WARPS) {  // the same trips in every lane
+    acc_t x[IN_FLIGHT][LANE_COLS][Op::N_SLOTS];
 #pragma unroll
-    for (int q = 0; q < LANE_COLS; ++q) {
-      const int c = lane + 32 * q;
-      if (c < n_cols) {
-        acc_t x[Op::N_SLOTS], row[N_ROW], col[N_COL];
-        load_element<Op>(ptr, j * t.cols + col0 + c, grad_scale, x);
-        op.terms(x, row, col);
+    for (int f = 0; f < IN_FLIGHT; ++f) {
+      const long long at = (row0 + r0 + f * WARPS) * t.cols + col0;  // the row's first element
+      if (r0 + f * WARPS >= n_rows) continue;
+      if constexpr (VEC) {
+        const int c = lane_column<VEC>(lane, 0);
+        if (c < n_cols) load_elements<Op, LANE_COLS>(ptr, at + c, grad_scale, x[f]);
+      } else {
+#pragma unroll
+        for (int q = 0; q < LANE_COLS; ++q) {
+          const int c = lane_column<VEC>(lane, q);
+          acc_t one[1][Op::N_SLOTS];
+          if (c < n_cols) load_elements<Op, 1>(ptr, at + c, grad_scale, one);
+#pragma unroll
+          for (int s = 0; s < Op::N_SLOTS; ++s) x[f][q][s] = one[0][s];
+        }
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < IN_FLIGHT; ++f) {
+      const int r = r0 + f * WARPS;
+      if (r >= n_rows) continue;
+      acc_t row_sums[N_ROW] = {};
+#pragma unroll
+      for (int q = 0; q < LANE_COLS; ++q) {
+        if (lane_column<VEC>(lane, q) >= n_cols) continue;
+        acc_t row[N_ROW], col[N_COL];
+        op.terms(x[f][q], row, col);
 #pragma unroll
         for (int k = 0; k < Op::N_ROW; ++k) row_sums[k] += row[k];
 #pragma unroll
         for (int k = 0; k < Op::N_COL; ++k) col_sums[q][k] += col[k];
       }
-    }
 #pragma unroll
-    for (int k = 0; k < Op::N_ROW; ++k) {
-      const acc_t total = warp_sum(row_sums[k]);
-      if (lane == 0) t.row_parts[(k * t.col_groups + group) * t.batch * t.rows + j] = total;
+      for (int k = 0; k < Op::N_ROW; ++k) {
+        const acc_t total = warp_sum(row_sums[k]);
+        if (lane == 0) t.row_parts[(k * t.col_groups + group) * t.batch * t.rows + row0 + r] = total;
+      }
     }
   }
   if constexpr (Op::N_COL > 0) {
 #pragma unroll
     for (int q = 0; q < LANE_COLS; ++q)
 #pragma unroll
-      for (int k = 0; k < N_COL; ++k) parts[warp][lane + 32 * q][k] = col_sums[q][k];
+      for (int k = 0; k < N_COL; ++k) parts[warp][lane_column<VEC>(lane, q)][k] = col_sums[q][k];
     __syncthreads();
     for (int c = threadIdx.x; c < n_cols; c += MTA_BLOCK) {
 #pragma unroll
@@ -209,11 +242,16 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
   char* ptr[Op::N_SLOTS];
   char* param_copy = nullptr;
-  element_pointers(job, ptr, param_copy);
+  const bool aligned = (element_pointers(job, ptr, param_copy) & 15ull) == 0;
   const Tiles t = tiles_of<Op>(op.rows, op.cols, job.numel, op.means);
   const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
-  for (long long tile = job.index; tile < t.count(); tile += blocks)
-    factor_tile(op, t, tile, ptr, grad_scale);
+  if (aligned && t.cols % LANE_COLS == 0) {  // every row's vectors aligned
+    for (long long tile = job.index; tile < t.count(); tile += blocks)
+      factor_tile<Op, true>(op, t, tile, ptr, grad_scale);
+  } else {
+    for (long long tile = job.index; tile < t.count(); tile += blocks)
+      factor_tile<Op, false>(op, t, tile, ptr, grad_scale);
+  }
 }
 
 // The blocks of a tensor's `blocks` that take its n rows (or columns) of `groups` partial sums

@@ -206,15 +206,25 @@ __device__ __forceinline__ void count_step(const Launch<Args>& launch, bool runs
   }
 }
 
+// VEC elements at i as whole 16-byte words, or one 8-byte word (four 16-bit elements: the
+// factor pass's vectors, kernels/factored.cuh).
 template <class T, int VEC>
 __device__ __forceinline__ void load_vec(const char* base, long long i, acc_t (&out)[VEC]) {
-  static_assert(VEC * sizeof(T) % 16 == 0, "vector must be whole 16-byte words");
-  union { uint4 words[VEC * sizeof(T) / 16]; T vals[VEC]; } u;
-  const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(base) + i);
+  const T* at = reinterpret_cast<const T*>(base) + i;
+  if constexpr (VEC * sizeof(T) == 8) {
+    union { uint2 word; T vals[VEC]; } u;
+    u.word = *reinterpret_cast<const uint2*>(at);
 #pragma unroll
-  for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) u.words[w] = src[w];
+    for (int k = 0; k < VEC; ++k) out[k] = to_acc(u.vals[k]);
+  } else {
+    static_assert(VEC * sizeof(T) % 16 == 0, "vector must be whole 16-byte words");
+    union { uint4 words[VEC * sizeof(T) / 16]; T vals[VEC]; } u;
+    const uint4* src = reinterpret_cast<const uint4*>(at);
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = to_acc(u.vals[k]);
+    for (int w = 0; w < int(VEC * sizeof(T) / 16); ++w) u.words[w] = src[w];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = to_acc(u.vals[k]);
+  }
 }
 
 template <class T, int VEC>
