@@ -149,7 +149,7 @@ __device__ Tiles tiles_of(long long rows, long long cols, long long numel, doubl
 // multiple of 4, the bases 16-byte aligned), else l, l + 32, .... Each row's terms are summed by
 // its warp (lanes, then warp_sum), each column's by its lane over the warp's rows and then over
 // the warps in warp order: fixed orders, the same bits every run.
-constexpr int IN_FLIGHT = 2;
+constexpr int IN_FLIGHT = 4;  // (10% faster than 2 on an H200, a few bytes spilled notwithstanding)
 
 // The tile column of lane's q-th value.
 template <bool VEC>
