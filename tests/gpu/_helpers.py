@@ -50,3 +50,15 @@ def assert_matches(tensor, expected: np.ndarray, dtype: str, where: str, scale: 
     got = to64(tensor)
     np.testing.assert_allclose(got, expected.reshape(got.shape), rtol=rtol * scale,
                                atol=atol * scale, err_msg=where)
+
+
+def on_gpu_at(arrays, offset=0):
+    """NumPy arrays as torch tensors on the GPU; with offset 1 each a view one element into its
+    storage (not 16-byte aligned: the kernels' element-by-element paths)."""
+    import torch
+
+    out = []
+    for a in arrays:
+        flat = np.concatenate([np.zeros(offset, a.dtype), a.reshape(-1)])
+        out.append(torch.from_numpy(flat).cuda()[offset:].view(a.shape))
+    return out

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import mtapply.torch as mt  # noqa: E402
+from _helpers import on_gpu_at  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -158,16 +159,6 @@ def _eight_bit_state(rule, params, rng):
     return columns
 
 
-def _on_gpu(arrays, offset=0):
-    """On the GPU; with offset 1 each a view one element into its storage (not 16-byte
-    aligned: the 8-bit walk's element by element path)."""
-    out = []
-    for a in arrays:
-        flat = np.concatenate([np.zeros(offset, a.dtype), a.reshape(-1)])
-        out.append(torch.from_numpy(flat).cuda()[offset:].view(a.shape))
-    return out
-
-
 def _assert_8_bit_close(got_params, want_params, got_state, want_state, where):
     """Within the 8-bit walk's tolerances (tests/gpu/test_rule_state_bits_gpu.py): params and
     float state as float32 math allows, codes equal but for values on a midpoint."""
@@ -201,9 +192,9 @@ def test_8_bit_momentum_beside_factored_slots_follows_the_numpy_step(offset):
     # each step from equal inputs: a code on a midpoint may round either way, and a block's
     # scale would carry it into later steps
     for t in range(1, 4):
-        gpu = (_on_gpu(host[0], offset), [_on_gpu(c, offset) for c in host[1]])
+        gpu = (on_gpu_at(host[0], offset), [on_gpu_at(c, offset) for c in host[1]])
         grads = [rng.standard_normal(s).astype(np.float32) for s in EIGHT_SHAPES]
-        rule.step(gpu[0], _on_gpu(grads, offset), *gpu[1], **EIGHT_HYPER)
+        rule.step(gpu[0], on_gpu_at(grads, offset), *gpu[1], **EIGHT_HYPER)
         rule.step(host[0], grads, *host[1], **EIGHT_HYPER)
         torch.cuda.synchronize()
         _assert_8_bit_close(gpu[0], host[0], gpu[1], host[1], f"offset {offset} step {t}")

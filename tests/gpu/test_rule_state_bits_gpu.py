@@ -12,6 +12,7 @@ from mtapply.rules import library
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from _helpers import on_gpu_at  # noqa: E402
 
 SHAPES = [(1 << 20 | 3,), (5000,), (70, 80), (10,), (256 * 20 + 7,), (0,), (4095,), (3, 999)]
 RULES = {"lion": (library.lion, (), dict(lr=1e-3, weight_decay=0.1)),
@@ -40,15 +41,6 @@ def _random_state(rule, params, rng):
             else:
                 columns[j][k] = values
     return columns
-
-
-def _cuda(arrays, offset=0):
-    """On the GPU; with offset 1 each a view one element into its storage (unaligned)."""
-    out = []
-    for a in arrays:
-        flat = np.concatenate([np.zeros(offset, a.dtype), a.reshape(-1)])
-        out.append(torch.from_numpy(flat).cuda()[offset:].view(a.shape))
-    return out
 
 
 def _compare(rule, gpu, host, lr, where):
@@ -83,10 +75,10 @@ def test_the_8_bit_walk_follows_the_numpy_path(name, offset):
     # each step from equal inputs: a code on a midpoint may round either way, and where it is
     # its block's largest, the block's scale and many small codes move with it in later steps
     for t in range(1, 4):
-        gpu = (_cuda(host[0], offset), [_cuda(c, offset) for c in host[1]])
+        gpu = (on_gpu_at(host[0], offset), [on_gpu_at(c, offset) for c in host[1]])
         before = gpu[0][0].clone()
         grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-        rule.step(gpu[0], _cuda(grads, offset), *gpu[1], step=t, **hyper)
+        rule.step(gpu[0], on_gpu_at(grads, offset), *gpu[1], step=t, **hyper)
         rule.step(host[0], grads, *host[1], step=t, **hyper)
         torch.cuda.synchronize()
         assert not torch.equal(gpu[0][0], before)
