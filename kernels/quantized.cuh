@@ -317,13 +317,13 @@ struct Quantized {
   // The op on one element's values x (the lane's element at `index`), adding to acc where it sums.
   template <class Index>
   static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], long long index) {
-    if constexpr (Indexed<Op>::value) op(x, static_cast<Index>(index));
+    if constexpr (Indexed<Op>::value) op(x, static_cast<Index>(index), static_cast<Index>(index));
     else op(x);
   }
   template <class Index>
   static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], float (&acc)[SUMS ? Op::N_SUMS : 1],
                                                long long index) {
-    if constexpr (Indexed<Op>::value) op(x, acc, static_cast<Index>(index));
+    if constexpr (Indexed<Op>::value) op(x, acc, static_cast<Index>(index), static_cast<Index>(index));
     else op(x, acc);
   }
 

@@ -20,10 +20,11 @@
 // the block's chunk from chunk_of, as walk does; MIN_BLOCKS (optional) asks the compiler for
 // that many resident blocks per SM. An op that sets INDEXED (factored state: values kept per row
 // or per column of a matrix) is made with the block's chunk, Op(args, chunk, sums), is called
-// with each element's flat index as its last argument (an unsigned 32-bit word where its member
-// `narrow` says every index of the tensor fits one, else a long long), and has a member
-// `absent`: the slots that its tensor does not hold per element, which the walker neither loads
-// nor stores.
+// with each element's flat index and the index its row is taken from (an unsigned 32-bit word
+// where its member `narrow` says every index of the tensor fits one, else a long long): the
+// vector's first element where its member `whole_rows` says every vector lies in one row, else
+// the element's own. Its member `absent` gives the slots that its tensor does not hold per
+// element, which the walker neither loads nor stores.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -289,7 +290,7 @@ __device__ __forceinline__ unsigned absent_slots(const Op& op) {
 // element's index as an Index.
 // With master weights, `param_copy` is the 16-bit param that receives the rounded master; with
 // MTA_DELTA it is the slot that receives the update.
-template <class Op, int W, class Index>
+template <class Op, int W, class Index, bool ROWS = false>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                       char* param_copy, long long i,
                                       float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
@@ -313,8 +314,10 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
       if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
     }
     if constexpr (Indexed<Op>::value) {
-      if constexpr (Op::N_SUMS > 0) op(x, acc, static_cast<Index>(i + k));
-      else op(x, static_cast<Index>(i + k));
+      // ROWS: the W elements lie in one row, whose index the op then takes once (from i)
+      const Index row_of = static_cast<Index>(ROWS ? i : i + k);
+      if constexpr (Op::N_SUMS > 0) op(x, acc, static_cast<Index>(i + k), row_of);
+      else op(x, static_cast<Index>(i + k), row_of);
     } else if constexpr (Op::N_SUMS > 0) {
       op(x, acc);
     } else {
@@ -471,8 +474,15 @@ __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
   // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
   if (aligned) {
     scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
-    for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
-      apply<Op, MTA_VEC, Index>(op, grad_scale, ptr, param_copy, i, acc);
+    bool rows = false;
+    if constexpr (Indexed<Op>::value) rows = op.whole_rows;
+    if (rows) {
+      for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
+        apply<Op, MTA_VEC, Index, true>(op, grad_scale, ptr, param_copy, i, acc);
+    } else {
+      for (long long i = begin + threadIdx.x * MTA_VEC; i < scalar_from; i += MTA_BLOCK * MTA_VEC)
+        apply<Op, MTA_VEC, Index>(op, grad_scale, ptr, param_copy, i, acc);
+    }
   }
 #pragma unroll 4
   for (long long i = scalar_from + threadIdx.x; i < end; i += blockDim.x)

@@ -130,6 +130,6 @@ def test_every_index_of_a_small_tensor_finds_its_row_column_and_matrix():
 
 def test_the_walker_passes_divide_with_the_divider():
     source = library.adafactor().cuda_source()
-    assert "by_cols.quotient(index)" in source and "by_rows.quotient(f_row)" in source
+    assert "by_cols.quotient(row_of)" in source and "by_rows.quotient(f_row)" in source
     assert "index / cols" not in source and "index % cols" not in source
     assert "template <class Index>" in source and "Index index" in source

@@ -243,7 +243,7 @@ class _Writer:
             read = self._mask(slot.name for slot in program.slots
                               if slot.form not in (ROW, COL) and (
                                   read is None or slot.name in program.first_pass_slots))
-            call = call.replace(") const {", ", Index index) const {")
+            call = call.replace(") const {", ", Index index, Index row_of) const {")
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",

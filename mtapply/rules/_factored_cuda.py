@@ -87,6 +87,7 @@ def members(writer) -> list:
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
              "  Divider by_rows, by_cols;  // exact quotients of indices by rows and by cols",
              "  bool narrow;  // every index fits 32 bits (the walker's Index: unsigned)",
+             "  bool whole_rows;  // the walker's vectors each lie in one row (cols % MTA_VEC == 0)",
              "  bool single;  // one matrix (a 2-D param): every element's matrix is 0",
              "  unsigned absent;  // slots the walker neither loads nor stores"]
             + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)]
@@ -108,6 +109,7 @@ def factored_reads(writer) -> list:
              "    factored = z_factored;", "    rows = z_shape[1];", "    cols = z_shape[2];",
              "    by_rows = Divider::of(z_shape + 4);", "    by_cols = Divider::of(z_shape + 7);",
              "    narrow = Divider::narrow(z_shape[0]);",
+             "    whole_rows = z_factored && z_shape[2] % MTA_VEC == 0;",
              f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;",
              "    single = z_factored && z_shape[0] == z_shape[1] * z_shape[2];"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
@@ -119,7 +121,7 @@ def factored_reads(writer) -> list:
 def element_prologue(writer) -> list:
     """The first statements of a walker functor's branch for factored params: the element's
     row and column state, and its matrix's means."""
-    lines = ["const Index f_row = by_cols.quotient(index);  // the element's row in the stack",
+    lines = ["const Index f_row = by_cols.quotient(row_of);  // the element's row in the stack",
              "const Index f_matrix = single ? Index(0) : by_rows.quotient(f_row);  // its matrix",
              "const Index f_col = f_matrix * static_cast<Index>(cols) + "
              "(index - f_row * static_cast<Index>(cols));  // its column"]
