@@ -81,6 +81,7 @@ def _vector_slots(program) -> list:
 def members(writer) -> list:
     """The members every functor of a factored rule has (kernels/walker.cuh, INDEXED)."""
     return (["  static constexpr bool INDEXED = true;",
+             "  static constexpr int IN_FLIGHT = 2;  // strides loaded before the first store",
              "  static constexpr int MIN_BLOCKS = 3;  // per SM: registers capped at 80, not 85-105",
              f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
              "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
