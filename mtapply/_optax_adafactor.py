@@ -4,9 +4,10 @@ The state is optax's own (the chain's tuple: `FactoredState(count, v_row, v_col,
 schedule's count, `EmaState` with momentum), so the two transformations' states are
 interchangeable. optax factors a param over its two largest dimensions; the rule factors over
 the last two. Each update therefore moves those two dimensions last (keeping their order), a
-transpose of the param and grad only where they are not last already (never for matrices), and
-turns optax's row and column vectors into the rule's (..., rows, 1) and (..., 1, cols) slots and
-back: small arrays, reshaped by XLA around the one call.
+transpose of the param and grad only where they are not last already (never for matrices).
+optax's row and column vectors then hold the values of the rule's (..., rows, 1) and
+(..., 1, cols) slots in their order, and go to the one call as they are; a moved param's are
+transposed there and back (small arrays).
 
 With `state_bits=8` the momentum is kept in 8 bits: optax's `EmaState` becomes an
 `EightBitEmaState` whose `ema` holds uint8 codes (float32 for params under `min_8bit_size`
@@ -88,10 +89,15 @@ def _empty(dtype):
 def _rule_vectors(v_row, v_col, layout: _Layout) -> tuple:
     """(row_var, col_var) of the rule from optax's v_row (the mean over the largest dimension)
     and v_col (over the second largest): the rule's row_var is the mean over the last
-    dimension, the larger index of the two."""
+    dimension, the larger index of the two. Where those two dimensions are last already,
+    optax's vectors hold the rule's values in the rule's order and go as they are (the
+    kernels read their sizes, not their shapes): reshaped, each donated vector would cost
+    XLA a copy into the call and one out of it."""
     largest, second = layout.axes
     by_axis = {largest: v_row, second: v_col}
     last, before = max(layout.axes), min(layout.axes)
+    if not layout.moved:
+        return by_axis[last], by_axis[before]
     return (_to_rule(jnp.expand_dims(by_axis[last], last), layout),
             _to_rule(jnp.expand_dims(by_axis[before], before), layout))
 
@@ -99,8 +105,10 @@ def _rule_vectors(v_row, v_col, layout: _Layout) -> tuple:
 def _optax_vectors(row_var, col_var, layout: _Layout) -> tuple:
     """optax's (v_row, v_col) from the rule's row_var and col_var (`_rule_vectors` reversed)."""
     last, before = max(layout.axes), min(layout.axes)
-    by_axis = {last: jnp.squeeze(_from_rule(row_var, layout), last),
-               before: jnp.squeeze(_from_rule(col_var, layout), before)}
+    if layout.moved:
+        row_var = jnp.squeeze(_from_rule(row_var, layout), last)
+        col_var = jnp.squeeze(_from_rule(col_var, layout), before)
+    by_axis = {last: row_var, before: col_var}
     largest, second = layout.axes
     return by_axis[largest], by_axis[second]
 
