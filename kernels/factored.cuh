@@ -117,7 +117,7 @@ __device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], l
 // workspace, as acc_t: per row and column group, and per column and row group (group-major, so
 // that the combine pass's threads read consecutive rows or columns).
 // mtapply/rules/_factored_cuda.py (factor_partials) reserves the same room.
-constexpr int TILE = 4096, MAX_TILE_COLS = 128, LANE_COLS = MAX_TILE_COLS / 32;
+constexpr int TILE = 32768, MAX_TILE_COLS = 128, LANE_COLS = MAX_TILE_COLS / 32;
 
 struct Tiles {
   long long batch, rows, cols;      // the stack of matrices

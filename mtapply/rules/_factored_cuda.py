@@ -22,7 +22,7 @@ FIELDS = ("  const long long* shape_array;  // per tensor: numel, rows, cols (0:
           "means offset, the Dividers' words",
           "  double* means_array;  // the per-matrix means (kernels/factored.cuh)")
 FACTORS, COMBINE, MATRIX = "Factors", "Combine", "Matrix"  # the reduction functors' suffixes
-TILE, MAX_TILE_COLS = 4096, 128  # the factor pass's tiles (kernels/factored.cuh, Tiles)
+TILE, MAX_TILE_COLS = 32768, 128  # the factor pass's tiles (kernels/factored.cuh, Tiles)
 CHUNK = 65536  # elements a block of a factored rule's passes takes (RuleSpec.chunk_for)
 SHAPE_WORDS = 10  # numel, rows, cols, means offset, then 3 words per Divider (by rows, by cols)
 WORD = (1 << 64) - 1
