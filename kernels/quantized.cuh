@@ -541,7 +541,7 @@ struct Quantized {
     for (int k = 0; k < PER_LANE; ++k) sums[k] = code_sum<SIGNED>(maps.words, normalized[k]);
     if (VECTOR) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) *reinterpret_cast<unsigned*>(codes + i + h * HALF) = pack_codes(sums + h * GROUP);
+      for (int h = 0; h < 2; ++h) store_word(reinterpret_cast<unsigned*>(codes + i + h * HALF), pack_codes(sums + h * GROUP));
     } else {
       unsigned char c[PER_LANE];
 #pragma unroll
