@@ -99,9 +99,8 @@ template <class Op, int W>
 __device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], long long i,
                                               acc_t grad_scale, acc_t (&x)[W][Op::N_SLOTS]) {
   constexpr int N = Op::N_SLOTS;
-  constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
   acc_t v[N][W];
-  load_slots<0, N, READ, W>(ptr, i, v);
+  load_slots<0, N, loaded_slots<Op>(), W>(ptr, i, v);
 #pragma unroll
   for (int k = 0; k < W; ++k) {
 #pragma unroll
@@ -288,20 +287,34 @@ __device__ __forceinline__ void combine(long long n, long long groups, const acc
   }
 }
 
+// A block of a pass over matrices: its chunk, its tensor's args and shape words (numel, rows,
+// cols, ...; rows 0 where the tensor is not factored and the pass has nothing to do).
+template <class Op>
+struct MatrixBlock {
+  Chunk job;
+  typename Op::Args args;
+  const long long* shape;
+
+  __device__ explicit MatrixBlock(const Launch<typename Op::Args>& launch)
+      : job(chunk_of(launch)), args(args_of(launch, job.tensor)),
+        shape(args.shape_array + SHAPE_WORDS * static_cast<long long>(job.tensor)) {}
+  __device__ bool factored() const { return shape[1] != 0; }
+};
+
 // The combine pass: each row's (column's) partial sums added in group order, its mean, and
 // the op's finish of that row (column). A block with no rows returns before making the op.
 template <class Op>
 __device__ void combine_walk(const Launch<typename Op::Args>& launch) {
-  const Chunk job = chunk_of(launch);
-  const typename Op::Args args = args_of(launch, job.tensor);
-  const long long* shape = args.shape_array + SHAPE_WORDS * static_cast<long long>(job.tensor);
-  if (shape[1] == 0) return;  // (not factored)
-  const Tiles t = tiles_of<Op>(shape[1], shape[2], job.numel, args.means_array + shape[3]);
+  const MatrixBlock<Op> block(launch);
+  if (!block.factored()) return;
+  const Chunk& job = block.job;
+  const long long* shape = block.shape;
+  const Tiles t = tiles_of<Op>(shape[1], shape[2], job.numel, block.args.means_array + shape[3]);
   const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
   if (job.index >= max(Op::N_ROW > 0 ? busy_blocks(t.batch * t.rows, t.col_groups, blocks) : 0ll,
                        Op::N_COL > 0 ? busy_blocks(t.batch * t.cols, t.row_groups, blocks) : 0ll))
     return;
-  const Op op(args, job, launch.sums);
+  const Op op(block.args, job, launch.sums);
   if constexpr (Op::N_ROW > 0)
     combine<Op::N_ROW>(t.batch * t.rows, t.col_groups, t.row_parts, t.cols, job,
                        [&](long long j, const acc_t (&means)[Op::N_ROW]) { op.finish_row(j, means); });
@@ -315,14 +328,14 @@ __device__ void combine_walk(const Launch<typename Op::Args>& launch) {
 // matrices, WARPS apiece; the rest return before making the op.
 template <class Op>
 __device__ void matrix_walk(const Launch<typename Op::Args>& launch) {
-  const Chunk job = chunk_of(launch);
-  const typename Op::Args args = args_of(launch, job.tensor);
-  const long long* shape = args.shape_array + SHAPE_WORDS * static_cast<long long>(job.tensor);
-  if (shape[1] == 0) return;  // (not factored)
+  const MatrixBlock<Op> block(launch);
+  if (!block.factored()) return;
+  const Chunk& job = block.job;
+  const long long* shape = block.shape;
   const long long batch = job.numel / (shape[1] * shape[2]);
   const long long blocks = min((job.numel + MTA_CHUNK - 1) / MTA_CHUNK, (batch + WARPS - 1) / WARPS);
   if (job.index >= blocks) return;
-  const Op op(args, job, launch.sums);
+  const Op op(block.args, job, launch.sums);
   long long first, last;
   share(batch, blocks, job.index, first, last);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

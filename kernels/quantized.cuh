@@ -232,7 +232,7 @@ struct Quantized {
   static constexpr int N = Op::N_SLOTS;
   static constexpr int NQ = bits_set(QUANTIZED);
   // the param is not read where it is taken as zero (the op then writes its update to slot 0)
-  static constexpr unsigned READ = ReadMask<Op>::value & (MTA_ZERO_PARAM ? ~1u : ~0u);
+  static constexpr unsigned READ = loaded_slots<Op>();
   static constexpr int UPDATES = N + NQ;  // with MTA_DELTA: the record's slot for new - old
   using Args = typename Op::Args;
   // a pass that sums (a rule's first pass) reads the 8-bit slots and writes nothing
