@@ -20,8 +20,8 @@ import math
 import torch
 
 from ._dtensor import is_dtensor
+from ._muon_state import Storage
 from ._optimizer_step import closure_loss
-from .adam import adam_step
 from .ops._spec import check_number
 from .rules import library
 
@@ -41,11 +41,17 @@ class Muon(torch.optim.Optimizer):
     default 1e-7 where it gives none) and `weight_decay`, and torch.optim.AdamW's state
     (`step`, `exp_avg`, `exp_avg_sq`): one optimizer and one `step()` for a whole model.
 
+    `state_bits=16` keeps that state in bfloat16, `state_bits=8` as 8-bit codes with a float32
+    scale per 256 elements (`<name>_absmax`; params of fewer than `min_8bit_size` elements keep
+    float32 state), as the other mtapply.torch optimizers do (see mtapply._muon_state).
+
     Every group is checked before a step writes anything. Matrices of one shape (transposes
     apart) step as one batch: see the module docstring."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None):
+                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 state_bits=32, min_8bit_size=4096):
+        self._storage = Storage(state_bits, min_8bit_size)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn)
@@ -61,9 +67,49 @@ class Muon(torch.optim.Optimizer):
         _check_group(f"param group {index}: ", self.param_groups[-1])
         _check_matrices(index, self.param_groups[-1])
 
+    @property
+    def state_bits(self) -> int:
+        return self._storage.bits
+
+    @property
+    def min_8bit_size(self) -> int:
+        return self._storage.min_8bit_size
+
+    def __getstate__(self):  # a copy keeps its state's storage
+        return dict(super().__getstate__(), state_bits=self.state_bits,
+                    min_8bit_size=self.min_8bit_size)
+
     def __setstate__(self, state) -> None:
+        # from a copy (its storage given), or from torch's load_state_dict (the storage kept)
+        state = dict(state)
+        storage = self.__dict__.get("_storage") or Storage()
+        if "state_bits" in state:
+            storage = Storage(state.pop("state_bits"), state.pop("min_8bit_size", 4096))
         super().__setstate__(state)
+        self._storage = storage
         self._batches = {}
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch.optim's load, each state tensor then kept as this optimizer's `state_bits`
+        store it (bfloat16, or 8-bit codes and float32 scales, which torch would cast to the
+        param's dtype). State saved at other state_bits is refused before anything changes."""
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        pairs = []  # (param, saved entry)
+        if len(groups) == len(saved_groups) and all(
+                len(g["params"]) == len(h["params"]) for g, h in zip(groups, saved_groups)):
+            for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+                for i, (p, key) in enumerate(zip(group["params"], saved["params"])):
+                    entry = state_dict["state"].get(key)
+                    if entry is not None:
+                        where = lambda index=index, i=i: f"param group {index}: param {i}"
+                        self._storage.check_saved(p, entry, saved.get("use_muon", True), where)
+                        pairs.append((p, entry))
+        super().load_state_dict(state_dict)  # (checks the groups' sizes itself)
+        for p, entry in pairs:
+            for key, value in entry.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[p][key] = self._storage.loaded(p, value)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,7 +128,6 @@ class Muon(torch.optim.Optimizer):
         _check_matrices(index, group)
         params = [p for p in group["params"] if p.grad is not None]
         muon = group.get("use_muon", True)
-        names = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -95,9 +140,8 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"{where} has strides {p.stride()}: Muon steps row-major "
                                  f"matrices (its update batches are); make it contiguous")
             _check_like(p, p.grad, f"{where}'s grad")
-            for name in names:
-                if name in self.state.get(p, {}):
-                    _check_like(p, self.state[p][name], f"{where}'s state {name!r}")
+            if p in self.state:
+                self._storage.check(p, self.state[p], muon, lambda where=where: where)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and any(
                 p.device != lr.device for p in params):
@@ -113,24 +157,26 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._storage.make(p, state, muon=False)
             state["step"] += 1
             steps.append(float(state["step"]))
         beta1, beta2 = group["betas"]
-        adam_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
-                  [self.state[p]["exp_avg_sq"] for p in params], lr=_lr_value(group["lr"]),
-                  step=steps[0] if len(set(steps)) == 1 else steps, beta1=float(beta1),
-                  beta2=float(beta2), eps=float(group["eps"]),
-                  weight_decay=float(group["weight_decay"]), decoupled_weight_decay=True)
+        rule = self._storage.adamw_rule()
+        rule.step(*self._storage.arguments(rule, params, self.state,
+                                           {"param": params, "grad": [p.grad for p in params]}),
+                  lr=_lr_value(group["lr"]), step=steps[0] if len(set(steps)) == 1 else steps,
+                  beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                  weight_decay=float(group["weight_decay"]))
 
     def _step_group(self, group, params: list) -> None:
-        grads = [p.grad for p in params]
-        buffers = [self._buffer(p) for p in params]
+        for p in params:
+            self._storage.make(p, self.state[p], muon=True)
         batches = self._batches_of(group, params)
-        directions = [batch.views[k] for batch, k in batches]
-        library.muon_momentum(bool(group["nesterov"])).step(
-            params, grads, buffers, directions, momentum=float(group["momentum"]))
+        given = {"param": params, "grad": [p.grad for p in params],
+                 "direction": [batch.views[k] for batch, k in batches]}
+        rule = self._storage.momentum_rule(group["nesterov"])
+        rule.step(*self._storage.arguments(rule, params, self.state, given),
+                  momentum=float(group["momentum"]))
         done = {}
         for batch, _ in batches:
             if id(batch) not in done:
@@ -140,12 +186,6 @@ class Muon(torch.optim.Optimizer):
         scales = [_lr_ratio(group["adjust_lr_fn"], p.shape) for p in params]
         library.muon_apply().step(params, updates, lr=_lr_value(group["lr"]),
                                   weight_decay=float(group["weight_decay"]), scale=scales)
-
-    def _buffer(self, p) -> torch.Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["momentum_buffer"]
 
     def _batches_of(self, group, params: list) -> list:
         """(batch, index in it) of each param: params of one device, dtype and shape share a
