@@ -16,7 +16,7 @@ import torch
 
 from . import quantization
 from ._torch_rules import RuleBased
-from ._torch_state import check_eight_bit_slots, refuse_other_state_bits
+from ._torch_state import check_eight_bit_slots, check_state_bits, refuse_other_state_bits
 from .rules import library
 
 MUON_STATE, ADAMW_STATE = ("momentum_buffer",), ("exp_avg", "exp_avg_sq")
@@ -31,12 +31,7 @@ class Storage:
     """The state storage of one optimizer: its rules, new state and checks."""
 
     def __init__(self, state_bits=32, min_8bit_size=4096):
-        if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
-            raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
-                             f"optim_bits), got {state_bits!r}")
-        if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) \
-                or min_8bit_size < 1:
-            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size!r} (a whole number >= 1)")
+        check_state_bits(state_bits, min_8bit_size)
         self.bits, self.min_8bit_size = state_bits, min_8bit_size
 
     def momentum_rule(self, nesterov: bool):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._torch_rules import RuleBased
-from ._torch_state import check_eight_bit_slots, refuse_other_state_bits
+from ._torch_state import check_eight_bit_slots, check_state_bits, refuse_other_state_bits
 
 
 class EightBitState:
@@ -26,12 +26,7 @@ class EightBitState:
     min_8bit_size = 4096
 
     def _take_state_bits(self, state_bits, min_8bit_size=4096) -> None:
-        if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
-            raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
-                             f"optim_bits), got {state_bits!r}")
-        if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) \
-                or min_8bit_size < 1:
-            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size!r} (a whole number >= 1)")
+        check_state_bits(state_bits, min_8bit_size)
         self.state_bits, self.min_8bit_size = state_bits, min_8bit_size
         self._eight_bit_rules = {}
 

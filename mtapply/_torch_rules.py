@@ -14,7 +14,8 @@ from . import quantization
 from ._dtensor import is_dtensor, local_tensor, sharded_like, sharded_scales
 from ._torch_layouts import as_real
 from ._torch_optimizer import BETA_NAMES, FusedOptimizer, laid_out_as
-from ._torch_state import MASTER, check_eight_bit_slots, own_options, refuse_other_state_bits
+from ._torch_state import (MASTER, check_eight_bit_slots, check_state_bits, own_options,
+                           refuse_other_state_bits)
 from .ops._spec import check_number, seed_words
 from .rules import library
 from .rules._factored import COL, FULL, ROW, UNFACTORED, is_factored, slot_shape
@@ -37,11 +38,7 @@ class RuleBased(FusedOptimizer):
 
     def __init__(self, params, defaults, flat_grads=False, state_bits=32, min_8bit_size=4096,
                  stochastic_rounding=False, seed=0, master_weights=False):
-        if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
-            raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
-                             f"optim_bits), got {state_bits!r}")
-        if not isinstance(min_8bit_size, int) or min_8bit_size < 1:
-            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size!r} (a whole number >= 1)")
+        check_state_bits(state_bits, min_8bit_size)
         self.state_bits, self.min_8bit_size = state_bits, min_8bit_size
         self._eight_bit_rules: dict = {}
         seed_words(seed)  # (checked now; a group option, as Adam's)

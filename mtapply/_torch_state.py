@@ -160,6 +160,16 @@ for _name in ("__delitem__", "clear", "pop", "popitem"):
     setattr(TrackedState, _name, _noting(getattr(dict, _name)))
 
 
+def check_state_bits(state_bits, min_8bit_size) -> None:
+    """`state_bits` (8, 16 or 32, as bitsandbytes' optim_bits) and `min_8bit_size` (the fewest
+    elements a param's state takes 8 bits at) as an optimizer is given them."""
+    if state_bits not in (8, 16, 32) or isinstance(state_bits, bool):
+        raise ValueError(f"state_bits must be 8, 16 (bfloat16) or 32 (as bitsandbytes' "
+                         f"optim_bits), got {state_bits!r}")
+    if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 1:
+        raise ValueError(f"Invalid min_8bit_size: {min_8bit_size!r} (a whole number >= 1)")
+
+
 def refuse_other_state_bits(owner: str, eight_bit: tuple, entry, where) -> None:
     """A param's loaded state saved with other state_bits than the optimizer `owner` keeps is
     refused, naming the entry: 8-bit scales where it keeps float state, or float state of a
