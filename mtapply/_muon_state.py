@@ -52,11 +52,12 @@ class Storage:
         return MUON_STATE if muon else ADAMW_STATE
 
     def dtype(self, p) -> torch.dtype:
-        """The dtype of a float state slot of `p` (below min_8bit_size: float32 at 8 bits)."""
-        return {8: torch.float32, 16: torch.bfloat16}.get(self.bits, p.dtype)
+        """The dtype of `p`'s state slots at 16 or 32 bits."""
+        return torch.bfloat16 if self.bits == 16 else p.dtype
 
     def make(self, p, state: dict, muon: bool) -> None:
         """The param's state slots that `state` lacks, at zero."""
+        # (nesterov does not change how the buffer is stored)
         rule = self.momentum_rule(True) if muon else self.adamw_rule()
         for name in self.names(muon):
             if name in state:
