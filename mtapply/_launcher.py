@@ -1,6 +1,8 @@
 """The kernels, tables, workspaces and argument words of a plan on its GPUs."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import _source, _tables
@@ -32,7 +34,7 @@ class Launcher:
         self._interrupted = False  # a step's launches stopped part way: counts may be left
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
-            threads = spec.threads_for(group.dtypes, group.numels)
+            threads = spec.threads_for(group.dtypes, group.numels, _sms(device_id))
             source = spec.source(group.dtypes, threads)
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes))
@@ -251,6 +253,14 @@ class Launcher:
         finally:
             if switch:
                 device.__exit__(None, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device_id: int) -> int:
+    """The SMs of GPU `device_id`."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
 def _cupy_device(device_id: int):

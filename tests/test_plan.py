@@ -221,6 +221,22 @@ def test_lists_of_short_chunks_get_blocks_of_128_threads_and_their_kernels_say_s
     assert REGISTRY["lars"]().threads_for(fp32, ragged) == _source.BLOCK_THREADS  # block sums
 
 
+def test_chunks_that_each_have_an_sm_to_themselves_get_whole_blocks():
+    from mtapply import REGISTRY
+
+    adam, fp32 = REGISTRY["adam"](), ("float32",) * 4
+    norms_and_biases = np.array([768, 2304, 3072, 768] * 24 + [768, 768])  # gpt2-124M's, 98
+    assert adam.threads_for(fp32, norms_and_biases) == _source.NARROW_THREADS  # GPU unknown
+    assert adam.threads_for(fp32, norms_and_biases, sms=132) == _source.BLOCK_THREADS
+    assert adam.threads_for(fp32, norms_and_biases, sms=97) == _source.NARROW_THREADS
+    # a tensor longer than a chunk takes a block per chunk
+    assert _source.n_chunks([CHUNK + 1, CHUNK, 0, 1], CHUNK) == 4
+    ragged = np.array([2 * CHUNK + 300] + [300] * 10)  # 13 chunks, 11 of them mostly idle
+    assert adam.threads_for(fp32, ragged, sms=12) == _source.NARROW_THREADS
+    assert adam.threads_for(fp32, ragged, sms=13) == _source.BLOCK_THREADS
+    assert adam.threads_for(fp32, np.array([100]), sms=132) == 32  # one warp's stride still
+
+
 def test_small_tensors_get_narrow_blocks_unless_a_pass_sums_over_the_block():
     from mtapply import REGISTRY
     from mtapply.ops import Adam8bitSpec

@@ -153,13 +153,13 @@ class OpSpec:
         8-bit states) rather than the chunk walker."""
         return False
 
-    def threads_for(self, dtypes: tuple, numels) -> int:
+    def threads_for(self, dtypes: tuple, numels, sms: int = 0) -> int:
         """Threads per CUDA block of a group: fewer where all its chunks are small, unless a pass
         sums over the block (block_sum takes whole blocks of BLOCK_THREADS) or the group walks by
-        itself (in warps of whole blocks)."""
+        itself (in warps of whole blocks). `sms`: see `_source.block_threads`."""
         if self.n_sums or self.walks_itself(dtypes):
             return _source.BLOCK_THREADS
-        return _source.block_threads(numels, self.chunk_for(dtypes), dtypes)
+        return _source.block_threads(numels, self.chunk_for(dtypes), dtypes, sms)
 
     def compile_options(self, dtypes: tuple) -> tuple:
         """NVRTC options of a group whose slots have these storage dtypes."""

@@ -155,11 +155,11 @@ class RuleSpec(OpSpec):
         1.61 ms on an H200)."""
         return _factored_cuda.CHUNK if self.program.factored else super().chunk_for(dtypes)
 
-    def threads_for(self, dtypes: tuple, numels) -> int:
+    def threads_for(self, dtypes: tuple, numels, sms: int = 0) -> int:
         """Whole blocks for a factored rule: its reductions share rows among warps."""
         if self.program.factored:
             return _source.BLOCK_THREADS
-        return super().threads_for(dtypes, numels)
+        return super().threads_for(dtypes, numels, sms)
 
     def shape_words(self, refs: dict):
         """For a factored rule, (its `shape_array` words for these tensors, the doubles of its

@@ -63,12 +63,27 @@ def test_adam_over_small_tensors_in_warp_blocks_follows_the_cpu_path(dtype, offs
 
 
 def test_one_tensor_past_a_warps_chunk_gives_the_launch_wider_blocks():
-    lists = _lists(3, [100] * 50 + [129], torch.float32, 1)
+    more = torch.cuda.get_device_properties(0).multi_processor_count  # chunks than SMs
+    lists = _lists(3, [100] * more + [129], torch.float32, 1)
     plan = mtapply.sgd_plan(*lists)
     assert _threads(plan) == {_source.NARROW_THREADS}
-    assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 50, torch.float32, 1))) == {32}
+    assert _threads(mtapply.sgd_plan(*_lists(3, [100] * more, torch.float32, 1))) == {32}
     assert _threads(mtapply.sgd_plan(*_lists(3, [100] * 5 + [400_000], torch.float32, 1))) == {
         _source.BLOCK_THREADS}
+
+
+def test_as_many_chunks_as_sms_get_whole_blocks():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gpu = _lists(3, [100] * (sms - 1) + [129], torch.float32, 2)  # mostly idle lanes
+    cpu = _host(gpu)
+    plan = mtapply.sgd_plan(*gpu)
+    assert _threads(plan) == {_source.BLOCK_THREADS}
+    for t in range(1, 3):
+        plan.step(lr=0.1, step=t, momentum=0.9)
+        mtapply.sgd_step(*cpu, lr=0.1, step=t, momentum=0.9)
+    torch.cuda.synchronize()
+    for got, want in zip(gpu[0] + gpu[2], cpu[0] + cpu[2]):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-6, atol=1e-7)
 
 
 def _ragged(n, seed):
