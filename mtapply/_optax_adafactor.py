@@ -2,12 +2,9 @@
 
 The state is optax's own (the chain's tuple: `FactoredState(count, v_row, v_col, v)`, the
 schedule's count, `EmaState` with momentum), so the two transformations' states are
-interchangeable. optax factors a param over its two largest dimensions; the rule factors over
-the last two. Each update therefore moves those two dimensions last (keeping their order), a
-transpose of the param and grad only where they are not last already (never for matrices).
-optax's row and column vectors then hold the values of the rule's (..., rows, 1) and
-(..., 1, cols) slots in their order, and go to the one call as they are; a moved param's are
-transposed there and back (small arrays).
+interchangeable; each update moves a param's two largest dimensions last for the rule
+(`_adafactor_layout`), and optax's row and column vectors go to the one call as they are. The
+fused form keeps the rule's state flat instead (`_optax_adafactor_flat`).
 
 With `state_bits=8` the momentum is kept in 8 bits: optax's `EmaState` becomes an
 `EightBitEmaState` whose `ema` holds uint8 codes (float32 for params under `min_8bit_size`
@@ -26,42 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._adafactor_layout import _from_rule, _layout, _optax_vectors, _rule_slots, _to_rule
+from ._optax_adafactor_flat import _FlatSteps
 from ._optax_eight_bit import EightBitUserRule, storage
 from ._optax_engine import Engine
 from ._optax_make import FusedOptimizer, _state_dtype
 from ._optax_ops import UserRule, _mask_leaves
 from .rules import library
+from .rules._factored import COL, FULL, ROW, UNFACTORED, slot_shape
 
 # optax's own, bound when mtapply.optax is imported: a program that then swaps this module's
 # adafactor in for optax's (as a drop-in) would otherwise have its init call itself
 _OPTAX_ADAFACTOR = optax.adafactor
-
-
-class _Layout(NamedTuple):
-    """How one param steps: `axes` (the largest dimension and the second largest, optax's
-    order) where it is factored, else None; `perm` moves the two last for the rule."""
-
-    axes: tuple | None
-    perm: tuple
-
-    @property
-    def moved(self) -> bool:
-        return self.perm != tuple(range(len(self.perm)))
-
-
-def _layout(shape: tuple, factored: bool, min_dim_size: int) -> _Layout:
-    """optax's choice for a param of `shape`: factored over its two largest dimensions when
-    the smaller of the two is at least `min_dim_size`. Ties are ordered by NumPy's default
-    argsort, as optax orders them."""
-    identity = tuple(range(len(shape)))
-    if not factored or len(shape) < 2:
-        return _Layout(None, identity)
-    order = np.argsort(shape)
-    largest, second = int(order[-1]), int(order[-2])
-    if shape[second] < min_dim_size:
-        return _Layout(None, identity)
-    pair = sorted((largest, second))
-    return _Layout((largest, second), tuple(i for i in identity if i not in pair) + tuple(pair))
 
 
 class EightBitEmaState(NamedTuple):
@@ -72,45 +45,6 @@ class EightBitEmaState(NamedTuple):
     count: jax.Array
     ema: object
     ema_absmax: object
-
-
-def _to_rule(x, layout: _Layout):
-    return jnp.transpose(x, layout.perm) if layout.moved else x
-
-
-def _from_rule(x, layout: _Layout):
-    return jnp.transpose(x, np.argsort(layout.perm)) if layout.moved else x
-
-
-def _empty(dtype):
-    return jnp.zeros((0,), dtype)
-
-
-def _rule_vectors(v_row, v_col, layout: _Layout) -> tuple:
-    """(row_var, col_var) of the rule from optax's v_row (the mean over the largest dimension)
-    and v_col (over the second largest): the rule's row_var is the mean over the last
-    dimension, the larger index of the two. Where those two dimensions are last already,
-    optax's vectors hold the rule's values in the rule's order and go as they are (the
-    kernels read their sizes, not their shapes): reshaped, each donated vector would cost
-    XLA a copy into the call and one out of it."""
-    largest, second = layout.axes
-    by_axis = {largest: v_row, second: v_col}
-    last, before = max(layout.axes), min(layout.axes)
-    if not layout.moved:
-        return by_axis[last], by_axis[before]
-    return (_to_rule(jnp.expand_dims(by_axis[last], last), layout),
-            _to_rule(jnp.expand_dims(by_axis[before], before), layout))
-
-
-def _optax_vectors(row_var, col_var, layout: _Layout) -> tuple:
-    """optax's (v_row, v_col) from the rule's row_var and col_var (`_rule_vectors` reversed)."""
-    last, before = max(layout.axes), min(layout.axes)
-    if layout.moved:
-        row_var = jnp.squeeze(_from_rule(row_var, layout), last)
-        col_var = jnp.squeeze(_from_rule(col_var, layout), before)
-    by_axis = {last: row_var, before: col_var}
-    largest, second = layout.axes
-    return by_axis[largest], by_axis[second]
 
 
 def _static_int(option: str, value) -> int:
@@ -155,10 +89,11 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
     state_bits=8 keeps the momentum (which needs `momentum`) in 8 bits, params under
     min_8bit_size elements (4096) in float32: the state's EmaState becomes an
     EightBitEmaState (see the module docstring); the factored moments stay optax's."""
-    init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
-                                multiply_by_parameter_scale, clipping_threshold, momentum,
-                                dtype_momentum, weight_decay_rate, eps, factored,
-                                weight_decay_mask, state_bits, min_8bit_size)
+    init, run, _, _ = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate,
+                                      decay_offset, multiply_by_parameter_scale,
+                                      clipping_threshold, momentum, dtype_momentum,
+                                      weight_decay_rate, eps, factored, weight_decay_mask,
+                                      state_bits, min_8bit_size)
 
     def step(grads, state, params):
         if params is None:
@@ -183,18 +118,25 @@ def fused_adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0
     """`adafactor` as a fused step: `opt.step(params, grads, state) -> (params, state)`, the
     step writing the new params (in place under a jit that donates params and state, except
     for params whose two largest dimensions it moves last, which go through moved copies).
-    The state is optax's own pytree, small already (factored vectors): `tree_state` and
-    `flat_state` return it as it is."""
-    init, run = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
-                                multiply_by_parameter_scale, clipping_threshold, momentum,
-                                dtype_momentum, weight_decay_rate, eps, factored,
-                                weight_decay_mask, state_bits, min_8bit_size)
+
+    The state is the rule's, flat: `count`, then `row_var`, `col_var` and `variance` (and
+    `ema` with a momentum), each one buffer per dtype holding every param's vectors (its two
+    largest dimensions last) or full variance, so that a jitted step passes three or four
+    arrays of state rather than three per param (JAX's dispatch takes a few microseconds per
+    array). `tree_state(state, params)` gives optax.adafactor's state of the same values, and
+    `flat_state(optax_state, params)` the reverse. With state_bits=8 the state is optax's (its
+    EmaState made 8-bit, as `adafactor` keeps it), and those two return it as it is."""
+    init, run, tree_state, flat_state = _adafactor_step(
+        learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+        multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
+        weight_decay_rate, eps, factored, weight_decay_mask, state_bits, min_8bit_size,
+        flat=True)
 
     def step(params, grads, state):
         return run(params, grads, state, "inplace")
 
     return FusedOptimizer(init, jax.jit(step), jax.jit(step, donate_argnums=(0, 2)),
-                          _as_it_is, _as_it_is)
+                          tree_state, flat_state)
 
 
 def _as_it_is(state, params):
@@ -205,23 +147,30 @@ def _as_it_is(state, params):
 def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
                     multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
                     weight_decay_rate, eps, factored, weight_decay_mask, state_bits=None,
-                    min_8bit_size=None) -> tuple:
-    """(init, run): optax's own init (the same state, so that either transformation takes the
-    other's; with 8-bit momentum its EmaState made 8-bit) and run(params, grads, state, mode),
-    one step in the engine's mode ("delta": the updates; "inplace": the new params)."""
+                    min_8bit_size=None, flat: bool = False) -> tuple:
+    """(init, run, tree_state, flat_state): optax's own init (the same state, so that either
+    transformation takes the other's; with 8-bit momentum its EmaState made 8-bit) and
+    run(params, grads, state, mode), one step in the engine's mode ("delta": the updates;
+    "inplace": the new params); the two conversions return the state as it is. With `flat`
+    (the fused form) the state is the rule's, flat (`_FlatSteps`), but with 8-bit momentum."""
     factored = _static_bool("factored", factored)
     min_dim = _static_int("min_dim_size_to_factor", min_dim_size_to_factor)
     bits, min_8bit = _momentum_storage(state_bits, min_8bit_size, momentum, dtype_momentum)
     rule = _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale,
                            clipping_threshold, momentum, dtype_momentum, weight_decay_rate, eps,
                            min_8bit if bits == 8 else None)
+    rule.factoring = _Factoring(factored, min_dim,
+                                _state_dtype("adafactor", "dtype_momentum", dtype_momentum))
     # without a weight decay optax has no add_decayed_weights link, and so no mask
     mask = None if weight_decay_rate is None else weight_decay_mask
-    engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=False)
+    engine = Engine(rule, 1.0 if learning_rate is None else learning_rate, flat=flat)
     optax_init = _OPTAX_ADAFACTOR(learning_rate, min_dim, decay_rate, decay_offset,
                                   multiply_by_parameter_scale, clipping_threshold, momentum,
                                   dtype_momentum, weight_decay_rate, eps, factored,
                                   weight_decay_mask).init
+    if engine.flat:  # (8-bit momentum keeps a tree)
+        steps = _FlatSteps(engine, rule, mask, optax_init)
+        return steps.init, steps.run, steps.tree_state, steps.flat_state
 
     def init(params):
         state = optax_init(params)
@@ -234,7 +183,7 @@ def _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate, decay_off
     def run(params, grads, state, mode: str):
         return _update(engine, rule, factored, min_dim, mask, grads, state, params, mode)
 
-    return init, run
+    return init, run, _as_it_is, _as_it_is
 
 
 def _momentum_storage(state_bits, min_8bit_size, momentum, dtype_momentum) -> tuple:
@@ -288,15 +237,44 @@ def _adafactor_rule(decay_rate, decay_offset, multiply_by_parameter_scale, clipp
                           _number("decay_offset", decay_offset))
 
 
+class _Factoring(NamedTuple):
+    """Which params optax factors (`factored`, `min_dim_size_to_factor`) and the dtype of the
+    momentum (None: each param's)."""
+
+    factored: bool
+    min_dim: int
+    momentum_dtype: object
+
+
+_SLOT_FORMS = {"row_var": ROW, "col_var": COL, "variance": UNFACTORED, "ema": FULL}
+
+
 class _AdafactorRule(UserRule):
     """The rule with optax's second-moment decay at each step, 1 - (count - decay_offset +
     1)^-decay_rate, computed as optax computes it (in float32), a per-step scalar."""
+
+    factoring = _Factoring(True, 128, None)
 
     def __init__(self, rule, hyper: dict, decay_rate, decay_offset):
         self.decay_rate, self.decay_offset = decay_rate, decay_offset
         super().__init__(rule, dict(hyper, decay=0.0), name="adafactor")
         del self.hyper["decay"]  # a step argument, computed per step
         self._tracing = threading.local()
+
+    def slot_structs(self, field: str, structs: list) -> list:
+        """Each param's slot `field` in a flat state (`Engine`), the params given with their
+        two largest dimensions last (as the rule steps them): a factored param's row and column
+        vectors, any other's full variance (`_factored.slot_shape`); the momentum like the
+        params."""
+        dtype = self.factoring.momentum_dtype if field == "ema" else None
+        return [jax.ShapeDtypeStruct(slot_shape(_SLOT_FORMS[field], s.shape, self._factors(s.shape)),
+                                     dtype or s.dtype) for s in structs]
+
+    def _factors(self, shape: tuple) -> bool:
+        """optax's choice (`_layout`) for a param whose two largest dimensions are last: the
+        smaller of those at least min_dim_size_to_factor."""
+        return (self.factoring.factored and len(shape) >= 2
+                and min(shape[-2:]) >= self.factoring.min_dim)
 
     def statics(self, params, treedef) -> tuple:
         """Each leaf's weight-decay flag, where the mask leaves some leaf out: resolved by
@@ -370,23 +348,6 @@ def _check_momentum_state(rule, ema_state) -> None:
         raise ValueError(f"mtapply.optax.adafactor: a {made} momentum's transformation was "
                          f"given a {given} momentum state: init the state with the same "
                          f"state_bits")
-
-
-def _rule_slots(layouts: list, v_rows: list, v_cols: list, vs: list) -> list:
-    """The leaves of the rule's row_var, col_var and variance from optax's v_row, v_col and
-    v: a factored param keeps the vectors, any other the full variance (the other slots
-    empty, which tells the step which a param is)."""
-    rows, cols, variances = [], [], []
-    for layout, v_row, v_col, v in zip(layouts, v_rows, v_cols, vs):
-        if layout.axes is None:
-            row_var, col_var, variance = _empty(v.dtype), _empty(v.dtype), v
-        else:
-            row_var, col_var = _rule_vectors(v_row, v_col, layout)
-            variance = _empty(v.dtype)
-        rows.append(row_var)
-        cols.append(col_var)
-        variances.append(variance)
-    return [rows, cols, variances]
 
 
 def _new_state(state: tuple, inner, treedef, layouts: list, v_rows: list, v_cols: list,

@@ -78,8 +78,12 @@ class Engine:
     def _layouts(self, leaves: list, state=None) -> dict:
         """State field -> its flat layout over these leaves: the params' dtypes, or the field's
         own (mu_dtype and the like). Given `state` (an update without params, whose leaves are
-        the grads), a slot of one buffer keeps that buffer's dtype: the params' at init."""
+        the grads), a slot of one buffer keeps that buffer's dtype: the params' at init. A rule
+        whose slots are shaped otherwise gives each leaf's slot itself (`slot_structs`)."""
         structs = [leaf_struct(x) for x in leaves]
+        shaped = getattr(self.rule, "slot_structs", None)
+        if shaped is not None:  # slots not shaped as the params (factored state)
+            return {field: FlatLayout(shaped(field, structs)) for field in self.rule.slots}
         by_dtype: dict = {}
         dtypes = {}
         for field in self.rule.slots:

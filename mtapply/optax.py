@@ -22,7 +22,7 @@ optax's; `prodigy` and `dadapt_adamw` (and fused forms) are optax.contrib's. `ad
 optax.adafactor (its arguments and its state, the chain's tuple) on the rule
 `library.adafactor_optax`, factored over each param's two largest dimensions as optax's (on
 GPUs in the XLA FFI call, as every mtapply.optax step);
-its fused form `fused_adafactor` keeps optax's state as it is.
+its fused form `fused_adafactor` keeps the rule's state flat (`tree_state` gives optax's).
 
 Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,
 d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:

@@ -110,11 +110,52 @@ def test_fused_adafactor_follows_optax_over_20_steps(options):
     opt = mtx.fused_adafactor(**options)
     got, state = _run_fused(opt, params, steps=20)
     _close(got, want, 1e-5, 1e-6)
-    _close(state, want_state, 1e-5, 1e-6)  # optax's own state, as it is
-    assert opt.tree_state(state, got) is state and opt.flat_state(state, got) is state
+    _close(opt.tree_state(state, got), want_state, 1e-5, 1e-6)  # optax's state, its values
     undonated, _ = _run_fused(opt, params, steps=3, donated=False)
     jitted, _ = _run_fused(opt, params, steps=3)
     _close(undonated, jitted, 0.0, 0.0)
+
+
+def test_fused_adafactor_keeps_each_slot_in_one_buffer_per_dtype():
+    """The fused form's state: the rule's count and slots, each a dict of one buffer per dtype
+    (a few arrays for any number of params), which optax's state converts to and from."""
+    params = {**_params(), "half": jnp.ones((130, 140), jnp.bfloat16)}
+    opt = mtx.fused_adafactor(learning_rate=0.01, momentum=0.9)
+    state = opt.init(params)
+    assert state._fields == ("count", "row_var", "col_var", "variance", "ema")
+    assert len(jax.tree.leaves(state)) == 8  # the count, three slots of two dtypes, the ema
+    for field in ("row_var", "col_var", "variance"):  # the params' dtypes
+        assert set(getattr(state, field)) == {"float32", "bfloat16"}
+        assert all(x.ndim == 1 for x in getattr(state, field).values())
+    assert set(state.ema) == {"float32"}  # dtype_momentum's
+    # each param's rows and columns (two largest dimensions last), or its full variance, each
+    # at a 16-byte offset: 130 rows take 136 bfloat16s
+    assert state.row_var["bfloat16"].size == 136 and state.col_var["bfloat16"].size == 144
+    assert state.variance["bfloat16"].size == 1  # factored: none (one element, never read)
+    # optax's state converts to the flat one and back, values and counts kept
+    tx = optax.adafactor(learning_rate=0.01, momentum=0.9)
+    _, optax_state = _run(tx, _params(), steps=3)
+    params = _params()
+    flat = opt.flat_state(optax_state, params)
+    assert int(flat.count) == 3 and len(jax.tree.leaves(flat)) == 5
+    _close(opt.tree_state(flat, params), optax_state, 0.0, 0.0)
+    # a step from the converted state is optax's step from its own
+    want, _ = optax.adafactor(learning_rate=0.01, momentum=0.9).update(
+        _grads(params, 3), optax_state, params)
+    got, _ = opt.step(params, _grads(params, 3), flat)
+    _close(got, optax.apply_updates(params, want), 1e-5, 1e-6)
+    with pytest.raises(ValueError, match="flat_state"):
+        opt.step(params, _grads(params, 3), optax_state)
+
+
+def test_fused_adafactor_of_one_param_keeps_its_slots_as_a_tree():
+    params = {"matrix": _params()["matrix"]}
+    opt = mtx.fused_adafactor(learning_rate=0.01)
+    got, state = _run_fused(opt, params, steps=5)
+    want, want_state = _run(optax.adafactor(learning_rate=0.01), params, steps=5)
+    assert state.row_var["matrix"].size == 160 and state.variance["matrix"].size == 0
+    _close(got, want, 1e-5, 1e-6)
+    _close(opt.tree_state(state, got), want_state, 1e-5, 1e-6)
 
 
 def _copies(compiled_text: str) -> list:
