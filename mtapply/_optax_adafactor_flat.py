@@ -54,26 +54,11 @@ class _FlatSteps:
         layouts = self._layouts(leaves)
         slots = self._per_leaf(state, params)
         template = jax.eval_shape(self.optax_init, params)
-        shapes = next(link for link in template if isinstance(link, optax.FactoredState))
-        v_row, v_col, v = [], [], []
-        for i, (layout, row_shape, col_shape, v_shape) in enumerate(zip(
-                layouts, *(treedef.flatten_up_to(t) for t in shapes[1:]))):
-            dtype = leaf_struct(leaves[i]).dtype
-            if layout.axes is None:
-                row, col = jnp.zeros(row_shape.shape, dtype), jnp.zeros(col_shape.shape, dtype)
-                full = slots["variance"][i].reshape(v_shape.shape)
-            else:
-                row, col = _optax_vectors(slots["row_var"][i], slots["col_var"][i], layout)
-                row, col = row.reshape(row_shape.shape), col.reshape(col_shape.shape)
-                full = jnp.zeros(v_shape.shape, dtype)
-            v_row.append(row)
-            v_col.append(col)
-            v.append(full)
         new = []
         for link in template:
             if isinstance(link, optax.FactoredState):
-                link = optax.FactoredState(state.count, *(treedef.unflatten(x)
-                                                          for x in (v_row, v_col, v)))
+                moments = _optax_moments(slots, leaves, layouts, link, treedef)
+                link = optax.FactoredState(state.count, *map(treedef.unflatten, moments))
             elif isinstance(link, optax.EmaState):
                 link = optax.EmaState(state.count, treedef.unflatten(
                     [_from_rule(x, layout) for x, layout in zip(slots["ema"], layouts)]))
@@ -124,3 +109,24 @@ class _FlatSteps:
 
     def _layout(self, field: str, moved: list) -> FlatLayout:
         return FlatLayout(self.rule.slot_structs(field, moved))
+
+
+def _optax_moments(slots: dict, leaves: list, layouts: list, shapes, treedef) -> tuple:
+    """optax's (v_row, v_col, v) leaves, shaped as in `shapes` (its FactoredState's structs),
+    from the rule's slots of each param (`_FlatSteps._per_leaf`): a factored param's vectors
+    (its v a placeholder), any other's full variance (its vectors placeholders)."""
+    v_row, v_col, v = [], [], []
+    for i, (layout, row_shape, col_shape, v_shape) in enumerate(zip(
+            layouts, *(treedef.flatten_up_to(t) for t in shapes[1:]))):
+        dtype = leaf_struct(leaves[i]).dtype
+        if layout.axes is None:
+            row, col = jnp.zeros(row_shape.shape, dtype), jnp.zeros(col_shape.shape, dtype)
+            full = slots["variance"][i].reshape(v_shape.shape)
+        else:
+            row, col = _optax_vectors(slots["row_var"][i], slots["col_var"][i], layout)
+            row, col = row.reshape(row_shape.shape), col.reshape(col_shape.shape)
+            full = jnp.zeros(v_shape.shape, dtype)
+        v_row.append(row)
+        v_col.append(col)
+        v.append(full)
+    return v_row, v_col, v
