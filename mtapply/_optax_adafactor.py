@@ -260,6 +260,8 @@ class _AdafactorRule(UserRule):
         super().__init__(rule, dict(hyper, decay=0.0), name="adafactor")
         del self.hyper["decay"]  # a step argument, computed per step
         self._tracing = threading.local()
+        # (the fused form's flat state: its vectors are not shaped like the params)
+        self.state_type.converted_by = "mtapply.optax.fused_adafactor"
 
     def slot_structs(self, field: str, structs: list) -> list:
         """Each param's slot `field` in a flat state (`Engine`), the params given with their

@@ -77,6 +77,11 @@ def _convert_states(state, params, convert):
     def one(node):
         if not isinstance(node, tuple(STATES)):
             return node
+        owner = getattr(type(node), "converted_by", None)
+        if owner is not None and len(structs) > 1:  # (one param: its slots are a tree)
+            raise ValueError(f"{type(node).__name__} is the state of {owner}, whose slots are not "
+                             f"shaped like the params: convert it with that optimizer's own "
+                             f"tree_state(state, params) and flat_state(optax_state, params)")
         fields = getattr(type(node), "slot_fields", node._fields[1:])
         return node._replace(**{field: convert(structs, treedef, getattr(node, field), field)
                                 for field in fields if getattr(node, field) is not None})

@@ -146,6 +146,8 @@ def test_fused_adafactor_keeps_each_slot_in_one_buffer_per_dtype():
     _close(got, optax.apply_updates(params, want), 1e-5, 1e-6)
     with pytest.raises(ValueError, match="flat_state"):
         opt.step(params, _grads(params, 3), optax_state)
+    with pytest.raises(ValueError, match="own tree_state"):  # the module's: params-shaped slots
+        mtx.tree_state(flat, params)
 
 
 def test_fused_adafactor_of_one_param_keeps_its_slots_as_a_tree():
