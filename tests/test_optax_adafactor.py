@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
@@ -350,3 +352,36 @@ def test_swapped_in_for_optax_adafactor_it_still_starts_from_optax_s_own_state(m
     state = opt.init(params)
     updates, _ = opt.update(params, state, params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+@given(shape=st.lists(st.integers(1, 300), max_size=4).map(tuple),
+       min_dim=st.sampled_from([1, 4, 128, 200]), factored=st.booleans())
+@settings(max_examples=25, deadline=None)
+def test_the_flat_state_holds_what_optax_state_holds_for_any_shape(shape, min_dim, factored):
+    """fused_adafactor's flat slots give each param the room of its rule slots: where optax
+    factors it (over its two largest dimensions), a row vector and a column vector over those
+    two moved last, elsewhere its full variance (each part of a buffer rounded up to 16 bytes);
+    tree_state gives optax's shapes back."""
+    from optax._src.factorized import _factored_dims
+
+    params = {"x": jnp.ones(shape, jnp.float32), "y": jnp.ones((3,), jnp.float32)}
+    opt = mtx.fused_adafactor(0.01, min_dim_size_to_factor=min_dim, factored=factored)
+    rms = jax.eval_shape(optax.adafactor(0.01, min_dim_size_to_factor=min_dim,
+                                         factored=factored).init, params)[0]
+    dims, total = _factored_dims(shape, factored, min_dim), int(np.prod(shape))
+    if dims is None:
+        rows, cols, full = 0, 0, total
+    else:  # the rule's rows run over the later of the two axes, its columns the earlier
+        rows, cols, full = total // shape[max(dims)], total // shape[min(dims)], 0
+
+    def room(*sizes):  # float32 parts at 16-byte offsets, a buffer of at least one element
+        return max(sum(-(-n // 4) * 4 for n in sizes), 1)
+
+    state = opt.init(params)
+    assert state.row_var["float32"].size == room(rows)
+    assert state.col_var["float32"].size == room(cols)
+    assert state.variance["float32"].size == room(full, 3)  # y (3 elements) is not factored
+    got = opt.tree_state(state, params)[0]
+    for name in ("v_row", "v_col", "v"):
+        assert jax.tree.map(jnp.shape, getattr(got, name)) == jax.tree.map(
+            lambda x: x.shape, getattr(rms, name))
