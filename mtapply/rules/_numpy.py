@@ -38,13 +38,17 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
     the param steps as factored (its slots then of the `_factored.canonical_shape`s), and
     only the slots it keeps are given back."""
     env = _environment(program, arrays, scalars, state)
+    functions = compiled(program, factored)
     with np.errstate(all="ignore"):
-        if program.sums:  # each tensor's sums, and the list's
+        if program.sums:  # the prefix lines once, into env: each tensor's sums, the list's
+            values = functions.sums(env, dtype)
             env.update(zip((s.name for s in program.sums),
-                           tensor_sums(program, arrays, scalars, dtype, state, factored)))
+                           _sums(program, values, arrays["param"].shape, dtype)))
             if program.totals:
                 env.update(zip((t.name for t in program.totals), map(np.float64, totals)))
-        compiled(program, factored).lines(env, dtype)
+            functions.rest(env, dtype)
+        else:
+            functions.lines(env, dtype)
     n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
     for k, name in enumerate(program.scalars):
         state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
@@ -119,12 +123,16 @@ def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None
     each sum of `program.sums` over the tensor's elements, as a float64 of a float32 (the
     kernel adds in float32 in a fixed order; here in float64, rounded once). A rule that runs
     on the CPU only keeps float64 sums of float64 params."""
-    shape = arrays["param"].shape
     first = _environment(program, arrays, scalars, state)
-    keep = program.cpu_only and dtype == np.float64
     with np.errstate(all="ignore"):
-        sums = [np.sum(np.broadcast_to(np.asarray(value, np.float64), shape))
-                for value in compiled(program, factored).sums(first, dtype)]
+        values = compiled(program, factored).sums(first, dtype)
+        return _sums(program, values, arrays["param"].shape, dtype)
+
+
+def _sums(program: Program, values: list, shape: tuple, dtype) -> list:
+    """Each sum of the element `values` over a tensor of `shape` (see `tensor_sums`)."""
+    keep = program.cpu_only and dtype == np.float64
+    sums = [np.sum(np.broadcast_to(np.asarray(value, np.float64), shape)) for value in values]
     return [np.float64(total if keep else np.float32(total)) for total in sums]
 
 
@@ -140,7 +148,8 @@ def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
 
 class Compiled:
     """A program as Python functions of (env, dtype): `lines` runs every line into env;
-    `sums` runs the prefix lines into env and returns each sum's element values. `prepare`
+    `sums` runs the prefix lines into env and returns each sum's element values, and `rest`
+    the lines after them (`sums` then `rest`: the lines once each, sums between). `prepare`
     and `into` run every line as `lines` does, into arrays given (see `_Into`; None for a
     program without them, and for a factored rule), `into` with `n_buffers` scratch arrays.
     `factored`: a factored rule's mode (the lines of the other mode left out)."""
@@ -153,7 +162,8 @@ class Compiled:
         prefix = body[:program.prefix]
         sums = ", ".join(self._element(total.expr) for total in program.sums)
         source = "\n".join(["def lines(env, dtype):", *body, "    return None",
-                            "def sums(env, dtype):", *prefix, f"    return [{sums}]"])
+                            "def sums(env, dtype):", *prefix, f"    return [{sums}]",
+                            "def rest(env, dtype):", *body[program.prefix:], "    return None"])
         into = _Into(self, program)
         split = None if program.cpu_only else into.sources()  # (those run `lines` only)
         if split is not None:
@@ -164,7 +174,7 @@ class Compiled:
                      "BIN": _binary_into, "SQUARE": _square_into, "RSQRT": _rsqrt_into,
                      "TIMES_LEFT": _times_left, "TIMES_RIGHT": _times_right}
         exec(compile(source, f"<rule {id(program):x}>", "exec"), namespace)  # noqa: S102
-        self.lines, self.sums = namespace["lines"], namespace["sums"]
+        self.lines, self.sums, self.rest = namespace["lines"], namespace["sums"], namespace["rest"]
         self.prepare, self.into = namespace.get("prepare"), namespace.get("into")
 
     def _value(self, node) -> str:
