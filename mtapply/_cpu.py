@@ -7,7 +7,9 @@ checked as the kernels check them: one out of its range makes the step write not
 Elementwise ops step small tensors together, and tensors stored in the math type straight in
 their memory, a range of elements at a time, on up to MTAPPLY_CPU_THREADS threads; 8-bit
 state is stepped so too, a range of whole blocks at a time (`_cpu_eight_bit`); float32 Adam's
-ranges by a native library where it is built (`_cpu_adam`).
+ranges by a native library where it is built (`_cpu_adam`). The other ops step tensor by tensor,
+on those threads too where the op's tensors share nothing (`cpu_tensors_apart`: rules with
+sums, factored rules).
 """
 from __future__ import annotations
 
@@ -147,24 +149,38 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
             _run_batch(spec, batch, args, grad_scale)
         together = (cache["together"] | _run_in_place(spec, cache, args, grad_scale)
                     | _cpu_eight_bit.run(spec, cache, args, grad_scale))
-    for i, dtype, arrays in _tensors(spec, refs, grad_scale, together):
+    def step(i: int) -> None:
+        dtype, arrays = _tensor(spec, refs, i, grad_scale)
         given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
-        new = spec.cpu_update(dict(arrays), given, dtype, i)
-        inputs = [a for a in arrays.values() if not a.flags.writeable]  # views of the tensors
-        if inputs:  # a result that is (a view of) a tensor's memory, copied before any store
-            new = {name: np.array(values) if _aliases(values, inputs) else values
-                   for name, values in new.items()}
-        for name, values in new.items():
-            if name == "params" and spec.param_mode == "delta":
-                store(refs["updates"][i], values - arrays["params"])
-                continue
-            if name == "params" and spec.stochastic_rounding:
-                store_stochastic(refs[name][i], values, given, i)
-                continue
-            store(refs[name][i], values)
-            if name == "params" and spec.master_weights:
-                store(refs["master_params"][i], values)
+        _update(spec, refs, i, arrays, given, dtype)
+
+    first = refs[spec.slots[0]]
+    stepped = [i for i in range(len(first)) if first[i].numel and i not in together]
+    if spec.cpu_tensors_apart() and len(stepped) > 1:
+        on_threads(stepped, step, sum(first[i].numel for i in stepped))
+    else:
+        for i in stepped:
+            step(i)
     return True
+
+
+def _update(spec, refs: dict, i: int, arrays: dict, given: dict, dtype) -> None:
+    """Tensor i's step (`cpu_update`) stored into its memory."""
+    new = spec.cpu_update(dict(arrays), given, dtype, i)
+    inputs = [a for a in arrays.values() if not a.flags.writeable]  # views of the tensors
+    if inputs:  # a result that is (a view of) a tensor's memory, copied before any store
+        new = {name: np.array(values) if _aliases(values, inputs) else values
+               for name, values in new.items()}
+    for name, values in new.items():
+        if name == "params" and spec.param_mode == "delta":
+            store(refs["updates"][i], values - arrays["params"])
+            continue
+        if name == "params" and spec.stochastic_rounding:
+            store_stochastic(refs[name][i], values, given, i)
+            continue
+        store(refs[name][i], values)
+        if name == "params" and spec.master_weights:
+            store(refs["master_params"][i], values)
 
 
 def _aliases(values, inputs: list) -> bool:
@@ -180,12 +196,17 @@ def _tensors(spec, refs: dict, grad_scale, skip=()):
     for i in range(len(first)):
         if first[i].numel == 0 or i in skip:
             continue
-        dtype = np.float64 if first[i].dtype == "float64" else np.float32
-        arrays = {name: load(column[i], dtype) for name, column in refs.items()
-                  if name != "updates"}
-        if spec.cpu_shaped:
-            arrays = {name: shaped(values, refs[name][i]) for name, values in arrays.items()}
-        yield i, dtype, _as_the_op_sees(spec, arrays, dtype, grad_scale)
+        yield (i, *_tensor(spec, refs, i, grad_scale))
+
+
+def _tensor(spec, refs: dict, i: int, grad_scale) -> tuple:
+    """(math dtype, slot name -> values) of tensor i, as `_tensors` gives them."""
+    first = refs[spec.slots[0]]
+    dtype = np.float64 if first[i].dtype == "float64" else np.float32
+    arrays = {name: load(column[i], dtype) for name, column in refs.items() if name != "updates"}
+    if spec.cpu_shaped:
+        arrays = {name: shaped(values, refs[name][i]) for name, values in arrays.items()}
+    return dtype, _as_the_op_sees(spec, arrays, dtype, grad_scale)
 
 
 def _as_the_op_sees(spec, arrays: dict, dtype, grad_scale) -> dict:

@@ -146,3 +146,43 @@ def test_threads_follow_the_environment(monkeypatch):
         monkeypatch.setenv("MTAPPLY_CPU_THREADS", bad)
         with pytest.raises(ValueError, match="MTAPPLY_CPU_THREADS"):
             _cpu._threads()
+
+
+def _step_with_sums(rule, threads: str, monkeypatch, **hyper) -> list:
+    """Four steps of `rule` (it takes sums: stepped tensor by tensor) over fixed tensors, on
+    `threads` threads; each slot's values after them (a second moment kept >= 0)."""
+    monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
+    monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 10)  # a thread for every tensor here
+    rng = np.random.default_rng(7)
+    shapes = [(300, 200), (7,), (64, 513), (3, 40, 50), (20_000,), (1,)]
+    lists = [[np.asarray(rng.standard_normal(s), np.float32) for s in shapes]
+             for _ in rule.slots]
+    for x in lists[-1]:
+        np.abs(x, out=x)
+    plan = rule.plan(*lists)
+    for step in range(1, 5):
+        plan.step(step=step, **hyper)
+    return lists
+
+
+@pytest.mark.parametrize("name,rule,hyper", [
+    ("lars", library.lars(), dict(lr=0.1, weight_decay=1e-4)),
+    ("lamb", library.lamb(), dict(lr=0.01)),
+])
+def test_rules_with_sums_step_tensors_on_threads_as_one_by_one(name, rule, hyper, monkeypatch):
+    """A rule that takes per-tensor sums steps its tensors one by one (`cpu_update`), on
+    several threads where they are large: the same bits as on one."""
+    calls = []
+    threaded = _cpu.on_threads
+
+    def spy(items, step, elements):
+        calls.append((len(items), min(_cpu._threads(), elements // _cpu.THREAD_MIN + 1)))
+        threaded(items, step, elements)
+
+    monkeypatch.setattr(_cpu, "on_threads", spy)
+    got = _step_with_sums(rule, "3", monkeypatch, **hyper)
+    assert calls == [(6, 3)] * 4  # every step's six tensors, three threads
+    want = _step_with_sums(rule, "1", monkeypatch, **hyper)
+    _assert_same_bits(got, want)
+    start = np.asarray(np.random.default_rng(7).standard_normal((300, 200)), np.float32)
+    assert np.abs(got[0][0] - start).max() > 1e-4  # the params moved

@@ -229,6 +229,11 @@ class OpSpec:
         returns False to have the CPU backend call `cpu_update` tensor by tensor."""
         return False
 
+    def cpu_tensors_apart(self) -> bool:
+        """Whether `cpu_update` of several tensors may run at once (on threads): true of ops
+        whose update of one tensor writes nothing another reads."""
+        return False
+
     def cpu_batchable(self) -> bool:
         """Whether the CPU backend may step small tensors together, one `cpu_update` for the
         values of many tensors laid end to end: true of ops whose update is elementwise and

@@ -240,6 +240,10 @@ class RuleSpec(OpSpec):
                 rule_arrays[name] = values.reshape(-1)
         return rule_arrays, factored, shapes
 
+    def cpu_tensors_apart(self) -> bool:
+        """Tensor by tensor a rule writes only its own slots, but for its scalar state."""
+        return not self.outputs
+
     def cpu_batchable(self) -> bool:
         """Elementwise where the program takes no sums and no value per tensor."""
         return not self.program.sums and not self.tensor_values and not self.program.factored
