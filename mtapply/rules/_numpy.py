@@ -132,8 +132,13 @@ def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None
 def _sums(program: Program, values: list, shape: tuple, dtype) -> list:
     """Each sum of the element `values` over a tensor of `shape` (see `tensor_sums`)."""
     keep = program.cpu_only and dtype == np.float64
-    sums = [np.sum(np.broadcast_to(np.asarray(value, np.float64), shape)) for value in values]
+    sums = [np.sum(_spread(np.asarray(value, np.float64), shape)) for value in values]
     return [np.float64(total if keep else np.float32(total)) for total in sums]
+
+
+def _spread(values: np.ndarray, shape: tuple) -> np.ndarray:
+    """`values` over a tensor of `shape`: as they are where they have it (most sums)."""
+    return values if values.shape == shape else np.broadcast_to(values, shape)
 
 
 def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
