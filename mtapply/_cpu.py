@@ -18,6 +18,7 @@ import operator
 import os
 import queue
 import threading
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -156,8 +157,8 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
 
     first = refs[spec.slots[0]]
     stepped = [i for i in range(len(first)) if first[i].numel and i not in together]
-    if spec.cpu_tensors_apart() and len(stepped) > 1:
-        on_threads(stepped, step, sum(first[i].numel for i in stepped))
+    if spec.cpu_tensors_apart() and len(stepped) > 1:  # (NumPy's warnings as the caller has them)
+        on_threads(stepped, step, sum(first[i].numel for i in stepped), np.geterr())
     else:
         for i in stepped:
             step(i)
@@ -364,28 +365,46 @@ def _step_piece(piece: tuple, updates: dict) -> None:
     update(arrays, dests, [b[:size] for b in buffers[:update.n_buffers]])
 
 
-def on_threads(items: list, step, elements: int) -> None:
-    """step(item) for each item, under np.errstate(all="ignore"), on up to `_threads()`
-    threads, one more for each THREAD_MIN of `elements` (NumPy lets go of the GIL in its
-    loops); each item taken by whichever thread is free first."""
+def on_threads(items: list, step, elements: int, errors: dict | None = None) -> None:
+    """step(item) for each item, under np.errstate(**errors) (default: all ignored), on up to
+    `_threads()` threads, one more for each THREAD_MIN of `elements` (NumPy lets go of the GIL
+    in its loops); each item taken by whichever thread is free first. A step that raises
+    leaves the items no thread has taken undone, and the error is raised once every thread
+    has stopped: nothing is written after it."""
     threads = min(_threads(), elements // THREAD_MIN + 1, len(items))
     order = queue.SimpleQueue()
     for item in items:
         order.put(item)
 
     def drain() -> None:
-        with np.errstate(all="ignore"):
+        with np.errstate(**(errors or {"all": "ignore"})):
             while True:
                 try:
                     item = order.get_nowait()
                 except queue.Empty:
                     return
-                step(item)
+                try:
+                    step(item)
+                except BaseException:
+                    _drop(order)
+                    raise
 
     done = [_pool().submit(drain) for _ in range(threads - 1)]
-    drain()
+    try:
+        drain()
+    finally:
+        futures.wait(done)
     for future in done:
         future.result()
+
+
+def _drop(order: queue.SimpleQueue) -> None:
+    """Takes every item left in `order`, so that no thread starts another."""
+    while True:
+        try:
+            order.get_nowait()
+        except queue.Empty:
+            return
 
 
 def _threads() -> int:

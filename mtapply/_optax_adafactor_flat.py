@@ -68,7 +68,9 @@ class _FlatSteps:
         return tuple(new)
 
     def flat_state(self, optax_state: tuple, params):
-        """The flat state of optax.adafactor's state `optax_state` (its FactoredState's count)."""
+        """The flat state of optax.adafactor's state `optax_state` (its FactoredState's count),
+        which must be that of optax.adafactor with this optimizer's options for these params."""
+        self._check_optax_state(optax_state, params)
         leaves, treedef = jax.tree.flatten(params)
         layouts = self._layouts(leaves)
         rms = next(link for link in optax_state if isinstance(link, optax.FactoredState))
@@ -84,6 +86,24 @@ class _FlatSteps:
         return self.rule.state_type(rms.count, *(
             dict(zip(self._layout(field, moved).names, self._layout(field, moved).join(x)))
             for field, x in zip(self.rule.slots, per_leaf)))
+
+    def _check_optax_state(self, optax_state, params) -> None:
+        """`optax_state` laid out as optax.adafactor with these options keeps it (the links of
+        its chain, each param's vectors or variance): else a ValueError saying where not."""
+        template = jax.eval_shape(self.optax_init, params)
+        if jax.tree.structure(optax_state) != jax.tree.structure(template):
+            raise ValueError(f"mtapply.optax.fused_adafactor.flat_state: the state given is "
+                             f"{jax.tree.structure(optax_state)}, but optax.adafactor with this "
+                             f"optimizer's options keeps {jax.tree.structure(template)} for these "
+                             f"params (momentum, weight_decay_rate and the schedule must match)")
+        paths = jax.tree_util.tree_flatten_with_path(template)[0]
+        for (path, want), got in zip(paths, jax.tree.leaves(optax_state)):
+            if tuple(np.shape(got)) != tuple(want.shape):
+                raise ValueError(f"mtapply.optax.fused_adafactor.flat_state: "
+                                 f"state{jax.tree_util.keystr(path)} has shape {np.shape(got)}, "
+                                 f"but optax.adafactor with this optimizer's options keeps "
+                                 f"{want.shape} there (factored and min_dim_size_to_factor must "
+                                 f"match)")
 
     def _per_leaf(self, state, params) -> dict:
         """Slot name -> each param's array of it, in the rule's layout."""

@@ -3,6 +3,8 @@ a time and on several threads (`mtapply._cpu._run_in_place`): the values are tho
 tensor-by-tensor update, bit for bit, NaN, infinities, signed zeros and subnormals included."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -175,9 +177,9 @@ def test_rules_with_sums_step_tensors_on_threads_as_one_by_one(name, rule, hyper
     calls = []
     threaded = _cpu.on_threads
 
-    def spy(items, step, elements):
+    def spy(items, step, elements, errors=None):
         calls.append((len(items), min(_cpu._threads(), elements // _cpu.THREAD_MIN + 1)))
-        threaded(items, step, elements)
+        threaded(items, step, elements, errors)
 
     monkeypatch.setattr(_cpu, "on_threads", spy)
     got = _step_with_sums(rule, "3", monkeypatch, **hyper)
@@ -186,3 +188,34 @@ def test_rules_with_sums_step_tensors_on_threads_as_one_by_one(name, rule, hyper
     _assert_same_bits(got, want)
     start = np.asarray(np.random.default_rng(7).standard_normal((300, 200)), np.float32)
     assert np.abs(got[0][0] - start).max() > 1e-4  # the params moved
+
+
+def test_a_step_that_raises_stops_every_thread_before_the_error_comes(monkeypatch):
+    monkeypatch.setenv("MTAPPLY_CPU_THREADS", "3")
+    done = []
+
+    def step(item):
+        if item == 1:
+            raise RuntimeError("boom")
+        time.sleep(0.02)
+        done.append(item)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _cpu.on_threads(list(range(40)), step, 1 << 30)
+    after = len(done)
+    time.sleep(0.1)
+    assert len(done) == after < 38  # the items no thread had taken are left undone
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_tensors_stepped_on_threads_keep_the_callers_numpy_errors(threads, monkeypatch):
+    """float16 params that overflow when stored: the caller's np.errstate holds on the
+    threads as on its own (here: raise)."""
+    monkeypatch.setenv("MTAPPLY_CPU_THREADS", threads)
+    monkeypatch.setattr(_cpu, "THREAD_MIN", 1 << 10)
+    rng = np.random.default_rng(0)
+    shapes = [(300, 200), (64, 513)]
+    lists = [[np.asarray(rng.standard_normal(s), np.float16) for s in shapes] for _ in range(2)]
+    lists += [[np.zeros(s, np.float32) for s in shapes] for _ in range(2)]
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError, match="overflow"):
+        library.lamb().step(*lists, lr=1e6, step=1)

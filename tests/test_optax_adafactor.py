@@ -150,6 +150,12 @@ def test_fused_adafactor_keeps_each_slot_in_one_buffer_per_dtype():
         opt.step(params, _grads(params, 3), optax_state)
     with pytest.raises(ValueError, match="own tree_state"):  # the module's: params-shaped slots
         mtx.tree_state(flat, params)
+    # a state of other options is refused before anything is made of it
+    with pytest.raises(ValueError, match="min_dim_size_to_factor must match"):
+        opt.flat_state(optax.adafactor(0.01, min_dim_size_to_factor=4, momentum=0.9).init(
+            params), params)
+    with pytest.raises(ValueError, match="momentum, weight_decay_rate"):
+        opt.flat_state(optax.adafactor(0.01).init(params), params)
 
 
 def test_fused_adafactor_of_one_param_keeps_its_slots_as_a_tree():
