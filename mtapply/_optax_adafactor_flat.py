@@ -83,9 +83,9 @@ class _FlatSteps:
         _, moved = self._moved_structs(params)
         if not flat_for(True, moved):
             return self.rule.state_type(rms.count, *(treedef.unflatten(x) for x in per_leaf))
-        return self.rule.state_type(rms.count, *(
-            dict(zip(self._layout(field, moved).names, self._layout(field, moved).join(x)))
-            for field, x in zip(self.rule.slots, per_leaf)))
+        layouts = [self._layout(field, moved) for field in self.rule.slots]
+        return self.rule.state_type(rms.count, *(dict(zip(layout.names, layout.join(x)))
+                                                 for layout, x in zip(layouts, per_leaf)))
 
     def _check_optax_state(self, optax_state, params) -> None:
         """`optax_state` laid out as optax.adafactor with these options keeps it (the links of
