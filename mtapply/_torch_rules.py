@@ -62,15 +62,23 @@ class RuleBased(FusedOptimizer):
 
     def _stepping_rule(self, group):
         """The group's rule as it steps: with state_bits=8, its written state slots in 8 bits
-        (`Rule.with_state_bits`), params under min_8bit_size keeping float32 state."""
+        (`Rule.with_state_bits`) but those its whole-list sums read first (`summed_first`:
+        float32), params under min_8bit_size keeping float32 state."""
         rule = self._rule(group)
         if self.state_bits != 8:  # (16: the rule's kernels take bfloat16 state as it is)
             return rule
         made = self._eight_bit_rules.get(rule)
         if made is None:
-            unsigned = [s for s in self._UNSIGNED_STATE if s in rule.slots]
+            slots = [s for s in rule.written_state if s not in rule.summed_first]
+            if not slots:
+                raise ValueError(
+                    f"{type(self).__name__}(state_bits=8): its sums over the whole list read "
+                    f"{', '.join(rule.summed_first)} before the step updates "
+                    f"{', '.join(rule.scalars)}, so its state cannot be kept in 8 bits; use "
+                    f"state_bits=16 (bfloat16 state) or 32")
+            unsigned = [s for s in self._UNSIGNED_STATE if s in slots]
             made = self._eight_bit_rules[rule] = rule.with_state_bits(
-                8, unsigned=unsigned, threshold=self.min_8bit_size)
+                8, slots=slots, unsigned=unsigned, threshold=self.min_8bit_size)
         return made
 
     def _tensor_options(self, group) -> bool:

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import mtapply.torch as mt  # noqa: E402
 from _torch_steps import run_steps as _run, seeded_grads as _grads, seeded_params as _params  # noqa: E402
+import mtapply  # noqa: E402
 from mtapply import quantization  # noqa: E402
 from mtapply.rules import library  # noqa: E402
 
@@ -98,8 +99,40 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"state_bits must be 8, 16 \(bfloat16\) or 32"):
         mt.ScheduleFreeAdamW(params, state_bits=4)  # (8: nu in 8 bits, z float)
     for adaptive in (mt.Prodigy, mt.DAdaptAdam):  # d's sums read the state
-        with pytest.raises(ValueError, match="reads '.*' in its sums, which update its scalar state"):
+        with pytest.raises(ValueError, match=rf"{adaptive.__name__}\(state_bits=8\): its sums "
+                           r"over the whole list read exp_avg, exp_avg_sq, s before the step "
+                           r"updates d.*use state_bits=16"):
             adaptive(params, state_bits=8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rule_whose_sums_read_one_slot_keeps_that_one_in_float32(device):
+    """A rule optimizer with state_bits=8 keeps in float32 only the slots that its whole-list
+    sums read before its scalar state changes, the others in 8 bits, and steps as the rule
+    does with just those in 8 bits."""
+    rule = mtapply.rule("scaled_by_total", slots="param:rw grad:r a:rw b:rw",
+                           hyper=dict(lr=None), scalars={"seen": 0.0},
+                           totals={"size": "abs(a)"}, update="""
+                               a = 0.9 * a + grad
+                               seen = seen + size
+                               b = 0.99 * b + grad * grad
+                               param = param - lr * a / (sqrt(b) + 1e-8) / (1 + seen)
+                           """)
+    assert rule.summed_first == ("a",)
+    params = _params(device=device)
+    opt = mt.optimizer(rule, params, lr=1e-3, state_bits=8, min_8bit_size=1)
+    twin = [p.detach().clone() for p in params]
+    eight_bit = rule.with_state_bits(8, slots="b", threshold=1)
+    state, scalars = eight_bit.state(twin), torch.tensor(rule.initial_scalars(), device=device)
+    for t in range(3):
+        grads = _grads(params, t)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        eight_bit.step(twin, grads, *state, lr=1e-3, step=t + 1, scalars_out=scalars)
+    for k, (p, q) in enumerate(zip(params, twin)):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=f"params[{k}]")
+        assert opt.state[p]["a"].dtype == torch.float32 and opt.state[p]["b"].dtype == torch.uint8
 
 
 def test_sparse_grads_with_8_bit_adagrad_are_refused_before_anything_is_written():

@@ -108,6 +108,16 @@ class Rule:
                                                stochastic_rounding=stochastic_rounding)
         return spec
 
+    @property
+    def summed_first(self) -> tuple:
+        """The state slots the update writes that cannot be kept in 8 bits because the rule's
+        sums read them in a first pass and update its scalar state: a first pass over 8-bit
+        slots stores nothing, and the update computes them again, which is the same
+        computation only where no scalar state changes between the passes."""
+        if not self.program.scalars:
+            return ()
+        return tuple(name for name in self.written_state if name in self.program.first_pass_slots)
+
     def with_state_bits(self, bits: int = 8, *, slots=None, unsigned=(),
                         threshold: int = 4096):
         """This rule with state slots kept in 8 bits (bitsandbytes' `optim_bits=8`): each of
@@ -140,10 +150,8 @@ class Rule:
         if factored:
             raise ValueError(f"rule {self.name!r}: {factored[0]!r} is a factored slot, kept in "
                              f"float: name the other slots in slots=")
-        # a first pass over 8-bit slots stores nothing: the update computes them again, which
-        # is the same computation only where no scalar state changes between the passes
-        summed = [name for name in chosen if name in self.program.first_pass_slots]
-        if summed and self.program.scalars:
+        summed = [name for name in chosen if name in self.summed_first]
+        if summed:
             raise ValueError(f"rule {self.name!r} reads {summed[0]!r} in its sums, which update "
                              f"its scalar state before the update pass computes {summed[0]!r} "
                              f"again: keep it in float32, naming the other slots in slots=")
