@@ -15,7 +15,9 @@ model on whole batches in one process. Under torchrun, rank 0 then runs that one
 training too and checks the distributed run against it: it prints the largest difference between
 the final params and exits with status 1 when it is above the tolerance (1e-4 with float
 states; 2e-3 with 8-bit states, where a rounding may put a value on the neighbouring code and
-that element's later steps then differ by up to a few lr). The losses printed and plotted are
+that element's later steps then differ by up to a few lr; 1e-2 with Muon, where such a
+rounding may flip a bfloat16 rounding of an update, which Newton-Schulz spreads over the
+matrix: about 1% of a step, 12 steps of lr 0.02). The losses printed and plotted are
 the mean over the ranks of their half-batch losses: the whole batch's loss, as one process sees
 it. Rank 0 saves the final full params and those losses to `--out`/distributed_MODE_OPTIMIZER.pt
 and the plot beside them (.png). `--checkpoint FOLDER` saves the optimizer's state halfway
@@ -26,8 +28,9 @@ message and exit status 2.
 On GPUs (one per rank, NCCL) when torch sees them, else on the CPU (`--device cpu`: gloo, and
 mtapply's NumPy backend), DDP and FSDP2 alike; LARS and LAMB over FSDP2 shards need GPUs (on the
 CPU their per-tensor norms are not summed over the shards). `--optimizer` NAME8bit keeps the
-optimizer's state in 8 bits (state_bits=8; SGD, LARS, LAMB, RMSprop, Adagrad, AdEMAMix, Lion
-and AdamW).
+optimizer's state in 8 bits (state_bits=8; SGD, LARS, LAMB, RMSprop, Adagrad, AdEMAMix, Lion,
+AdamW and Muon). `--optimizer muon` is Muon for the weight matrices with AdamW for the biases,
+in one optimizer: over FSDP2 each rank gathers the whole matrices for Newton-Schulz.
 """
 from __future__ import annotations
 
@@ -49,8 +52,9 @@ WIDTH, CLASSES, BATCH, STEPS = 96, 10, 64, 12
 # from the whole batch's; with float states the params agree to 1.4e-7 on the CPU (1e-4 leaves
 # room for reductions in other orders on GPUs, and LARS's larger steps). With 8-bit states such
 # a rounding may put a moment on the neighbouring code, and that element's later steps then
-# differ by up to a few lr (3e-3 for AdamW, 3e-4 for Lion).
-ATOL, ATOL_8BIT = 1e-4, 2e-3
+# differ by up to a few lr (3e-3 for AdamW, 3e-4 for Lion). Muon's Newton-Schulz runs in
+# bfloat16: a rounding that goes the other way moves the matrix's update by some 1% of a step.
+ATOL, ATOL_8BIT, ATOL_MUON = 1e-4, 2e-3, 1e-2
 
 
 def make_model(device):
@@ -112,7 +116,18 @@ OPTIMIZERS = {
     "adagrad8bit": lambda params: mt.Adagrad(params, lr=1e-3, state_bits=8, min_8bit_size=1024),
     "ademamix8bit": lambda params: mt.AdEMAMix(params, lr=1e-3, weight_decay=0.05, state_bits=8,
                                                min_8bit_size=1024),
+    "muon": lambda params: muon(params),
+    "muon8bit": lambda params: muon(params, state_bits=8, min_8bit_size=1024),
 }
+
+
+def muon(params, **options):
+    """Muon for the weight matrices and AdamW for the biases, in one optimizer (over FSDP2 each
+    rank gathers the whole matrices for Newton-Schulz and steps its own shards)."""
+    params = list(params)
+    return mt.Muon([{"params": [p for p in params if p.ndim == 2]},
+                    {"params": [p for p in params if p.ndim != 2], "use_muon": False, "lr": 3e-3}],
+                   lr=0.02, weight_decay=0.01, **options)
 
 
 def resumed(model, opt, optimizer: str, folder: str):
@@ -225,7 +240,8 @@ def run(args) -> int:
     one_params, one_losses, _ = train(reference, args.optimizer, device)
     one_losses = one_losses.tolist()
     gap = max((p - q).abs().max().item() for p, q in zip(params, one_params, strict=True))
-    atol = ATOL_8BIT if "torch.uint8" in state_dtypes else ATOL
+    atol = (ATOL_MUON if args.optimizer.startswith("muon") else
+            ATOL_8BIT if "torch.uint8" in state_dtypes else ATOL)
     print(f"one process, same optimizer and batches: loss {one_losses[-1]:.6f} at the last step; "
           f"max |final param difference| = {gap:.3e} (tolerance {atol:g})")
     save_plot(output_path(args.out, f"{stem}.png"), [one_losses, losses],

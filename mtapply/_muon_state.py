@@ -15,6 +15,7 @@ import functools
 import torch
 
 from . import quantization
+from ._dtensor import is_dtensor, local_tensor, shard_scales
 from ._torch_rules import RuleBased
 from ._torch_state import check_eight_bit_slots, check_state_bits, refuse_other_state_bits
 from .rules import library
@@ -72,9 +73,14 @@ class Storage:
     @staticmethod
     def arguments(rule, params: list, state, given: dict) -> list:
         """The rule's lists in its slot order: those `given` by name, the rest from `state`
-        (8-bit codes and their scales among them)."""
-        return [given[name] if name in given else [state[p][name] for p in params]
-                for name in rule.slots]
+        (8-bit codes and their scales among them); of a DTensor param (an FSDP2 shard), its
+        local shard's."""
+        lists = [given[name] if name in given else [state[p][name] for p in params]
+                 for name in rule.slots]
+        if not any(map(is_dtensor, params)):
+            return lists
+        return [[shard_scales(x, local_tensor(p)) if name.endswith("_absmax") else local_tensor(x)
+                 for x, p in zip(column, params)] for name, column in zip(rule.slots, lists)]
 
     def check(self, p, entry, muon: bool, where) -> None:
         """A param's state as this storage keeps it: refuses state saved at other state_bits,

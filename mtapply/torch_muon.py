@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._dtensor import is_dtensor
+from ._dtensor import is_dtensor, local_tensors
 from ._muon_state import Storage
 from ._optimizer_step import closure_loss
 from .ops._spec import check_number
@@ -173,18 +173,19 @@ class Muon(torch.optim.Optimizer):
             self._storage.make(p, self.state[p], muon=True)
         batches = self._batches_of(group, params)
         given = {"param": params, "grad": [p.grad for p in params],
-                 "direction": [batch.views[k] for batch, k in batches]}
+                 "direction": [batch.direction(k) for batch, k in batches]}
         rule = self._storage.momentum_rule(group["nesterov"])
         rule.step(*self._storage.arguments(rule, params, self.state, given),
                   momentum=float(group["momentum"]))
         done = {}
         for batch, _ in batches:
             if id(batch) not in done:
+                batch.gather()
                 done[id(batch)] = batch.orthogonalize(group["ns_coefficients"],
                                                       int(group["ns_steps"]), float(group["eps"]))
-        updates = [done[id(batch)][k] for batch, k in batches]
+        updates = [batch.update(done[id(batch)], k) for batch, k in batches]
         scales = [_lr_ratio(group["adjust_lr_fn"], p.shape) for p in params]
-        library.muon_apply().step(params, updates, lr=_lr_value(group["lr"]),
+        library.muon_apply().step(local_tensors(params), updates, lr=_lr_value(group["lr"]),
                                   weight_decay=float(group["weight_decay"]), scale=scales)
 
     def _batches_of(self, group, params: list) -> list:
@@ -206,10 +207,15 @@ class Muon(torch.optim.Optimizer):
 class _Batch:
     """The bfloat16 work buffers of `count` matrices of one shape: the updates (written by the
     momentum pass, each param's slice a view), a second buffer of that shape for Newton-Schulz
-    to alternate with, and the (count, r, r) Gram matrices of the short side r."""
+    to alternate with, and the (count, r, r) Gram matrices of the short side r.
+
+    A DTensor param (an FSDP2 shard) has its update written into a buffer of its local shard,
+    which `gather` all-gathers into its whole matrix in the batch: every rank orthogonalizes
+    the whole matrices and steps its own shard with its part of the result (`update`)."""
 
     def __init__(self, params: list):
         self.ids = tuple(map(id, params))
+        self.shards = {k: _Shard(p) for k, p in enumerate(params) if is_dtensor(p)}
         rows, cols = params[0].shape
         like = dict(device=params[0].device, dtype=torch.bfloat16)
         self.updates = torch.empty((len(params), rows, cols), **like)
@@ -220,6 +226,21 @@ class _Batch:
         self.wide = rows <= cols
         self.views = list(self.updates.unbind(0))
         self.results = {id(self.updates): self.views, id(self.other): list(self.other.unbind(0))}
+
+    def direction(self, k: int):
+        """Where the momentum pass writes matrix k's update: its shard's buffer, or the batch."""
+        shard = self.shards.get(k)
+        return self.views[k] if shard is None else shard.direction
+
+    def gather(self) -> None:
+        """Each sharded matrix's update, whole, into the batch."""
+        for k, shard in self.shards.items():
+            self.views[k].copy_(shard.whole())
+
+    def update(self, results: list, k: int):
+        """Matrix k's orthogonalized update, or a sharded param's part of it."""
+        shard = self.shards.get(k)
+        return results[k] if shard is None else results[k][shard.part].contiguous()
 
     def orthogonalize(self, coefficients, steps: int, eps: float) -> list:
         """Newton-Schulz on every update of the batch; each matrix's result (a view)."""
@@ -240,6 +261,29 @@ class _Batch:
                 torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
             x, y = y, x
         return self.results[id(x)]
+
+
+class _Shard:
+    """A DTensor matrix's local shard: a bfloat16 buffer of its shape for the momentum pass's
+    update, and where the shard lies in the whole matrix."""
+
+    def __init__(self, param):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.param = param
+        local = param.to_local()
+        self.direction = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                              param.placements)
+        self.part = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+    def whole(self) -> torch.Tensor:
+        """The whole matrix of the ranks' shards of the update (an all-gather)."""
+        from torch.distributed.tensor import DTensor
+
+        p = self.param
+        return DTensor.from_local(self.direction, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride()).full_tensor()
 
 
 def _check_like(param, tensor, what: str) -> None:
@@ -313,11 +357,6 @@ def _check_matrices(index: int, group) -> None:
                 raise TypeError(f"param group {index}: param {i} is {p.dtype}: mtapply's AdamW "
                                 f"steps real floating params")
             continue
-        if is_dtensor(p):
-            raise NotImplementedError(
-                f"param group {index}: param {i} is a DTensor (an FSDP2 shard): Newton-Schulz "
-                f"needs whole matrices, which mtapply.torch.Muon does not gather yet; use "
-                f"torch.optim.Muon for sharded matrices (its products gather them)")
         if p.ndim != 2:
             raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with "
                              f"size: {p.size()} (param group {index}, param {i}): give it to "

@@ -271,17 +271,39 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
     _assert_close(graphed, eager)  # (cuBLAS may pick other algorithms under capture)
 
 
-def test_sharded_matrices_are_refused_not_orthogonalized_piecewise():
-    """Newton-Schulz of a shard is not a shard of Newton-Schulz: FSDP2 (DTensor) matrices are
-    refused, naming the way out."""
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
+def test_sharded_matrices_step_as_whole_ones(state_bits):
+    """FSDP2 (DTensor) params, Muon's matrices and the AdamW group's vectors alike, step as the
+    same params whole, to the bit (one rank: the gathered matrix is the shard), their state
+    kept as DTensors sharded as the params."""
     from _one_rank import one_rank_mesh
 
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+    shapes = [(64, 96), (64, 96), (96, 64), (300,)]
     with one_rank_mesh() as mesh:
-        matrix = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        with pytest.raises(NotImplementedError, match="DTensor .* torch.optim.Muon"):
-            mt.Muon([matrix])
+        whole = _params("cpu", shapes=shapes)
+        sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+                   for p in whole]
+
+        def make(params):
+            return mt.Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}],
+                           lr=0.02, state_bits=state_bits, min_8bit_size=256)
+
+        ours, theirs = make(sharded), make(whole)
+        for t in range(3):
+            _set_grads(whole, t)
+            for p, q in zip(sharded, whole):
+                p.grad = distribute_tensor(q.grad.clone(), mesh, [Shard(0)])
+            ours.step()
+            theirs.step()
+        for k, (p, q) in enumerate(zip(sharded, whole)):
+            assert torch.equal(p.full_tensor(), q), f"params[{k}]"
+            for name, value in ours.state[p].items():
+                if name != "step":
+                    assert isinstance(value, DTensor), name
+                    want = theirs.state[q][name]  # (8-bit scales: a row per shard)
+                    assert torch.equal(value.full_tensor().reshape(want.shape), want), name
 
 
 def test_what_the_kernels_would_refuse_is_refused_before_any_group_moves():
