@@ -103,6 +103,9 @@ class Storage:
 
     @staticmethod
     def _check_scales(p, codes, scales, what: str) -> None:
+        if is_dtensor(p):  # its shard's, out of the padded row of each shard (see _dtensor)
+            p = local_tensor(p)
+            codes, scales = local_tensor(codes), shard_scales(scales, p)
         blocks = quantization.n_blocks(p.numel()) if codes.dtype == torch.uint8 else 0
         if (scales.dtype, scales.numel(), scales.device) != (torch.float32, blocks, p.device) \
                 or not scales.is_contiguous():

@@ -17,7 +17,15 @@ import mtapply.torch as mt
 OPTIMIZERS = {
     "adamw8bit": lambda params: mt.AdamW8bit(params, lr=1e-2, min_8bit_size=256),
     "lion8bit": lambda params: mt.Lion(params, lr=1e-3, state_bits=8, min_8bit_size=256),
+    "muon8bit": lambda params: _muon(list(params), state_bits=8, min_8bit_size=256),
 }
+
+
+def _muon(params, **options):
+    """Muon for the matrices, AdamW for the bias, in one optimizer."""
+    return mt.Muon([{"params": [p for p in params if p.ndim == 2]},
+                    {"params": [p for p in params if p.ndim != 2], "use_muon": False}],
+                   lr=1e-2, **options)
 
 
 def main(optimizer: str, stage: str, folder: str) -> None:

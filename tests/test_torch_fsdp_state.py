@@ -21,7 +21,7 @@ def _run(ranks: int, optimizer: str, stage: str, folder) -> list:
     return [path.read_text() for path in reports]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit"])
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit", "muon8bit"])
 def test_uneven_and_empty_shards_checkpoint_and_another_sharding_is_refused(tmp_path, optimizer):
     _needs_mtapply_torch()
     dist = pytest.importorskip("torch.distributed")
