@@ -11,6 +11,11 @@ keeps the param's own layout); one launch of `library.muon_apply` then applies w
 the update scaled by each matrix's adjusted lr. Nothing waits for the GPU, and after the first
 step nothing is allocated but torch's own reuse of its cached blocks for the norms.
 
+FSDP2 (DTensor) matrices: the momentum pass writes each shard's update into a buffer of the
+shard's shape, an all-gather makes the whole matrix on every rank (torch's cached blocks
+again), every rank runs Newton-Schulz on the whole matrices, and the last pass steps each
+rank's shard with its part of the result.
+
 Groups with `use_muon=False` step with AdamW instead (the usual hybrid: embeddings, heads,
 norms and biases), one mtapply launch per group, with torch.optim.AdamW's state."""
 from __future__ import annotations
@@ -270,7 +275,8 @@ class _Shard:
     def __init__(self, param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        self.param = param
+        self.mesh, self.placements = param.device_mesh, param.placements
+        self.shape, self.stride = param.shape, param.stride()
         local = param.to_local()
         self.direction = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
@@ -281,9 +287,8 @@ class _Shard:
         """The whole matrix of the ranks' shards of the update (an all-gather)."""
         from torch.distributed.tensor import DTensor
 
-        p = self.param
-        return DTensor.from_local(self.direction, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride()).full_tensor()
+        return DTensor.from_local(self.direction, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride).full_tensor()
 
 
 def _check_like(param, tensor, what: str) -> None:
