@@ -2,7 +2,6 @@
 and empty sizes stepped by an optimizer with 8-bit state, saved through
 torch.distributed.checkpoint, loaded into a new optimizer. Each rank writes one line to
 FOLDER.STAGE.rankR: "OK" with the states equal, or "FAILED <error>"."""
-import os
 import sys
 
 import torch
@@ -13,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import mtapply.torch as mt
+from _gloo import end_worker
 
 OPTIMIZERS = {
     "adamw8bit": lambda params: mt.AdamW8bit(params, lr=1e-2, min_8bit_size=256),
@@ -64,12 +64,7 @@ def main(optimizer: str, stage: str, folder: str) -> None:
         causes = getattr(error, "failures", {}).values()  # DCP's: each rank's own error
         said = "; ".join(str(getattr(cause, "exc", cause)) for cause in causes) or str(error)
         said = f"FAILED {type(error).__name__}: {said[:300]}"
-    with open(f"{folder}.{stage}.rank{rank}", "w") as report:
-        report.write(said)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # (gloo's threads may abort a normal shutdown: see examples/distributed_torch.py)
+    end_worker(f"{folder}.{stage}.rank{rank}", said)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ over a flat mesh of the ranks or a 2 x (ranks / 2) HSDP mesh, stepped by Muon (m
 AdamW (biases); every rank sees the same batches, so the averaged grads are the one-process
 grads exactly. Rank 0 then trains the same model in one process and writes to REPORT the
 largest difference between the final params, or "FAILED <error>"."""
-import os
 import sys
 
 import torch
@@ -12,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import mtapply.torch as mt
+from _gloo import end_worker
 
 
 def make_model():
@@ -50,13 +50,7 @@ def main(mesh_kind: str, report: str) -> None:
             said = str(max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)))
     except BaseException as error:  # the test reads the report
         said = f"FAILED {type(error).__name__}: {str(error)[:300]}"
-    if said is not None:
-        with open(report, "w") as out:
-            out.write(said)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # (gloo's threads may abort a normal shutdown: see examples/distributed_torch.py)
+    end_worker(report, said)
 
 
 if __name__ == "__main__":

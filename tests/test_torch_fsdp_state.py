@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from _gloo import needs_gloo
 from _one_rank import one_rank_mesh
 from test_examples import _env, _needs_mtapply_torch, _torchrun
 
@@ -24,9 +25,7 @@ def _run(ranks: int, optimizer: str, stage: str, folder) -> list:
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit", "muon8bit"])
 def test_uneven_and_empty_shards_checkpoint_and_another_sharding_is_refused(tmp_path, optimizer):
     _needs_mtapply_torch()
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    needs_gloo()
     folder = tmp_path / "checkpoint"
     assert _run(4, optimizer, "save", folder) == ["OK"] * 4
     other = _run(2, optimizer, "load", folder)

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from _gloo import needs_gloo
 from test_examples import _env, _needs_mtapply_torch, _torchrun
 
 WORKER = str(__import__("pathlib").Path(__file__).resolve().parent / "_muon_fsdp_worker.py")
@@ -15,9 +16,7 @@ WORKER = str(__import__("pathlib").Path(__file__).resolve().parent / "_muon_fsdp
 @pytest.mark.parametrize("mesh", ["flat", "hsdp"])
 def test_muon_over_fsdp2_steps_as_one_process_to_the_bit(tmp_path, mesh):
     _needs_mtapply_torch()
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    needs_gloo()
     report = tmp_path / "report"
     done = subprocess.run(_torchrun() + ["--standalone", "--nproc_per_node=4", WORKER, mesh,
                                          str(report)],
