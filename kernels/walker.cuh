@@ -542,10 +542,12 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
   const Chunk job = chunk_of(launch);
   const long long numel = job.numel;
+  // The op first: its constructor's per-launch math (hyperparameters read in double) is the
+  // walk's register peak, which the element pointers would otherwise add to.
+  const Op op = make_op<Op>(launch, job);
   char* ptr[N];  // an op may use only the first slots of the records (e.g. a norms pass)
   char* param_copy = nullptr;
   const unsigned long long address_bits = element_pointers(job, ptr, param_copy);
-  const Op op = make_op<Op>(launch, job);
   float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   const bool aligned = (address_bits & 15ull) == 0;
   if constexpr (Indexed<Op>::value) {  // (the same branch in every thread of the block)

@@ -247,6 +247,10 @@ class _Writer:
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
+                 # A pass that only sums (the norms before LARS's update) does little per element:
+                 # 4 strides of loads in flight keep the memory busy (LARS resnet50 1.6% faster).
+                 *(("  static constexpr int IN_FLIGHT = 4;",)
+                   if self.first_pass and written == "0u" and self.passes is None else ()),
                  *((f"  static constexpr unsigned READ = {read or '0u'};",)
                    if read is not None else ()),
                  *(_factored_cuda.members(self) if self.passes is not None else ()),
