@@ -19,7 +19,9 @@
 // independent (blockwise-quantized states) sets OWN_WALK and a static walk(launch) that takes
 // the block's chunk from chunk_of, as walk does; MIN_BLOCKS (optional) asks the compiler for
 // that many resident blocks per SM; IN_FLIGHT (optional) how many strides of vectors each thread
-// loads before it stores (walk_vectors). An op that sets INDEXED (factored state: values kept per row
+// loads before it stores (walk_vectors); LAST_FIRST (optional) that its blocks take the launch's
+// chunks last first (an update after a pass that summed over the same tensors then begins where
+// that pass's last reads may still be in L2). An op that sets INDEXED (factored state: values kept per row
 // or per column of a matrix) is made with the block's chunk, Op(args, chunk, sums), is called
 // with each element's flat index and the index its row is taken from (an unsigned 32-bit word
 // where its member `narrow` says every index of the tensor fits one, else a long long): the
@@ -66,6 +68,8 @@ template <class Op, class = void> struct Indexed { static constexpr bool value =
 template <class Op> struct Indexed<Op, decltype(void(Op::INDEXED))> { static constexpr bool value = Op::INDEXED; };
 template <class Op, class = void> struct InFlight { static constexpr int value = 1; };
 template <class Op> struct InFlight<Op, decltype(void(Op::IN_FLIGHT))> { static constexpr int value = Op::IN_FLIGHT; };
+template <class Op, class = void> struct LastFirst { static constexpr bool value = false; };
+template <class Op> struct LastFirst<Op, decltype(void(Op::LAST_FIRST))> { static constexpr bool value = Op::LAST_FIRST; };
 
 // A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
 // tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
@@ -439,8 +443,8 @@ struct Chunk {
 };
 
 template <class Args>
-__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
-  const int2 job = launch.blocks[blockIdx.x];
+__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch, bool last_first = false) {
+  const int2 job = launch.blocks[last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x];
   const long long* rec = launch.records + static_cast<long long>(job.x) * (MTA_SLOTS + 1);
   const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
   return Chunk{job.x, job.y, rec[0], begin, min(begin + static_cast<long long>(MTA_CHUNK), rec[0]),
@@ -540,7 +544,7 @@ template <class Op>
 __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
   constexpr int N = Op::N_SLOTS;
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
-  const Chunk job = chunk_of(launch);
+  const Chunk job = chunk_of(launch, LastFirst<Op>::value);
   const long long numel = job.numel;
   // The op first: its constructor's per-launch math (hyperparameters read in double) is the
   // walk's register peak, which the element pointers would otherwise add to.

@@ -251,6 +251,9 @@ class _Writer:
                  # 4 strides of loads in flight keep the memory busy (LARS resnet50 1.6% faster).
                  *(("  static constexpr int IN_FLIGHT = 4;",)
                    if self.first_pass and written == "0u" and self.passes is None else ()),
+                 # and the update after it starts on what the sums read last (still in L2)
+                 *(("  static constexpr bool LAST_FIRST = true;",)
+                   if not self.first_pass and program.sums and self.passes is None else ()),
                  *((f"  static constexpr unsigned READ = {read or '0u'};",)
                    if read is not None else ()),
                  *(_factored_cuda.members(self) if self.passes is not None else ()),
