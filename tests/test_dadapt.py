@@ -73,13 +73,15 @@ def test_mtapply_torch_dadapt_adam_follows_the_reference_and_resumes():
         mt.DAdaptAdam(params, growth_rate=0.5)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_mtapply_torch_dadapt_adam_equals_dadaptation(dtype):
+# (float64 is held to 3e-5, not tighter: d and the sums are float32 scalar state here, and
+# with L2 weight decay the params follow d's rounding to 1.3e-5 after 100 steps)
+@pytest.mark.parametrize("dtype,rel", [("float64", 3e-5), ("float32", 1e-5)])
+def test_mtapply_torch_dadapt_adam_equals_dadaptation(dtype, rel):
     torch = pytest.importorskip("torch")
     dadaptation = pytest.importorskip("dadaptation")
     import mtapply.torch as mt
 
-    assert_equals_peer(torch, mt.DAdaptAdam, dadaptation.DAdaptAdam, VARIANTS, dtype, rtol=1e-4)
+    assert_equals_peer(torch, mt.DAdaptAdam, dadaptation.DAdaptAdam, VARIANTS, dtype, rel)
 
 
 def test_the_dadapt_adam_kernel_compiles():
