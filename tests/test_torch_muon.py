@@ -356,3 +356,31 @@ def test_the_heavyball_row_moves_the_params_as_far_as_torch_optim_muon():
             stepper.step()
         moved[name] = [float((p.detach() - s).norm()) for p, s in zip(data.params, start)]
     assert moved["heavyball"] == pytest.approx(moved["torch"], rel=0.25), moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6, 96, 160), (6, 160, 96), (3, 64, 64)])
+def test_the_newton_schulz_update_product_equals_baddbmm(shape):
+    """The X update a X + B X (wide) or a X + X B (tall) by one cuBLASLt product, whose input
+    is not its output, gives what torch.baddbmm gives, and leaves its inputs as they were."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mtapply._lt_products import LtProducts
+
+    count, rows, cols = shape
+    side = min(rows, cols)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
+    b = torch.randn((count, side, side), generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    before = (x.clone(), b.clone())
+    stream = torch.cuda.current_stream().cuda_stream
+    if rows <= cols:
+        LtProducts(count, rows, side, cols, x.device)(b, x, x, out, 1.0, 3.4, stream)
+        expected = torch.baddbmm(x, b, x, beta=3.4)
+    else:
+        LtProducts(count, rows, side, side, x.device)(x, b, x, out, 1.0, 3.4, stream)
+        expected = torch.baddbmm(x, x, b, beta=3.4)
+    gap = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert gap < 1e-3, f"relative gap {gap:.2e}"
+    assert torch.equal(x, before[0]) and torch.equal(b, before[1])
