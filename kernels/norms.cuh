@@ -22,22 +22,22 @@ struct SumSquares {
   static constexpr bool GLOBAL = true;
   using Args = NormArgs;
 
-  __device__ SumSquares(const Args&, int, const float*) {}
+  __device__ SumSquares(const Args&, int, const sum_t*) {}
 
-  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS], float (&sums)[N_SUMS]) const {
-    sums[0] += static_cast<float>(x[0] * x[0]);
+  __device__ __forceinline__ void operator()(acc_t (&x)[N_SLOTS], sum_t (&sums)[N_SUMS]) const {
+    sums[0] += static_cast<sum_t>(x[0] * x[0]);
   }
 
-  __device__ static void finish(const Args& a, const float* all_sums, const int* positions,
+  __device__ static void finish(const Args& a, const sum_t* all_sums, const int* positions,
                                 long long n) {
-    float part = 0.0f;
+    sum_t part = 0;
     for (long long i = threadIdx.x; i < n; i += MTA_BLOCK) {
-      const float sum = __ldcg(&all_sums[positions[i]]);  // L2: written by other blocks
+      const sum_t sum = __ldcg(&all_sums[positions[i]]);  // L2: written by other blocks
       part += sum;
-      if (a.norms_out) a.norms_out[i] = sqrtf(sum);
+      if (a.norms_out) a.norms_out[i] = static_cast<float>(sqrt(sum));
     }
-    const float total = block_sum(part);
-    if (threadIdx.x == 0) *a.total_out = sqrtf(total);
+    const sum_t total = block_sum(part);
+    if (threadIdx.x == 0) *a.total_out = static_cast<float>(sqrt(total));
   }
 };
 
@@ -49,7 +49,7 @@ struct ClipScale {
   acc_t coefficient;
 
   // In fp32 like torch; a NaN norm keeps NaN (it is not clamped to 1).
-  __device__ ClipScale(const Args& a, int, const float*) {
+  __device__ ClipScale(const Args& a, int, const sum_t*) {
     const float c = static_cast<float>(a.max_norm) / (*a.total_out + static_cast<float>(a.eps));
     coefficient = acc_t(c > 1.0f ? 1.0f : c);
   }

@@ -295,7 +295,7 @@ struct Quantized {
     constexpr int WARPS = MTA_BLOCK / 32;
     int local = threadIdx.x / 32;
     if constexpr (SUMS) {
-      float acc[SUMS ? Op::N_SUMS : 1] = {};
+      sum_t acc[SUMS ? Op::N_SUMS : 1] = {};
       for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
       for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
       finish_sums<Op>(launch, acc, job.tensor, job.index, job.numel);
@@ -321,7 +321,7 @@ struct Quantized {
     else op(x);
   }
   template <class Index>
-  static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], float (&acc)[SUMS ? Op::N_SUMS : 1],
+  static __device__ __forceinline__ void apply(const Op& op, acc_t (&x)[N], sum_t (&acc)[SUMS ? Op::N_SUMS : 1],
                                                long long index) {
     if constexpr (Indexed<Op>::value) op(x, acc, static_cast<Index>(index), static_cast<Index>(index));
     else op(x, acc);
@@ -400,7 +400,7 @@ struct Quantized {
   template <bool VECTOR, class Index>
   static __device__ __forceinline__ void sum_block(const Maps& maps, const ChunkScales<NQ>& scales, const Op& op,
                                                    float grad_scale, const Chunk& job, int local,
-                                                   float (&acc)[SUMS ? Op::N_SUMS : 1]) {
+                                                   sum_t (&acc)[SUMS ? Op::N_SUMS : 1]) {
     const long long i = job.begin + local * QBLOCK + (threadIdx.x % 32) * GROUP;
     LaneSlots<0, N> lanes;
     load<0, VECTOR>(job, i, absent_slots(op), lanes);

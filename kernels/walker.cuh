@@ -7,6 +7,8 @@
 //                                   chunk, elements per vector
 //   MTA_SLOTS                       slots per table record (an op's pass may load fewer)
 //   mta::acc_t                      math type (float, or double for float64 params)
+//   mta::sum_t                      type of sums and scalar state (double with MTA_SUM64: a
+//                                   plan whose params are all float64; else float)
 //   mta::SlotType<S>::type          storage type of slot S
 //   MTA_MASTER, mta::param_t        fp32 master weights (below), and the params' storage type
 //   MTA_SCALAR_CHECKS(X)            the op's device scalars and their ranges (step_runs, below)
@@ -93,10 +95,10 @@ struct Launch {
   double grad_scale;
   const float* grad_scale_ptr;
   const float* found_inf_ptr;
-  float* partials;
+  sum_t* partials;
   unsigned* arrivals;
-  float* sums;
-  const float* all_sums;
+  sum_t* sums;
+  const sum_t* all_sums;
   const int* positions;
   unsigned* finished;
   long long n_tensors;
@@ -306,7 +308,7 @@ __device__ constexpr unsigned loaded_slots() {
 template <class Op, int W, class Index, bool ROWS = false>
 __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                        char* param_copy, long long i,
-                                       float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1],
+                                       sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1],
                                        acc_t (&v)[Op::N_SLOTS][W]) {
   constexpr int N = Op::N_SLOTS;
   constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA || MTA_STOCHASTIC ? ~1u : ~0u);
@@ -363,21 +365,22 @@ __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* con
 template <class Op, int W, class Index, bool ROWS = false>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                       char* param_copy, long long i,
-                                      float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+                                      sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   acc_t v[Op::N_SLOTS][W];
   load_slots<0, Op::N_SLOTS, loaded_slots<Op>(), W>(ptr, i, v, absent_slots(op));
   update<Op, W, Index, ROWS>(op, grad_scale, ptr, param_copy, i, acc, v);
 }
 
 // Sum of `value` over the block, in a fixed order (deterministic); every thread gets it.
-__device__ __forceinline__ float block_sum(float value) {
-  __shared__ float warp_sums[MTA_BLOCK / 32];
+template <class T>
+__device__ __forceinline__ T block_sum(T value) {
+  __shared__ T warp_sums[MTA_BLOCK / 32];
   __syncthreads();  // warp_sums may still be read by the previous call
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = value;
   __syncthreads();
-  float total = 0.0f;
+  T total = 0;
 #pragma unroll
   for (int w = 0; w < MTA_BLOCK / 32; ++w) total += warp_sums[w];
   return total;
@@ -403,10 +406,10 @@ __device__ void finish_global(const Launch<typename Op::Args>& launch) {
 }
 
 template <class Op>
-__device__ void finish_sums(const Launch<typename Op::Args>& launch, const float (&acc)[Op::N_SUMS],
+__device__ void finish_sums(const Launch<typename Op::Args>& launch, const sum_t (&acc)[Op::N_SUMS],
                             int tensor, int chunk, long long numel) {
   constexpr int N_SUMS = Op::N_SUMS;
-  float mine[N_SUMS];
+  sum_t mine[N_SUMS];
 #pragma unroll
   for (int k = 0; k < N_SUMS; ++k) mine[k] = block_sum(acc[k]);
   __shared__ bool last;
@@ -424,10 +427,10 @@ __device__ void finish_sums(const Launch<typename Op::Args>& launch, const float
   const long long chunks = (numel + MTA_CHUNK - 1) / MTA_CHUNK;
 #pragma unroll
   for (int k = 0; k < N_SUMS; ++k) {
-    float part = 0.0f;
+    sum_t part = 0;
     for (long long b = threadIdx.x; b < chunks; b += MTA_BLOCK)
       part += __ldcg(&launch.partials[(first + b) * N_SUMS + k]);  // L2: written by other blocks
-    const float total = block_sum(part);
+    const sum_t total = block_sum(part);
     if (threadIdx.x == 0) launch.sums[static_cast<long long>(tensor) * N_SUMS + k] = total;
   }
   if (threadIdx.x == 0) launch.arrivals[tensor] = 0u;  // ready for the next launch
@@ -492,7 +495,7 @@ template <class Op, class Index, bool ROWS>
 __device__ __forceinline__ void walk_vectors(const Op& op, acc_t grad_scale,
                                              char* const (&ptr)[Op::N_SLOTS], char* param_copy,
                                              long long begin, long long end,
-                                             float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+                                             sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   constexpr long long STRIDE = static_cast<long long>(MTA_BLOCK) * MTA_VEC;
   constexpr int U = InFlight<Op>::value;
   long long i = begin + threadIdx.x * MTA_VEC;
@@ -517,7 +520,7 @@ template <class Op, class Index>
 __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
                                            char* const (&ptr)[Op::N_SLOTS], char* param_copy,
                                            bool aligned, const Chunk& job,
-                                           float (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+                                           sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   const long long begin = job.begin, end = job.end;
   long long scalar_from = begin;
   // Chunks start at multiples of MTA_VEC elements, so one aligned base keeps every vector aligned.
@@ -552,7 +555,7 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   char* ptr[N];  // an op may use only the first slots of the records (e.g. a norms pass)
   char* param_copy = nullptr;
   const unsigned long long address_bits = element_pointers(job, ptr, param_copy);
-  float acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
+  sum_t acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   const bool aligned = (address_bits & 15ull) == 0;
   if constexpr (Indexed<Op>::value) {  // (the same branch in every thread of the block)
     if (op.narrow) walk_range<Op, unsigned>(op, grad_scale, ptr, param_copy, aligned, job, acc);

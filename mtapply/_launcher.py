@@ -30,12 +30,13 @@ class Launcher:
         self.launches, self.tables, self._memory = [], [], self._keep.memory
         self._rows = RowTables(spec, device_id)
         self.all_sums = None
+        self.sum_dtype = spec.sum_dtype(d[0] for d in dtypes)
         self._counters: list = []  # (memory, bytes) of the counts a kernel leaves at zero
         self._interrupted = False  # a step's launches stopped part way: counts may be left
         for group in self.groups:
             functors = spec.functors_for(group.dtypes)
             threads = spec.threads_for(group.dtypes, group.numels, _sms(device_id))
-            source = spec.source(group.dtypes, threads)
+            source = spec.source(group.dtypes, threads, self.sum_dtype)
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes))
             self.launches.append([KernelLaunch(f, threads, group.n_blocks, spec.arg_fields)
@@ -98,7 +99,8 @@ class Launcher:
         for group, offset in zip(self.groups, offsets):
             positions[group.indices] = offset + np.arange(len(group.numels))
         positions *= n_sums
-        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums + n_totals, 1), np.float32),
+        size = np.dtype(self.sum_dtype).itemsize
+        all_sums = _device_copy(np.zeros(max(len(numels) * n_sums + n_totals, 1), self.sum_dtype),
                                 stream)
         mapping = _device_copy(positions if len(positions) else np.zeros(1, np.int32), stream)
         finished = _device_copy(np.zeros(1, np.uint32), stream)
@@ -107,15 +109,15 @@ class Launcher:
         self.all_sums = all_sums
         plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
         for group, offset, passes in zip(self.groups, offsets, self.launches):
-            partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * 4)
+            partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * size)
             arrivals = _device_copy(np.zeros(max(len(group.numels), 1), np.uint32), stream)
             self._memory += [partials, arrivals]
             self._counters.append((arrivals, 4 * max(len(group.numels), 1)))
             for launch in passes:
-                launch.set_workspace(partials.ptr, arrivals.ptr, all_sums.ptr + 4 * n_sums * int(offset),
-                                     plan_sums)
+                launch.set_workspace(partials.ptr, arrivals.ptr,
+                                     all_sums.ptr + size * n_sums * int(offset), plan_sums)
                 if n_totals:
-                    launch.set_array("totals_array", all_sums.ptr + 4 * n_sums * len(numels))
+                    launch.set_array("totals_array", all_sums.ptr + size * n_sums * len(numels))
 
     def _attach_means(self, n: int, stream: int) -> None:
         """The workspace of a factored rule's per-matrix means and its factor pass's partial

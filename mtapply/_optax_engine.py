@@ -73,7 +73,8 @@ class Engine:
             layouts = self._layouts(leaves) if flat_for(self.flat, leaves) else {}
             slots = [self.rule.init_slot(field, params, layouts.get(field))
                      for field in self.rule.slots]
-        return self.rule.state_type(jnp.zeros([], jnp.int32), *slots, *self.rule.scalar_init())
+        return self.rule.state_type(jnp.zeros([], jnp.int32), *slots,
+                                    *self.rule.scalar_init(_carried_dtype(leaves)))
 
     def _layouts(self, leaves: list, state=None) -> dict:
         """State field -> its flat layout over these leaves: the params' dtypes, or the field's
@@ -119,7 +120,7 @@ class Engine:
         statics = self.rule.statics(grads if params is None else params, treedef) if leaves else ()
         extra, scalar_state = self.rule.per_step(self.learning_rate, state.count, state)
         scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params))
-        carried = self._carried_in(state)
+        carried = self._carried_in(state, _carried_dtype(like_params))
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
         # A leaf without elements has no step: it stays out of the calls and goes through as is.
@@ -127,6 +128,8 @@ class Engine:
         per_leaf = {name: [values[i] if x.size == 0 else None for i, x in enumerate(leaves)]
                     for name, values in slots.items()} if not layouts else {}
         for part in self._parts(statics, [i for i, x in enumerate(leaves) if x.size], mode):
+            if carried is not None:  # (in the part's sum dtype: its params' precision)
+                carried = carried.astype(_carried_dtype([like_params[i] for i in part]))
             outs = step(part, [(name, values if layouts else [values[i] for i in part])
                                for name, values in slots.items()], carried)
             if carried is not None:  # the rule's scalar state, through the calls in turn
@@ -145,24 +148,26 @@ class Engine:
                      treedef.unflatten(per_leaf[name]) for name in state_names]
         return (treedef.unflatten(firsts),
                 self.rule.state_type(optax.safe_increment(state.count), *new_slots,
-                                     *scalar_state, *self._carried_out(carried)))
+                                     *scalar_state,
+                                     *self._carried_out(carried, _carried_dtype(like_params))))
 
-    def _carried_in(self, state):
-        """The rule's scalar state as the step takes it (`Rule.initial_scalars`): a float32
-        array of three copies of the state's scalar fields, or None for rules without. Every
+    def _carried_in(self, state, dtype):
+        """The rule's scalar state as the step takes it (`Rule.initial_scalars`): an array of
+        `dtype` of three copies of the state's scalar fields, or None for rules without. Every
         copy holds the latest values, so the step's parity does not matter."""
         if not self.rule.carried:
             return None
-        values = jnp.stack([jnp.asarray(getattr(state, name), jnp.float32).reshape(())
+        values = jnp.stack([jnp.asarray(getattr(state, name), dtype).reshape(())
                             for name in self.rule.carried])
         return jnp.concatenate([values, values, values])
 
-    def _carried_out(self, carried) -> list:
-        """The state's scalar fields from the array a step wrote (its latest values, last)."""
+    def _carried_out(self, carried, dtype) -> list:
+        """The state's scalar fields (of `dtype`) from the array a step wrote (its latest
+        values, last)."""
         if carried is None:
             return []
         n = len(self.rule.carried)
-        return [carried[2 * n + k] for k in range(n)]
+        return [carried[2 * n + k].astype(dtype) for k in range(n)]
 
     def _parts(self, statics, stepped: list, mode: str) -> list:
         """The leaf indices of each call: the `stepped` leaves of each class of the rule (all
@@ -521,6 +526,13 @@ def _scalar_dtype(leaves: list):
     """The dtype of a call's scalar operands: float64 for float64 params (jax_enable_x64),
     else float32 (what the kernels read on GPUs)."""
     wide = any(leaf_struct(x).dtype == np.float64 for x in leaves)
+    return jnp.float64 if wide else jnp.float32
+
+
+def _carried_dtype(leaves: list):
+    """The dtype of a rule's scalar state over these params: float64 where every one is
+    float64 (jax_enable_x64), else float32 (`RuleSpec.sum_dtype`)."""
+    wide = bool(leaves) and all(leaf_struct(x).dtype == np.float64 for x in leaves)
     return jnp.float64 if wide else jnp.float32
 
 

@@ -281,8 +281,9 @@ def prodigy(learning_rate=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, estim_l
     use_bias_correction=True, growth_rate 0): optax's arguments and update, the step size d
     estimated from sums over the whole tree, in one call. The state is
     `ProdigyState(count, exp_avg, exp_avg_sq, s, p0, d, d_max, d_numerator)`: optax's
-    exp_avg, exp_avg_sq, grad_sum (s), params0 (p0), estim_lr (d, float32) and
-    numerator_weighted (d_numerator, float32), with d's running maximum d_max (equal to d).
+    exp_avg, exp_avg_sq, grad_sum (s), params0 (p0), estim_lr (d) and
+    numerator_weighted (d_numerator), with d's running maximum d_max (equal to d); the
+    scalars are float32, float64 where every param is float64.
     A step whose sum of |s| is 0 (zero grads from the start) leaves params and d as they are
     (optax's gives NaN). See `mtapply.optax`: scalar state."""
     rule = _prodigy_rule(betas, beta3, eps, estim_lr0, estim_lr_coef, weight_decay,
@@ -317,8 +318,8 @@ def dadapt_adamw(learning_rate=1.0, betas=(0.9, 0.999), eps=1e-8, estim_lr0=1e-6
     (decouple=True, use_bias_correction=True, growth_rate 0, layer_scale 1): optax's
     arguments and update, d estimated from sums over the whole tree, in one call. The state is
     `DadaptAdamState(count, exp_avg, exp_avg_sq, s, d, numerator_weighted)`: optax's
-    exp_avg, exp_avg_sq, grad_sum (s), estim_lr (d, float32) and numerator_weighted
-    (float32). A step whose sum of |s| is 0 leaves params and d as they are (optax's gives
+    exp_avg, exp_avg_sq, grad_sum (s), estim_lr (d) and numerator_weighted (d and the
+    numerator float32, float64 where every param is float64). A step whose sum of |s| is 0 leaves params and d as they are (optax's gives
     NaN). See `mtapply.optax`: scalar state."""
     return _transformation(_dadapt_rule(betas, eps, estim_lr0, weight_decay), learning_rate,
                            flat_state)

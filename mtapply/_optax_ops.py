@@ -53,8 +53,9 @@ class OptaxRule:
     slot_dtypes: dict = {}  # state field -> the dtype of its buffers, where not the params'
     tree_state = False  # True: the state stays a tree like params (flat_state does not apply)
 
-    def scalar_init(self) -> list:
-        """The initial values of `scalar_fields`."""
+    def scalar_init(self, dtype) -> list:
+        """The initial values of `scalar_fields`; a rule's scalar state of `dtype` (see
+        `RuleOp.scalar_init`)."""
         return []
 
     def init_slot(self, field: str, params, layout):
@@ -409,9 +410,10 @@ class UserRule(OptaxRule):
         self.masks = dict(_chained(rule, "masks"))  # a chain's links' (optax's masks)
         self.whole_list = bool(rule.program.totals)  # sums over every leaf: one call
 
-    def scalar_init(self) -> list:
-        """The rule's scalar state before step 1 (float32, as the step keeps it)."""
-        return [jnp.asarray(self.scalar_values[name], jnp.float32) for name in self.carried]
+    def scalar_init(self, dtype) -> list:
+        """The rule's scalar state before step 1, of `dtype` as the step keeps it: float64
+        where every param is float64, else float32 (`RuleSpec.sum_dtype`)."""
+        return [jnp.asarray(self.scalar_values[name], dtype) for name in self.carried]
 
     def statics(self, params, treedef) -> tuple:
         """Each leaf's flags of the masks (one per masked hyperparameter), where a mask
@@ -474,7 +476,7 @@ class ScheduleFreeRule(UserRule):
         self.state_type = _rule_state_type(rule.name, self.slots, self.scalar_fields)
         self.slot_dtypes = {"z": state_dtype} if state_dtype is not None else {}
 
-    def scalar_init(self) -> list:
+    def scalar_init(self, dtype) -> list:  # (its own, kept in float32)
         return [jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32),
                 jnp.asarray(self.b1, jnp.float32)]
 

@@ -168,7 +168,8 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     # With master weights the op's param (slot 0) is the fp32 master, held in the last slot.
     master = dict(flags).get("MASTER", False)
     loaded = (dtypes[-1],) + tuple(dtypes[1:]) if master else tuple(dtypes)
-    lines += ["namespace mta {", f"typedef {math_type(loaded)} acc_t;",
+    sum_type = "double" if dict(flags).get("SUM64", False) else "float"
+    lines += ["namespace mta {", f"typedef {math_type(loaded)} acc_t;", f"typedef {sum_type} sum_t;",
               f"typedef {CUDA_TYPES[dtypes[0]]} param_t;",
               f"typedef {CUDA_TYPES[dtypes[-1]]} last_t;", "template <int S> struct SlotType;"]
     lines += [f"template <> struct SlotType<{s}> {{ typedef {CUDA_TYPES[d]} type; }};"

@@ -236,11 +236,12 @@ class RuleBased(FusedOptimizer):
         names, n = tuple(rule.scalars), len(rule.scalars)
         entries = [[state[p].get(name) for name in names] for p in params]
         first = entries[0]
+        dtype = _scalar_dtype(params)
         if all(isinstance(v, torch.Tensor) and v._base is not None for v in first) and all(
                 all(v is w for v, w in zip(entry, first)) for entry in entries):
             array = first[0]._base  # the part's own array, as the last bind left it
             if (array.numel() == 3 * n and array.device == params[0].device
-                    and id(array) not in taken):
+                    and array.dtype == dtype and id(array) not in taken):
                 return array
         values = []
         for k, name in enumerate(names):
@@ -250,7 +251,7 @@ class RuleBased(FusedOptimizer):
                                  f"group and step count, but they hold {sorted(given)}: give "
                                  f"the params of each {name!r} a param group of their own")
             values.append(given.pop() if given else float(rule.initial_scalars()[k]))
-        array = torch.tensor(values * 3, dtype=torch.float32, device=params[0].device)
+        array = torch.tensor(values * 3, dtype=dtype, device=params[0].device)
         views = [array[2 * n + k] for k in range(n)]
         for p in params:
             for name, view in zip(names, views):
@@ -812,3 +813,9 @@ def optimizer(rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=40
     return RuleOptimizer(rule, params, flat_grads=flat_grads, state_bits=state_bits,
                          min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding,
                          seed=seed, master_weights=master_weights, **hyper)
+
+
+def _scalar_dtype(params):
+    """A rule's scalar state dtype over these params: float64 where every one is float64
+    (`RuleSpec.sum_dtype`), else float32."""
+    return torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32

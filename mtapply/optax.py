@@ -25,7 +25,8 @@ GPUs in the XLA FFI call, as every mtapply.optax step);
 its fused form `fused_adafactor` keeps the rule's state flat (`tree_state` gives optax's).
 
 Scalar state. A rule's numbers kept between steps (`mtapply.rule(..., scalars=)`: Prodigy's d,
-d_max and numerator) are fields of the state after its slots, float32 and zero-dimensional:
+d_max and numerator) are fields of the state after its slots, zero-dimensional, float32
+(float64 where every param is float64, with jax_enable_x64; the sums are then float64 too):
 each update passes them to its one call (whole-list sums make it one) as an array of three equal
 copies and takes the latest values back. A slot the rule only reads (Prodigy's p0) is state
 passed on as it is. On GPUs the FFI custom call steps that array in place in its result (an

@@ -105,6 +105,8 @@ class Plan:
         self._written_extents = None  # sorted (starts, ends) of the written slots' tensors
         self._released: set = set()  # slots whose TensorRefs no longer hold their tensors
         self.device = self._refs[first][0].device if self._n else None
+        # of the sums and of the scalar state (`scalars_out`): float64 for a rule over float64
+        self.sum_dtype = spec.sum_dtype(r.dtype for r in self._refs[first])
         self._scalars: OrderedDict = OrderedDict()
         self._latest_rows = None  # the rows of the latest step's per-tensor hyperparameters
         self._cpu_cache: dict = {}  # the CPU backend's views of the tensors (see `_cpu.run`)
@@ -296,13 +298,15 @@ class Plan:
     def sums(self):
         """The per-tensor sums that a multi-pass op's first pass leaves for the next (LARS:
         ||p||^2 and ||g||^2; LAMB: ||p||^2 and ||u||^2), as a CuPy array of (tensors, sums)
-        in the plan's own group order; None for ops without sums or plans not on one GPU."""
+        in the plan's own group order (of `sum_dtype`); None for ops without sums or plans not
+        on one GPU."""
         self._open()
         if not isinstance(self._cuda, Launcher) or self._cuda.all_sums is None:
             return None
         import cupy
 
-        return cupy.ndarray((self._n, self.spec.n_sums), cupy.float32, self._cuda.all_sums)
+        return cupy.ndarray((self._n, self.spec.n_sums), self._cuda.sum_dtype,
+                            self._cuda.all_sums)
 
     @property
     def invalid(self):
@@ -564,13 +568,15 @@ class Plan:
             return cached
         ref = _read_array(value, name)
         numel = self.spec.output_numel(name, self._n)
-        if (ref.dtype != "float32" or ref.numel != numel or (numel > 1 and not ref.row_major)
-                or ref.read_only
+        if (ref.dtype != self.sum_dtype or ref.numel != numel
+                or (numel > 1 and not ref.row_major) or ref.read_only
                 or (self.device is not None and ref.device != self.device)):
             where = "the tensors' device" if self.device is None else _device_label(self.device)
-            raise ValueError(f"{name} must be a writable contiguous float32 array of {numel} "
-                             f"element(s) on {where}, got {ref.dtype} {ref.shape} on "
-                             f"{_device_label(ref.device)}")
+            why = (" (the params are all float64: the state keeps their precision; make it "
+                   "with initial_scalars(numpy.float64))" if self.sum_dtype == "float64" else "")
+            raise ValueError(f"{name} must be a writable contiguous {self.sum_dtype} array of "
+                             f"{numel} element(s) on {where}, got {ref.dtype} {ref.shape} on "
+                             f"{_device_label(ref.device)}{why}")
         output = OutputArray(ptr=ref.ptr, obj=value, ref=ref)
         self._remember(value, output)
         return output

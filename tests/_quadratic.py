@@ -28,7 +28,8 @@ def torch_run(opt, params, targets, steps):
 
 def assert_equals_peer(torch, ours_class, theirs_class, variants, dtype, rel) -> None:
     """100 steps of the quadratic with our optimizer and its peer, for each option set: each
-    param within `rel` of the peer's (relative to its norm), the estimate d within 2e-6."""
+    param within `rel` of the peer's (relative to its norm), the estimate d within 2e-6 in
+    float32 (its sums and scalar state are float32 there), within `rel` in float64."""
     import pytest
 
     for options in variants:
@@ -40,4 +41,6 @@ def assert_equals_peer(torch, ours_class, theirs_class, variants, dtype, rel) ->
         for p, q in zip(ours, theirs):
             gap = float((p - q).norm())
             assert gap <= rel * float(q.norm()), (options, gap / float(q.norm()))
-        assert float(a.state[ours[0]]["d"]) == pytest.approx(b.param_groups[0]["d"], rel=2e-6)
+        assert a.state[ours[0]]["d"].dtype == getattr(torch, dtype)
+        d_rel = 2e-6 if dtype == "float32" else rel
+        assert float(a.state[ours[0]]["d"]) == pytest.approx(b.param_groups[0]["d"], rel=d_rel)

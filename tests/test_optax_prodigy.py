@@ -217,10 +217,11 @@ for name, options in cases:
         (mine, ours), (want, theirs) = runs
         for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(want)):
             assert x.dtype == jnp.float64
-            # the kernel keeps d and the whole-tree sums in float32
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6,
-                                       atol=1e-7 * float(np.max(np.abs(y))))
-        np.testing.assert_allclose(float(ours.d), float(theirs.estim_lr), rtol=1e-6)
+            # float64 params: d and the whole-tree sums are float64 too
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-10,
+                                       atol=1e-13 * float(np.max(np.abs(y))))
+        assert ours.d.dtype == jnp.float64
+        np.testing.assert_allclose(float(ours.d), float(theirs.estim_lr), rtol=1e-10)
 print("ok")
 """
 

@@ -16,9 +16,10 @@ COUNTER = dict(slots="param:rw grad:r", hyper=dict(lr=(None, ">= 0"), decay=0.5)
                """)
 
 
-def _lists(seed=0, shapes=((4, 3), (5,))):
+def _lists(seed=0, shapes=((4, 3), (5,)), dtype=np.float64):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s) for s in shapes], [rng.standard_normal(s) for s in shapes]
+    return ([rng.standard_normal(s).astype(dtype) for s in shapes],
+            [rng.standard_normal(s).astype(dtype) for s in shapes])
 
 
 def _expected_totals(steps, decay=0.5, start=1.0):
@@ -29,27 +30,29 @@ def _expected_totals(steps, decay=0.5, start=1.0):
     return totals
 
 
-def test_a_scalar_carries_from_step_to_step_in_two_copies():
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_scalar_carries_from_step_to_step_in_two_copies(dtype):
+    """The state is of the params' precision where every param is float64, else float32."""
     rule = mtapply.rule("counter", **COUNTER)
-    params, grads = _lists()
+    params, grads = _lists(dtype=dtype)
     before = [p.copy() for p in params]
-    state = rule.initial_scalars()
-    assert state.dtype == np.float32 and state.tolist() == [1.0, 1.0, 1.0]
+    state = rule.initial_scalars(dtype)
+    assert state.dtype == dtype and state.tolist() == [1.0, 1.0, 1.0]
     totals = _expected_totals(4)
     for t in range(1, 5):
         rule.step(params, grads, lr=0.1, step=t, scalars_out=state)
-        assert state[t % 2] == np.float32(totals[t - 1])  # written at the step's parity
-        assert state[(t + 1) % 2] == np.float32(totals[t - 2] if t > 1 else 1.0)  # kept
-        assert state[2] == np.float32(totals[t - 1])  # the latest, where it stays
+        assert state[t % 2] == dtype(totals[t - 1])  # written at the step's parity
+        assert state[(t + 1) % 2] == dtype(totals[t - 2] if t > 1 else 1.0)  # kept
+        assert state[2] == dtype(totals[t - 1])  # the latest, where it stays
     for p, p0, g in zip(params, before, grads):
-        want = p0 - sum(0.1 * total * g for total in totals)  # exact in float32 too
-        np.testing.assert_allclose(p, want, rtol=1e-12)
+        want = p0 - sum(0.1 * total * g for total in totals)  # the totals are exact
+        np.testing.assert_allclose(p, want, rtol=1e-12 if dtype == np.float64 else 1e-6)
 
 
 def test_a_repeated_or_skipped_step_reads_what_the_step_before_left():
     rule = mtapply.rule("counter", **COUNTER)
     params, grads = _lists(1)
-    state = rule.initial_scalars()
+    state = rule.initial_scalars(np.float64)
     rule.step(params, grads, lr=0.1, step=1, scalars_out=state)
     rule.step(params, grads, lr=0.1, step=2, scalars_out=state, found_inf=1.0)  # skipped
     assert state.tolist() == [1.0, 1.5, 1.5]
@@ -63,7 +66,7 @@ def test_a_plan_steps_the_same_scalar_state():
     rule = mtapply.rule("counter", **COUNTER)
     (params, grads), (twin, twin_grads) = _lists(2), _lists(2)
     plan = rule.plan(params, grads)
-    state, twin_state = rule.initial_scalars(), rule.initial_scalars()
+    state, twin_state = rule.initial_scalars(np.float64), rule.initial_scalars(np.float64)
     for t in range(1, 4):
         plan.step(lr=0.1, step=t, scalars_out=state)
         rule.step(twin, twin_grads, lr=0.1, step=t, scalars_out=twin_state)
@@ -78,15 +81,23 @@ def test_steps_without_the_state_array_or_with_a_wrong_one_are_refused_before_wr
     before = [p.copy() for p in params]
     with pytest.raises(TypeError, match=r"keeps scalar state \(total\): pass scalars_out="):
         rule.step(params, grads, lr=0.1, step=1)
-    with pytest.raises(ValueError, match="scalars_out must be a writable contiguous float32 "
+    with pytest.raises(ValueError, match="scalars_out must be a writable contiguous float64 "
                                          "array of 3 element"):
-        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(2, np.float32))
-    with pytest.raises(ValueError, match="float32"):
-        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(3, np.float64))
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(2, np.float64))
+    with pytest.raises(ValueError, match=r"float64 array .* got float32 .*the params are all "
+                                         r"float64.*initial_scalars\(numpy.float64\)"):
+        rule.step(params, grads, lr=0.1, step=1, scalars_out=np.ones(3, np.float32))
     with pytest.raises(ValueError, match="one number, not one per tensor"):  # one scalar state
-        rule.plan(params, grads).step(lr=[0.1, 0.2], step=1, scalars_out=rule.initial_scalars())
+        rule.plan(params, grads).step(lr=[0.1, 0.2], step=1,
+                                      scalars_out=rule.initial_scalars(np.float64))
     for p, p0 in zip(params, before):
         np.testing.assert_array_equal(p, p0)
+    mixed = [params[0].astype(np.float32), params[1]]  # not all float64: float32 state
+    with pytest.raises(ValueError, match="contiguous float32 array of 3 element.*got float64"):
+        rule.step(mixed, [g.astype(p.dtype) for g, p in zip(grads, mixed)], lr=0.1, step=1,
+                  scalars_out=np.ones(3, np.float64))
+    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
+        rule.initial_scalars(np.float16)
 
 
 @pytest.mark.parametrize("change,error,message", [
@@ -110,7 +121,7 @@ def test_a_rule_with_scalars_pickles_and_shows_them():
     copy = pickle.loads(pickle.dumps(rule))
     params, grads = _lists(4)
     twin = [p.copy() for p in params]
-    a, b = rule.initial_scalars(), copy.initial_scalars()
+    a, b = rule.initial_scalars(np.float64), copy.initial_scalars(np.float64)
     for t in (1, 2):
         rule.step(params, grads, lr=0.1, step=t, scalars_out=a)
         copy.step(twin, grads, lr=0.1, step=t, scalars_out=b)
@@ -119,7 +130,7 @@ def test_a_rule_with_scalars_pickles_and_shows_them():
 
 def test_the_generated_kernel_reads_one_copy_and_one_thread_writes_the_other():
     source = mtapply.rule("counter", **COUNTER).cuda_source()
-    assert "float* scalars_out;" in source
+    assert "sum_t* scalars_out;" in source
     assert "a.scalars_out[(1 - z_parity) * 1 + 0]" in source
     assert ("if (blockIdx.x == 0 && threadIdx.x == 0) { a.scalars_out[z_parity * 1 + 0] = "
             in source) and "a.scalars_out[2] = " in source
@@ -139,22 +150,26 @@ def test_nadam_follows_torch_optim_nadam(decoupled, maximize):
                             maximize=maximize, foreach=False)
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
-    state = rule.initial_scalars()
-    for t in range(1, 13):
-        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
-        for p, grad in zip(theirs, grads):
-            p.grad = grad.clone()
-        opt.step()
-        rule.step([p.numpy() for p in params], [x.numpy() for x in grads],
-                  [x.numpy() for x in exp_avgs], [x.numpy() for x in exp_avg_sqs], lr=0.01,
-                  beta1=0.8, beta2=0.99, weight_decay=0.1, momentum_decay=0.01, step=t,
-                  scalars_out=state)
-    # torch keeps mu_product in float32 (its scalar dtype), as mtapply's scalar state is
+    state = rule.initial_scalars(np.float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # torch's scalar state then float64, as ours is
+    try:
+        for t in range(1, 13):
+            grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+            for p, grad in zip(theirs, grads):
+                p.grad = grad.clone()
+            opt.step()
+            rule.step([p.numpy() for p in params], [x.numpy() for x in grads],
+                      [x.numpy() for x in exp_avgs], [x.numpy() for x in exp_avg_sqs], lr=0.01,
+                      beta1=0.8, beta2=0.99, weight_decay=0.1, momentum_decay=0.01, step=t,
+                      scalars_out=state)
+    finally:
+        torch.set_default_dtype(default)
     mu_product = opt.state[theirs[0]]["mu_product"]
-    assert mu_product.dtype == torch.float32
-    np.testing.assert_allclose(state[[12 % 2, 2]], mu_product.item(), rtol=1e-6)
+    assert mu_product.dtype == torch.float64
+    np.testing.assert_allclose(state[[12 % 2, 2]], mu_product.item(), rtol=1e-14)
     for ours, ref in zip(params, theirs):
-        torch.testing.assert_close(ours, ref.detach(), rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(ours, ref.detach(), rtol=1e-12, atol=1e-14)
     for ours, ref in zip(exp_avg_sqs, theirs):
         torch.testing.assert_close(ours, opt.state[ref]["exp_avg_sq"], rtol=1e-8, atol=1e-12)
 

@@ -187,11 +187,18 @@ class OpSpec:
                      for name in self.device_scalars
                      if f"{self.field_of(name)}_ptr" in self.arg_fields)
 
-    def source(self, dtypes: tuple, threads: int = _source.BLOCK_THREADS) -> str:
+    def sum_dtype(self, param_dtypes) -> str:
+        """The dtype of the sums (and scalar state) of a plan whose params have these dtypes:
+        float32; a rule's is float64 where every param is float64 (`RuleSpec`)."""
+        return "float32"
+
+    def source(self, dtypes: tuple, threads: int = _source.BLOCK_THREADS,
+               sum_dtype: str = "float32") -> str:
         """The CUDA source of the op's kernel for a group whose slots have these dtypes,
-        launched with `threads` per block (`threads_for`)."""
+        launched with `threads` per block (`threads_for`), its sums in `sum_dtype`."""
+        flags = self.flags + ((("SUM64", True),) if sum_dtype == "float64" else ())
         return _source.variant_source(self.kernel_file, self.functors_for(dtypes), dtypes,
-                                      self.flags, self.chunk_for(dtypes), self.device_checks(),
+                                      flags, self.chunk_for(dtypes), self.device_checks(),
                                       (HEADER_BYTES, self.arg_members),
                                       _source.kernel_block(threads))
 

@@ -80,16 +80,20 @@ class Rule:
         """Scalar state name -> its value before the first step (see `initial_scalars`)."""
         return dict(self.program.scalars)
 
-    def initial_scalars(self):
-        """A rule with scalar state steps with `scalars_out=`: a float32 array of three copies
-        of its n scalars, in `scalars` order. A step reads the copy of the step before it
-        (entries [(t - 1) % 2 * n:][:n] at step t) and writes the other one, so a step that is
-        repeated or skipped reads what the step before it left; it writes the latest values
-        into the last n entries too, where they stay put. This returns the array as it is
-        before step 1 (NumPy; copy it to the tensors' device)."""
+    def initial_scalars(self, dtype="float32"):
+        """A rule with scalar state steps with `scalars_out=`: an array of three copies of its
+        n scalars, in `scalars` order: float32, or float64 where every param is float64 (the
+        plan's `sum_dtype`; its sums are then float64 too). A step reads the copy of the step
+        before it (entries [(t - 1) % 2 * n:][:n] at step t) and writes the other one, so a
+        step that is repeated or skipped reads what the step before it left; it writes the
+        latest values into the last n entries too, where they stay put. This returns the
+        array as it is before step 1 (NumPy, of `dtype`; copy it to the tensors' device)."""
         import numpy as np
 
-        values = np.asarray(list(self.program.scalars.values()), np.float32)
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64 (float64 for float64 params), "
+                             f"got {dtype!r}")
+        values = np.asarray(list(self.program.scalars.values()), dtype)
         return np.concatenate([values, values, values])
 
     @property
@@ -262,7 +266,8 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             running product of momentum factors): in the update a name reads the value the
             previous step left, and a line assigning it (from numbers, hyperparameters, step
             and scalars) sets the next step's. Each step then takes `scalars_out=`, a float32
-            array on the tensors' device made from `initial_scalars()`, which it updates;
+            array (float64 where every param is float64, as the sums then are) on the
+            tensors' device made from `initial_scalars(dtype)`, which it updates;
             the tensors must be on one device, with one value per hyperparameter.
             `mtapply.torch.optimizer` keeps the array per param group; `mtapply.optax` keeps
             the scalars as fields of its state (on the CPU, or through the host callback).

@@ -43,9 +43,9 @@ def functor_source(program: Program, struct: str, stochastic: bool = False,
               for ctype, field in zip(("double", "const float*"), c_fields(name))]
     fields += [f"  const float* {array_member(name)};" for name in arrays]
     if program.scalars:
-        fields.append(f"  float* {SCALARS};  // copies of the scalar state (Rule.initial_scalars)")
+        fields.append(f"  sum_t* {SCALARS};  // copies of the scalar state (Rule.initial_scalars)")
     if program.totals:
-        fields.append(f"  float* {TOTALS};  // the whole-list sums, which the first pass writes")
+        fields.append(f"  sum_t* {TOTALS};  // the whole-list sums, which the first pass writes")
     if program.factored:
         fields += _factored_cuda.FIELDS
     if stochastic:
@@ -195,9 +195,9 @@ class _Writer:
         n_scalars = len(program.scalars)
         if self.first_pass:
             self._run_lines(program.lines[:program.prefix], lambda: [
-                f"sums[{k}] += static_cast<float>({self.element(total.expr)});  "
+                f"sums[{k}] += static_cast<sum_t>({self.element(total.expr)});  "
                 f"// {total.name} = sum({total.text})" for k, total in enumerate(program.sums)])
-            call = "operator()(acc_t (&x)[N_SLOTS], float (&sums)[N_SUMS]) const {"
+            call = "operator()(acc_t (&x)[N_SLOTS], sum_t (&sums)[N_SUMS]) const {"
             written, counted = self._mask(self.stored) or "0u", n_sums
         else:
             whole = 0
@@ -224,7 +224,7 @@ class _Writer:
                 self.setup.append(f"rounding.init(a.seed_lo, a.seed_hi, h_{STEP}, "
                                   f"a.sr_tensor_array, tensor);")
             for k, name in enumerate(program.scalars):
-                value = f"static_cast<float>({self.uniform_name(name)})"
+                value = f"static_cast<sum_t>({self.uniform_name(name)})"
                 self.setup.append(f"if (blockIdx.x == 0 && threadIdx.x == 0) {{ "
                                   f"a.{SCALARS}[z_parity * {n_scalars} + {k}] = {value}; "
                                   f"a.{SCALARS}[{2 * n_scalars + k}] = {value}; }}")
@@ -271,9 +271,9 @@ class _Writer:
         """The functor's constructor: an indexed one (a factored rule's) takes the chunk."""
         s = self.struct
         if self.passes is None:
-            head = [f"  __device__ {s}(const Args& a, int tensor, const float* sums) {{"]
+            head = [f"  __device__ {s}(const Args& a, int tensor, const sum_t* sums) {{"]
         else:
-            head = [f"  __device__ {s}(const Args& a, const Chunk& job, const float* sums) {{",
+            head = [f"  __device__ {s}(const Args& a, const Chunk& job, const sum_t* sums) {{",
                     "    const int tensor = job.tensor;"]
         return [*head, "    (void)tensor; (void)sums;", *reads,
                 *(f"    {line}" for line in self.setup), "  }"]
@@ -332,16 +332,16 @@ class _Writer:
         """The first pass's global finish (kernels/walker.cuh): each whole-list sum, the sum
         of every tensor's (in the plan's order, so deterministically), into the totals."""
         lines = ["  static constexpr bool GLOBAL = true;",
-                 "  __device__ static void finish(const Args& a, const float* all_sums, "
+                 "  __device__ static void finish(const Args& a, const sum_t* all_sums, "
                  "const int* positions, long long n) {"]
         whole = 0
         for k, total in enumerate(self.program.sums):
             if not total.whole:
                 continue
-            lines += ["    {", "      float part = 0.0f;",
+            lines += ["    {", "      sum_t part = 0;",
                       "      for (long long i = threadIdx.x; i < n; i += MTA_BLOCK)",
                       f"        part += __ldcg(&all_sums[positions[i] + {k}]);  // {total.name}",
-                      "      const float total = block_sum(part);",
+                      "      const sum_t total = block_sum(part);",
                       f"      if (threadIdx.x == 0) a.{TOTALS}[{whole}] = total;", "    }"]
             whole += 1
         return lines + ["  }"]

@@ -30,10 +30,10 @@ _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np
 
 
 def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
-             totals=None, factored: bool | None = None) -> dict:
+             totals=None, factored: bool | None = None, sum_dtype: str = "float32") -> dict:
     """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
-    `scalars`: hyperparameter (and step) name -> float; `state`: the float32 array of the
-    rule's scalar state (see `Rule.initial_scalars`), updated here; `totals`: the whole-list
+    `scalars`: hyperparameter (and step) name -> float; `state`: the array (of `sum_dtype`) of
+    the rule's scalar state (see `Rule.initial_scalars`), updated here; `totals`: the whole-list
     sums, in `program.totals` order (`whole_sums`); `factored`: for a factored rule, whether
     the param steps as factored (its slots then of the `_factored.canonical_shape`s), and
     only the slots it keeps are given back."""
@@ -43,7 +43,7 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
         if program.sums:  # the prefix lines once, into env: each tensor's sums, the list's
             values = functions.sums(env, dtype)
             env.update(zip((s.name for s in program.sums),
-                           _sums(program, values, arrays["param"].shape, dtype)))
+                           _sums(program, values, arrays["param"].shape, dtype, sum_dtype)))
             if program.totals:
                 env.update(zip((t.name for t in program.totals), map(np.float64, totals)))
             functions.rest(env, dtype)
@@ -51,7 +51,7 @@ def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
             functions.lines(env, dtype)
     n_state, parity = len(program.scalars), int(scalars.get(STEP, 0)) & 1
     for k, name in enumerate(program.scalars):
-        state[parity * n_state + k] = state[2 * n_state + k] = np.float32(env[name])
+        state[parity * n_state + k] = state[2 * n_state + k] = state.dtype.type(env[name])
     kept = {ROW: factored, COL: factored, UNFACTORED: not factored}
     return {s.name: _result(env[s.name], arrays, dtype, arrays[s.name].shape)
             for s in program.slots if s.written and kept.get(s.form, True)}
@@ -118,20 +118,20 @@ def _environment(program: Program, arrays: dict, scalars: dict, state) -> dict:
 
 
 def tensor_sums(program: Program, arrays: dict, scalars: dict, dtype, state=None,
-                factored: bool | None = None) -> list:
+                factored: bool | None = None, sum_dtype: str = "float32") -> list:
     """The first pass over one tensor: its lines before the first use of a sum, on copies, then
-    each sum of `program.sums` over the tensor's elements, as a float64 of a float32 (the
-    kernel adds in float32 in a fixed order; here in float64, rounded once). A rule that runs
+    each sum of `program.sums` over the tensor's elements, as a float64 of a `sum_dtype` (the
+    kernel adds in that type in a fixed order; here in float64, rounded once). A rule that runs
     on the CPU only keeps float64 sums of float64 params."""
     first = _environment(program, arrays, scalars, state)
     with np.errstate(all="ignore"):
         values = compiled(program, factored).sums(first, dtype)
-        return _sums(program, values, arrays["param"].shape, dtype)
+        return _sums(program, values, arrays["param"].shape, dtype, sum_dtype)
 
 
-def _sums(program: Program, values: list, shape: tuple, dtype) -> list:
+def _sums(program: Program, values: list, shape: tuple, dtype, sum_dtype: str) -> list:
     """Each sum of the element `values` over a tensor of `shape` (see `tensor_sums`)."""
-    keep = program.cpu_only and dtype == np.float64
+    keep = sum_dtype == "float64" or (program.cpu_only and dtype == np.float64)
     sums = [np.sum(_spread(np.asarray(value, np.float64), shape)) for value in values]
     return [np.float64(total if keep else np.float32(total)) for total in sums]
 
@@ -141,14 +141,14 @@ def _spread(values: np.ndarray, shape: tuple) -> np.ndarray:
     return values if values.shape == shape else np.broadcast_to(values, shape)
 
 
-def whole_sums(program: Program, per_tensor: list) -> np.ndarray:
-    """The whole-list sums (float32, in `program.totals` order) from each tensor's
-    `tensor_sums`: the kernel adds the tensors' float32 sums in float32, here in float64."""
+def whole_sums(program: Program, per_tensor: list, sum_dtype: str = "float32") -> np.ndarray:
+    """The whole-list sums (of `sum_dtype`, in `program.totals` order) from each tensor's
+    `tensor_sums`: the kernel adds the tensors' sums in that type, here in float64."""
     whole = [k for k, total in enumerate(program.sums) if total.whole]
     totals = np.zeros(len(whole), np.float64)
     for sums in per_tensor:
         totals += [sums[k] for k in whole]
-    return totals.astype(np.float32)
+    return totals.astype(sum_dtype)
 
 
 class Compiled:

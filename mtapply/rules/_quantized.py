@@ -177,8 +177,8 @@ class QuantizedRule:
     def scalars(self) -> dict:
         return self.rule.scalars
 
-    def initial_scalars(self):
-        return self.rule.initial_scalars()
+    def initial_scalars(self, dtype="float32"):
+        return self.rule.initial_scalars(dtype)
 
     def spec(self, master_weights: bool = False,
              stochastic_rounding: bool = False) -> QuantizedRuleSpec:

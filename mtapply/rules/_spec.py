@@ -124,8 +124,9 @@ class RuleSpec(OpSpec):
             if state is None:
                 raise TypeError(f"rule {self.rule_name!r} keeps scalar state "
                                 f"({', '.join(self.program.scalars)}): pass {_cuda.SCALARS}=, a "
-                                f"float32 array on the tensors' device made from the rule's "
-                                f"initial_scalars(), the same one every step")
+                                f"float32 (float64 for float64 params) array on the tensors' "
+                                f"device made from the rule's initial_scalars(dtype), the same "
+                                f"one every step")
             args[_cuda.SCALARS] = state
         return args
 
@@ -149,6 +150,12 @@ class RuleSpec(OpSpec):
             raise NotImplementedError(
                 f"rule {self.rule_name!r} runs on the CPU only: {why}; step these tensors on "
                 f"the CPU")
+
+    def sum_dtype(self, param_dtypes) -> str:
+        """float64 where every param is float64: the sums and the scalar state then keep the
+        params' precision (D-Adaptation's d from float64 sums); float32 else."""
+        dtypes = set(param_dtypes)
+        return "float64" if dtypes == {"float64"} else "float32"
 
     def chunk_for(self, dtypes: tuple) -> int:
         """A factored rule's blocks take longer chunks: each makes its op (hyperparameters and
@@ -218,7 +225,7 @@ class RuleSpec(OpSpec):
         rule_arrays, factored, shapes = self._rule_arrays(arrays)
         state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
         new = _numpy.evaluate(self.program, rule_arrays, self._scalars(args, index), dtype, state,
-                              args.get(_cuda.TOTALS), factored)
+                              args.get(_cuda.TOTALS), factored, args.get("sum_dtype", "float32"))
         return {list_name(name): values.reshape(shapes[name]) if shapes else values
                 for name, values in new.items()}
 
@@ -267,13 +274,18 @@ class RuleSpec(OpSpec):
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
+        sum_dtype = "float32"
+
         def sums(index, arrays, args, dtype):
+            nonlocal sum_dtype
+            sum_dtype = args.get("sum_dtype", sum_dtype)
             rule_arrays, factored, _ = self._rule_arrays(arrays)
             return _numpy.tensor_sums(self.program, rule_arrays, self._scalars(args, index),
                                       dtype, _cpu.view(args[_cuda.SCALARS].ref)
-                                      if self.outputs else None, factored)
+                                      if self.outputs else None, factored, sum_dtype)
 
-        return _numpy.whole_sums(self.program, [sums(*tensor) for tensor in tensors])
+        per_tensor = [sums(*tensor) for tensor in tensors]
+        return _numpy.whole_sums(self.program, per_tensor, sum_dtype)
 
     def _scalars(self, args: dict, index: int) -> dict:
         """Each hyperparameter's (and the step's) value for tensor `index`."""

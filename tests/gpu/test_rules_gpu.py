@@ -360,6 +360,57 @@ def test_prodigy_on_the_gpu_follows_the_cpu_path():
         np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"{i}")
 
 
+def test_float64_params_keep_float64_sums_and_scalar_state_on_the_gpu():
+    """Prodigy over float64 params: its whole-list sums and d are float64 on the GPU, which
+    follows the CPU path to float64 rounding (float32 sums would leave d some 1e-7 off); a
+    float32 state array is refused before anything is written. LARS's per-tensor norms over
+    float64 params are float64 too, and a list of float32 and float64 params sums in float32."""
+    import math
+
+    from mtapply.rules import library
+
+    rule = library.prodigy()
+    lists = _lists(2, 17, dtype=torch.float64)
+    targets = [x.clone() * 0.5 for x in lists[0]]
+    lists += [[torch.zeros_like(x) for x in lists[0]] for _ in range(3)] + [[x.clone() for x in lists[0]]]
+    host = _host(lists)
+    hyper = dict(lr=1.0, beta3=math.sqrt(0.999), weight_decay=0.01)
+    before = [x.clone() for x in lists[0]]
+    with pytest.raises(ValueError, match="float64 array.*initial_scalars"):
+        rule.step(*lists, step=1, scalars_out=torch.tensor(rule.initial_scalars(), device="cuda"),
+                  **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(lists[0], before))
+    state = torch.tensor(rule.initial_scalars(np.float64), device="cuda")
+    host_state = rule.initial_scalars(np.float64)
+    for t in range(1, 8):
+        for g, p, y in zip(lists[1], lists[0], targets):
+            g.copy_(p - y)
+        for k, (p, y) in enumerate(zip(host[0], targets)):
+            host[1][k][...] = p - y.cpu().numpy()
+        rule.step(*lists, step=t, scalars_out=state, **hyper)
+        rule.step(*host, step=t, scalars_out=host_state, **hyper)
+    torch.cuda.synchronize()
+    assert state.dtype == torch.float64 and host_state[6] > 1e-6  # d grew
+    np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-12)
+    for i, (got, want) in enumerate(zip(lists[0], host[0])):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-14,
+                                   err_msg=f"{i}")
+    params, grads = _lists(2, 18, dtype=torch.float64)
+    want = np.array([[float(p.square().sum()), float(g.square().sum())]
+                     for p, g in zip(params, grads)])  # (the norms are taken before the update)
+    plan = mtapply.lars_plan(params, grads, [torch.zeros_like(p) for p in params])
+    plan.step(lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3)
+    sums = plan.sums()
+    assert sums.dtype == np.float64
+    np.testing.assert_allclose(np.sort(sums.get(), axis=0), np.sort(want, axis=0),
+                               rtol=1e-13)
+    mixed = [params[0].float()] + params[1:]
+    mixed_plan = mtapply.lars_plan(mixed, [g.to(p.dtype) for g, p in zip(grads, mixed)],
+                                   [torch.zeros_like(p) for p in mixed])
+    mixed_plan.step(lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=1e-3)
+    assert mixed_plan.sums().dtype == np.float32 and mixed_plan.sum_dtype == "float32"
+
+
 @pytest.mark.parametrize("form", ["transformation", "fused"])
 def test_a_global_norm_chain_through_the_ffi_call_follows_optax(form):
     """clip_by_global_norm -> adamw as one mtapply rule in JAX: its whole-list sum inside the
