@@ -91,9 +91,13 @@ def heavyball_muon(data: MuonData) -> Stepper:
     """HeavyBall's Muon with the nearest settings (Nesterov momentum 0.95, lr 0.02, decoupled
     weight decay 0.1; its step compiled by torch.compile at the first call). Its momentum and
     Newton-Schulz are its own: after 4 steps of Gaussian grads its params are 0.44 lr from
-    torch.optim.Muon's (CPU, heavyball 3.2.1), for steps of about 1.2 lr."""
+    torch.optim.Muon's (CPU, heavyball 3.2.1), for steps of about 1.2 lr. Compiled in
+    torch.compile's default mode: HeavyBall's own, max-autotune, spent over 200 s autotuning
+    gpt2-hidden's products before its first step on an H200 (the row ran out of time)."""
     import heavyball
+    import heavyball.utils
 
+    heavyball.utils.compile_mode = "default"
     opt = heavyball.Muon(params_with_grads(data), lr=LR, betas=(MOMENTUM, 0.99),
                          weight_decay=WEIGHT_DECAY)
 
