@@ -332,28 +332,35 @@ def test_a_whole_list_sum_spans_every_launch_of_the_step():
     np.testing.assert_allclose(lists[0][0].cpu().numpy(), host[0][0], rtol=1e-5, atol=1e-6)
 
 
-def test_prodigy_on_the_gpu_follows_the_cpu_path():
-    """Scalar state (d, d_max, d_numerator) fed by two whole-list sums, over the big tensor."""
-    import math
+PRODIGY_HYPER = dict(lr=1.0, beta3=0.999 ** 0.5, weight_decay=0.01)
 
-    from mtapply.rules import library
 
-    rule = library.prodigy()
-    lists = _lists(2, 13)
+def _prodigy_steps(rule, lists, dtype, steps=7):
+    """`steps` Prodigy steps of a quadratic on the GPU and on the CPU path, from params and
+    grads `lists`: (GPU lists, host lists, GPU state, host state), the state of `dtype`."""
     targets = [x.clone() * 0.5 for x in lists[0]]
-    lists += [[torch.zeros_like(x) for x in lists[0]] for _ in range(3)] + [[x.clone() for x in lists[0]]]
+    lists = lists + [[torch.zeros_like(x) for x in lists[0]] for _ in range(3)] + [
+        [x.clone() for x in lists[0]]]
     host = _host(lists)
-    state = torch.tensor(rule.initial_scalars(), device="cuda")
-    host_state = rule.initial_scalars()
-    hyper = dict(lr=1.0, beta3=math.sqrt(0.999), weight_decay=0.01)
-    for t in range(1, 8):
+    state = torch.tensor(rule.initial_scalars(dtype), device="cuda")
+    host_state = rule.initial_scalars(dtype)
+    for t in range(1, steps + 1):
         for g, p, y in zip(lists[1], lists[0], targets):
             g.copy_(p - y)
         for k, (p, y) in enumerate(zip(host[0], targets)):
             host[1][k][...] = p - y.cpu().numpy()
-        rule.step(*lists, step=t, scalars_out=state, **hyper)
-        rule.step(*host, step=t, scalars_out=host_state, **hyper)
+        rule.step(*lists, step=t, scalars_out=state, **PRODIGY_HYPER)
+        rule.step(*host, step=t, scalars_out=host_state, **PRODIGY_HYPER)
     torch.cuda.synchronize()
+    return lists, host, state, host_state
+
+
+def test_prodigy_on_the_gpu_follows_the_cpu_path():
+    """Scalar state (d, d_max, d_numerator) fed by two whole-list sums, over the big tensor."""
+    from mtapply.rules import library
+
+    rule = library.prodigy()
+    lists, host, state, host_state = _prodigy_steps(rule, _lists(2, 13), np.float32)
     np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-4)
     assert host_state[6] > 1e-6  # d grew
     for i, (got, want) in enumerate(zip(lists[0], host[0])):
@@ -365,31 +372,17 @@ def test_float64_params_keep_float64_sums_and_scalar_state_on_the_gpu():
     follows the CPU path to float64 rounding (float32 sums would leave d some 1e-7 off); a
     float32 state array is refused before anything is written. LARS's per-tensor norms over
     float64 params are float64 too, and a list of float32 and float64 params sums in float32."""
-    import math
-
     from mtapply.rules import library
 
     rule = library.prodigy()
-    lists = _lists(2, 17, dtype=torch.float64)
-    targets = [x.clone() * 0.5 for x in lists[0]]
-    lists += [[torch.zeros_like(x) for x in lists[0]] for _ in range(3)] + [[x.clone() for x in lists[0]]]
-    host = _host(lists)
-    hyper = dict(lr=1.0, beta3=math.sqrt(0.999), weight_decay=0.01)
-    before = [x.clone() for x in lists[0]]
+    params, grads = _lists(2, 17, dtype=torch.float64)
+    before = [x.clone() for x in params]
     with pytest.raises(ValueError, match="float64 array.*initial_scalars"):
-        rule.step(*lists, step=1, scalars_out=torch.tensor(rule.initial_scalars(), device="cuda"),
-                  **hyper)
-    assert all(torch.equal(a, b) for a, b in zip(lists[0], before))
-    state = torch.tensor(rule.initial_scalars(np.float64), device="cuda")
-    host_state = rule.initial_scalars(np.float64)
-    for t in range(1, 8):
-        for g, p, y in zip(lists[1], lists[0], targets):
-            g.copy_(p - y)
-        for k, (p, y) in enumerate(zip(host[0], targets)):
-            host[1][k][...] = p - y.cpu().numpy()
-        rule.step(*lists, step=t, scalars_out=state, **hyper)
-        rule.step(*host, step=t, scalars_out=host_state, **hyper)
-    torch.cuda.synchronize()
+        rule.step(params, grads, *[[torch.zeros_like(x) for x in params] for _ in range(4)],
+                  step=1, scalars_out=torch.tensor(rule.initial_scalars(), device="cuda"),
+                  **PRODIGY_HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    lists, host, state, host_state = _prodigy_steps(rule, [params, grads], np.float64)
     assert state.dtype == torch.float64 and host_state[6] > 1e-6  # d grew
     np.testing.assert_allclose(state.cpu().numpy(), host_state, rtol=1e-12)
     for i, (got, want) in enumerate(zip(lists[0], host[0])):
