@@ -119,6 +119,9 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
+SUM_DTYPE = "sum_dtype"  # the args entry of a summing op's sum dtype (`OpSpec.sum_dtype`)
+
+
 def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
         cache=None) -> bool:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
@@ -139,13 +142,9 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
     if rows is None and spec.cpu_run(refs, args, grad_scale):
         return True
     tensor_args = (lambda i: args) if rows is None else (lambda i: row_args[rows.row_of[i]])
-    extra = {}  # what a summing pass gives the update: the sums' dtype and whole-list sums
-    if spec.n_sums:
-        extra["sum_dtype"] = spec.sum_dtype(r.dtype for r in refs[spec.slots[0]])
-    if extra and rows is None:
-        args = dict(args, **extra)
-    elif extra:
-        row_args = [dict(row, **extra) for row in row_args]
+    if spec.n_sums:  # sums in the plan's type, as the kernels take them (float64 over float64)
+        wide = {SUM_DTYPE: spec.sum_dtype(r.dtype for r in refs[spec.slots[0]])}
+        args, row_args = dict(args, **wide), [dict(row, **wide) for row in row_args]
     totals = None
     if spec.n_totals:  # whole-list sums: a first pass over every tensor
         totals = spec.cpu_totals((i, arrays, tensor_args(i), dtype)

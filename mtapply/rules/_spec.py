@@ -225,7 +225,8 @@ class RuleSpec(OpSpec):
         rule_arrays, factored, shapes = self._rule_arrays(arrays)
         state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
         new = _numpy.evaluate(self.program, rule_arrays, self._scalars(args, index), dtype, state,
-                              args.get(_cuda.TOTALS), factored, args.get("sum_dtype", "float32"))
+                              args.get(_cuda.TOTALS), factored,
+                              args.get(_cpu.SUM_DTYPE, "float32"))
         return {list_name(name): values.reshape(shapes[name]) if shapes else values
                 for name, values in new.items()}
 
@@ -274,18 +275,16 @@ class RuleSpec(OpSpec):
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
-        sum_dtype = "float32"
+        tensors = list(tensors)
+        sum_dtype = tensors[0][2].get(_cpu.SUM_DTYPE, "float32") if tensors else "float32"
 
         def sums(index, arrays, args, dtype):
-            nonlocal sum_dtype
-            sum_dtype = args.get("sum_dtype", sum_dtype)
             rule_arrays, factored, _ = self._rule_arrays(arrays)
             return _numpy.tensor_sums(self.program, rule_arrays, self._scalars(args, index),
                                       dtype, _cpu.view(args[_cuda.SCALARS].ref)
                                       if self.outputs else None, factored, sum_dtype)
 
-        per_tensor = [sums(*tensor) for tensor in tensors]
-        return _numpy.whole_sums(self.program, per_tensor, sum_dtype)
+        return _numpy.whole_sums(self.program, [sums(*tensor) for tensor in tensors], sum_dtype)
 
     def _scalars(self, args: dict, index: int) -> dict:
         """Each hyperparameter's (and the step's) value for tensor `index`."""
