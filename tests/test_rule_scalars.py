@@ -4,6 +4,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mtapply
 from mtapply.rules import library
@@ -98,6 +100,36 @@ def test_steps_without_the_state_array_or_with_a_wrong_one_are_refused_before_wr
                   scalars_out=np.ones(3, np.float64))
     with pytest.raises(ValueError, match="dtype must be float32 or float64"):
         rule.initial_scalars(np.float16)
+
+
+LATEST_G2 = dict(slots="param:rw grad:r", hyper=dict(lr=(None, ">= 0")), scalars=dict(seen=0.0),
+                 totals={"g2": "grad * grad"},
+                 update="""
+                     seen = g2
+                     param = param - lr * grad
+                 """)
+
+
+@given(st.lists(st.sampled_from([np.float32, np.float64]), min_size=1, max_size=5),
+       st.integers(0, 2**32 - 1))
+def test_a_whole_list_sum_feeds_scalar_state_in_the_params_precision(dtypes, seed):
+    """The sum of grad^2 over the list, kept as scalar state: float64 (to float64 rounding)
+    where every param is float64, else float32 (the float64 sum rounded once)."""
+    rule = mtapply.rule("latest_g2", **LATEST_G2)
+    rng = np.random.default_rng(seed)
+    grads = [rng.standard_normal(int(rng.integers(1, 50))).astype(d) for d in dtypes]
+    params = [np.ones_like(g) for g in grads]
+    plan = rule.plan(params, grads)
+    wide = all(d == np.float64 for d in dtypes)
+    assert plan.sum_dtype == ("float64" if wide else "float32")
+    state = rule.initial_scalars(plan.sum_dtype)
+    plan.step(lr=0.5, step=1, scalars_out=state)
+    exact = sum(float(np.sum(np.float64(g) ** 2)) for g in grads)
+    assert state.dtype == plan.sum_dtype
+    if wide:
+        assert state[2] == pytest.approx(exact, rel=1e-14)
+    else:
+        assert state[2] == pytest.approx(np.float32(exact), rel=1e-6)
 
 
 @pytest.mark.parametrize("change,error,message", [
