@@ -21,6 +21,7 @@ from ._optax_ops import OptaxRule, is_array
 from ._optax_state import FLOATS, FlatLayout, flat_for, leaf_struct, tree_state
 from .ops._spec import DeviceScalar, check_number
 from .plan import Plan
+from .rules._spec import sum_dtype_of
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -530,10 +531,9 @@ def _scalar_dtype(leaves: list):
 
 
 def _carried_dtype(leaves: list):
-    """The dtype of a rule's scalar state over these params: float64 where every one is
-    float64 (jax_enable_x64), else float32 (`RuleSpec.sum_dtype`)."""
-    wide = bool(leaves) and all(leaf_struct(x).dtype == np.float64 for x in leaves)
-    return jnp.float64 if wide else jnp.float32
+    """The dtype of a rule's scalar state over these params (`rules._spec.sum_dtype_of`;
+    float64 only under jax_enable_x64)."""
+    return jnp.dtype(sum_dtype_of(leaf_struct(x).dtype.name for x in leaves))
 
 
 def _float32_scalars(call, n_scalars: int):

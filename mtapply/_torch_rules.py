@@ -19,6 +19,7 @@ from ._torch_state import (MASTER, check_eight_bit_slots, check_state_bits, own_
 from .ops._spec import check_number, seed_words
 from .rules import library
 from .rules._factored import COL, FULL, ROW, UNFACTORED, is_factored, slot_shape
+from .rules._spec import sum_dtype_of
 
 
 class RuleBased(FusedOptimizer):
@@ -816,6 +817,5 @@ def optimizer(rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=40
 
 
 def _scalar_dtype(params):
-    """A rule's scalar state dtype over these params: float64 where every one is float64
-    (`RuleSpec.sum_dtype`), else float32."""
-    return torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
+    """A rule's scalar state dtype over these params (`rules._spec.sum_dtype_of`)."""
+    return getattr(torch, sum_dtype_of(str(p.dtype).removeprefix("torch.") for p in params))

@@ -17,6 +17,13 @@ from ._language import STEP, Program
 
 SUMMING_CHUNK = 8192  # elements per CUDA block for a rule with sums (see `chunk_for`)
 
+
+def sum_dtype_of(param_dtypes) -> str:
+    """The dtype of a rule's sums and scalar state over params of these dtypes (names, as
+    "float64"): float64 where every param is float64, so that they keep the params' precision
+    (D-Adaptation's d from float64 sums); float32 else (mixed lists too)."""
+    return "float64" if set(param_dtypes) == {"float64"} else "float32"
+
 class RuleSpec(OpSpec):
     """A rule as an op: slot k of the rule is the op's list `<name>s` (param -> params)."""
 
@@ -152,10 +159,7 @@ class RuleSpec(OpSpec):
                 f"the CPU")
 
     def sum_dtype(self, param_dtypes) -> str:
-        """float64 where every param is float64: the sums and the scalar state then keep the
-        params' precision (D-Adaptation's d from float64 sums); float32 else."""
-        dtypes = set(param_dtypes)
-        return "float64" if dtypes == {"float64"} else "float32"
+        return sum_dtype_of(param_dtypes)
 
     def chunk_for(self, dtypes: tuple) -> int:
         """A factored rule's blocks take longer chunks: each makes its op (hyperparameters and
