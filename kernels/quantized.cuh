@@ -298,7 +298,7 @@ struct Quantized {
       sum_t acc[SUMS ? Op::N_SUMS : 1] = {};
       for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
       for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
-      finish_sums<Op>(launch, acc, job.tensor, job.index, job.numel);
+      finish_sums<Op>(launch, acc, blockIdx.x, job.tensor, job.index, job.numel);
     } else {
       for (; local < whole; local += WARPS) update_block<true, Index>(maps, scales, op, grad_scale, job, local);
       for (; local < blocks; local += WARPS) update_block<false, Index>(maps, scales, op, grad_scale, job, local);

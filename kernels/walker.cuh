@@ -70,6 +70,8 @@ template <class Op, class = void> struct Indexed { static constexpr bool value =
 template <class Op> struct Indexed<Op, decltype(void(Op::INDEXED))> { static constexpr bool value = Op::INDEXED; };
 template <class Op, class = void> struct InFlight { static constexpr int value = 1; };
 template <class Op> struct InFlight<Op, decltype(void(Op::IN_FLIGHT))> { static constexpr int value = Op::IN_FLIGHT; };
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
 template <class Op, class = void> struct LastFirst { static constexpr bool value = false; };
 template <class Op> struct LastFirst<Op, decltype(void(Op::LAST_FIRST))> { static constexpr bool value = Op::LAST_FIRST; };
 
@@ -87,7 +89,8 @@ __device__ __forceinline__ double scalar_arg(const float* ptr, double value) {
 // Ops that sum over each tensor (Op::N_SUMS > 0) use the workspace: partials (per block),
 // arrivals (per tensor, zero between launches) and sums (per tensor, the totals). The sums of
 // every group of the plan lie in all_sums; positions[i] is where the i-th tensor of the caller's
-// list lies there; finished counts the tensors done in this step, over all groups.
+// list lies there; finished counts the tensors done in this step, over all groups. A fused
+// launch (walk_fused) runs both passes of a two-pass op from its list of jobs.
 template <class Args>
 struct Launch {
   const int2* blocks;
@@ -101,6 +104,8 @@ struct Launch {
   const sum_t* all_sums;
   const int* positions;
   unsigned* finished;
+  const int* jobs;        // a fused launch's jobs (see walk_fused), else null
+  unsigned* tickets;      // the jobs taken in a fused launch (zero between launches)
   long long n_tensors;
   long long n_nonempty;
   const Args* args_rows;  // per-tensor hyperparameters: the rows of distinct args, or null
@@ -405,9 +410,13 @@ __device__ void finish_global(const Launch<typename Op::Args>& launch) {
   if (threadIdx.x == 0) *launch.finished = 0u;  // ready for the next step
 }
 
+// Set in a tensor's arrival count once its sums are known, in a fused launch (walk_fused).
+constexpr unsigned SUMS_READY = 1u << 31;
+
 template <class Op>
 __device__ void finish_sums(const Launch<typename Op::Args>& launch, const sum_t (&acc)[Op::N_SUMS],
-                            int tensor, int chunk, long long numel) {
+                            long long slot, int tensor, int chunk, long long numel,
+                            bool fused = false) {
   constexpr int N_SUMS = Op::N_SUMS;
   sum_t mine[N_SUMS];
 #pragma unroll
@@ -415,7 +424,7 @@ __device__ void finish_sums(const Launch<typename Op::Args>& launch, const sum_t
   __shared__ bool last;
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int k = 0; k < N_SUMS; ++k) launch.partials[static_cast<long long>(blockIdx.x) * N_SUMS + k] = mine[k];
+    for (int k = 0; k < N_SUMS; ++k) launch.partials[slot * N_SUMS + k] = mine[k];
     __threadfence();
     const unsigned chunks = static_cast<unsigned>((numel + MTA_CHUNK - 1) / MTA_CHUNK);
     last = atomicAdd(&launch.arrivals[tensor], 1u) == chunks - 1;
@@ -423,7 +432,7 @@ __device__ void finish_sums(const Launch<typename Op::Args>& launch, const sum_t
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const long long first = static_cast<long long>(blockIdx.x) - chunk;
+  const long long first = slot - chunk;
   const long long chunks = (numel + MTA_CHUNK - 1) / MTA_CHUNK;
 #pragma unroll
   for (int k = 0; k < N_SUMS; ++k) {
@@ -433,7 +442,14 @@ __device__ void finish_sums(const Launch<typename Op::Args>& launch, const sum_t
     const sum_t total = block_sum(part);
     if (threadIdx.x == 0) launch.sums[static_cast<long long>(tensor) * N_SUMS + k] = total;
   }
-  if (threadIdx.x == 0) launch.arrivals[tensor] = 0u;  // ready for the next launch
+  if (threadIdx.x == 0) {
+    if (fused) {  // the tensor's update jobs may start (they then count themselves out)
+      __threadfence();  // the sums before the flag
+      atomicAdd(&launch.arrivals[tensor], SUMS_READY);
+    } else {
+      launch.arrivals[tensor] = 0u;  // ready for the next launch
+    }
+  }
   if constexpr (IsGlobal<Op>::value) finish_global<Op>(launch);
 }
 
@@ -446,8 +462,8 @@ struct Chunk {
 };
 
 template <class Args>
-__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch, bool last_first = false) {
-  const int2 job = launch.blocks[last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x];
+__device__ __forceinline__ Chunk chunk_at(const Launch<Args>& launch, long long block) {
+  const int2 job = launch.blocks[block];
   const long long* rec = launch.records + static_cast<long long>(job.x) * (MTA_SLOTS + 1);
   const long long begin = static_cast<long long>(job.y) * MTA_CHUNK;
   return Chunk{job.x, job.y, rec[0], begin, min(begin + static_cast<long long>(MTA_CHUNK), rec[0]),
@@ -476,6 +492,11 @@ __device__ __forceinline__ unsigned long long element_pointers(const Chunk& job,
   address_bits |= static_cast<unsigned long long>(job.addresses[MTA_SLOTS - 1]);
 #endif
   return address_bits;
+}
+
+template <class Args>
+__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch, bool last_first = false) {
+  return chunk_at(launch, last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
 }
 
 // The op's functor for the block's chunk: an indexed op is made with the chunk itself.
@@ -544,10 +565,10 @@ __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
 // stride. The scalar loop (a tail, or a chunk not 16-byte aligned) strides by the block.
 // Passes that sum over a block (block_sum) and ops that walk by themselves get whole blocks.
 template <class Op>
-__device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
+__device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& launch, const Chunk& job,
+                                           long long slot, bool fused = false) {
   constexpr int N = Op::N_SLOTS;
   const acc_t grad_scale = acc_t(scalar_arg(launch.grad_scale_ptr, launch.grad_scale));
-  const Chunk job = chunk_of(launch, LastFirst<Op>::value);
   const long long numel = job.numel;
   // The op first: its constructor's per-launch math (hyperparameters read in double) is the
   // walk's register peak, which the element pointers would otherwise add to.
@@ -563,7 +584,49 @@ __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& l
   } else {
     walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
   }
-  if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, job.tensor, job.index, numel);
+  if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, slot, job.tensor, job.index, numel, fused);
+}
+
+template <class Op>
+__device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
+  walk_chunk<Op>(launch, chunk_of(launch, LastFirst<Op>::value), blockIdx.x);
+}
+
+// Both passes of an op whose first pass sums over each tensor (Sum: it writes nothing) and
+// whose update reads those sums (Update), in one launch: no drain and launch between the
+// passes, and each chunk's update soon after its sums read it, so that it re-reads them from
+// L2. Block b takes ticket b in the order the blocks start (an atomic count), and the job
+// `jobs[ticket]`: the sums of chunk k (k >= 0) or the update of chunk ~k. The host lists each
+// update after every sum of its tensor, so a block that waits for a tensor's sums waits only
+// for blocks that took earlier tickets, which are running and wait for nothing: no deadlock,
+// however many blocks fit on the GPU. The tensor's arrival count says when its sums are in
+// (SUMS_READY); each update job then counts itself, and the last one zeroes it.
+template <class Sum, class Update>
+__device__ void walk_fused(const Launch<typename Sum::Args>& launch) {
+  static_assert(Sum::WRITTEN == 0u && Sum::N_SUMS > 0 && !IsGlobal<Sum>::value,
+                "a fused launch's first pass only sums over each tensor");
+  __shared__ int job;
+  if (threadIdx.x == 0) {
+    const unsigned ticket = atomicAdd(launch.tickets, 1u);
+    if (ticket == gridDim.x - 1) *launch.tickets = 0u;  // every ticket is taken: for the next launch
+    job = launch.jobs[ticket];
+  }
+  __syncthreads();
+  const long long block = job >= 0 ? job : ~job;
+  const Chunk chunk = chunk_at(launch, block);
+  if (job >= 0) {
+    walk_chunk<Sum>(launch, chunk, block, true);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    unsigned* count = &launch.arrivals[chunk.tensor];
+    while ((atomicAdd(count, 0u) & SUMS_READY) == 0u) __nanosleep(100);
+    __threadfence();  // the sums after the flag
+    const unsigned chunks = static_cast<unsigned>((chunk.numel + MTA_CHUNK - 1) / MTA_CHUNK);
+    if (atomicAdd(count, 1u) == SUMS_READY + 2u * chunks - 1u) *count = 0u;  // the last update
+  }
+  __syncthreads();
+  walk_chunk<Update>(launch, chunk, block);
 }
 
 template <class Op>
@@ -581,4 +644,15 @@ __device__ __forceinline__ void walk(const Launch<typename Op::Args>& launch) {
     const bool runs = mta::step_runs(launch);                                       \
     if (runs) mta::walk<OP>(launch);                                                \
     mta::count_step(launch, runs);                                                  \
+  }
+
+// The fused launch NAME of a two-pass op (walk_fused): the first pass's functor SUM, the
+// update's UPDATE, one Args.
+#define MTA_DEFINE_FUSED_ENTRY(NAME, SUM, UPDATE)                                        \
+  static_assert(mta::Same<SUM::Args, UPDATE::Args>::value, "both passes take one Args"); \
+  extern "C" __global__ void __launch_bounds__(MTA_BLOCK, mta::MinBlocks<UPDATE>::value)    \
+  NAME(const mta::Launch<SUM::Args> launch) {                                               \
+    const bool runs = mta::step_runs(launch);                                               \
+    if (runs) mta::walk_fused<SUM, UPDATE>(launch);                                         \
+    mta::count_step(launch, runs);                                                          \
   }

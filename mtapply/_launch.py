@@ -17,7 +17,7 @@ from ._torch_fast import order_after_current_stream
 _NAN = float("nan")
 _DOUBLE = struct.Struct("<d")
 _ADDRESSES = ("_ptr", "_array", "_out")  # argument fields that carry a device address
-_HEADER = "<2QdQQ6Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
+_HEADER = "<2QdQQ8Q2q2Q2QqqQ"  # table, AMP, workspace, rows, step count, checks; then the op's
 HEADER_BYTES = struct.calcsize(_HEADER)  # where the op's words start (kernels assert it)
 
 
@@ -113,6 +113,7 @@ class KernelLaunch:
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
         self._workspace = (0,) * 8
+        self._fused = (0, 0)  # a fused launch's jobs and tickets (walker.cuh, walk_fused)
         self._rows = (0, 0)
         self._counting = (0, 0, 0)
         self._checks = (0, 0)  # rows the kernel checks, the address of the `invalid` flag
@@ -125,6 +126,11 @@ class KernelLaunch:
         """This group's workspace, and the plan's (all_sums, positions, finished, n_tensors,
         n_nonempty): see kernels/walker.cuh, `Launch`."""
         self._workspace = (partials_ptr, arrivals_ptr, sums_ptr, *plan_sums)
+
+    def set_fused(self, jobs_ptr: int, tickets_ptr: int) -> None:
+        """Makes this a fused launch of a two-pass op: its jobs (kernels/walker.cuh,
+        walk_fused) and the count of those taken."""
+        self._fused = (jobs_ptr, tickets_ptr)
 
     def set_rows(self, rows_ptr: int, row_of_ptr: int, checked_rows: int = 0) -> None:
         """Per-tensor args: the device rows of distinct args (as `row_words` packs them) and
@@ -177,7 +183,9 @@ class KernelLaunch:
         else:
             values += (_NAN, grad_scale.ptr)
         values.append(0 if found_inf is None else found_inf.ptr)
-        values += self._workspace
+        values += self._workspace[:6]
+        values += self._fused
+        values += self._workspace[6:]
         values += self._rows
         values += self._counting
         op_words, device_args = self._arg_values(args)

@@ -28,6 +28,8 @@ class Launcher:
         self._keep = _tables.Keeper(device_id)
         self._keep.stream = stream  # the copies below are queued there: kept past them
         self.launches, self.tables, self._memory = [], [], self._keep.memory
+        self.fused: list = []  # per group, its fused launch (both passes in one) or None
+        self._tickets = 0  # the count of a fused launch's jobs taken (walker.cuh, walk_fused)
         self._rows = RowTables(spec, device_id)
         self.all_sums = None
         self.sum_dtype = spec.sum_dtype(d[0] for d in dtypes)
@@ -37,10 +39,13 @@ class Launcher:
             functors = spec.functors_for(group.dtypes)
             threads = spec.threads_for(group.dtypes, group.numels, _sms(device_id))
             source = spec.source(group.dtypes, threads, self.sum_dtype)
+            group.fused = spec.fusable(group.dtypes)
             functions = _source.kernel_functions(source, device_id, len(functors),
-                                                 spec.compile_options(group.dtypes))
+                                                 spec.compile_options(group.dtypes), group.fused)
             self.launches.append([KernelLaunch(f, threads, group.n_blocks, spec.arg_fields)
-                                  for f in functions])
+                                  for f in functions[:len(functors)]])
+            self.fused.append(KernelLaunch(functions[-1], threads, 2 * group.n_blocks,
+                                           spec.arg_fields) if group.fused else None)
             self.tables.append(None)
         # groups whose rows read scheduled values from float32 slots (see RowTables)
         self._slotted = [_source.math_type(group.dtypes) == "float" for group in self.groups]
@@ -52,10 +57,19 @@ class Launcher:
                 self._attach_means(means, stream)
             self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
         self._memory.append(self.invalid)
-        for passes in self.launches:
-            for launch in passes:
+        for k in range(len(self.groups)):
+            for launch in self._group_launches(k):
                 launch.set_invalid(self.invalid.ptr)
         self.upload(stream)
+
+    def _group_launches(self, k: int) -> list:
+        """Group k's launches: one per pass, then its fused one, if any."""
+        return self.launches[k] + ([self.fused[k]] if self.fused[k] is not None else [])
+
+    def _runs_fused(self, busy: list, after_pass) -> bool:
+        """Whether a step runs each busy group's fused launch rather than its passes: where
+        every busy group has one and nothing runs on the host between the passes."""
+        return after_pass is None and bool(busy) and all(self.fused[k] is not None for k in busy)
 
     def __reduce_ex__(self, protocol):
         raise _tables._not_copied(self)
@@ -108,12 +122,17 @@ class Launcher:
         self._counters.append((finished, 4))
         self.all_sums = all_sums
         plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
-        for group, offset, passes in zip(self.groups, offsets, self.launches):
+        if any(launch is not None for launch in self.fused):
+            tickets = _device_copy(np.zeros(1, np.uint32), stream)  # (one launch at a time)
+            self._memory.append(tickets)
+            self._counters.append((tickets, 4))
+            self._tickets = tickets.ptr
+        for k, (group, offset) in enumerate(zip(self.groups, offsets)):
             partials = cupy.cuda.alloc(max(group.n_blocks * n_sums, 1) * size)
             arrivals = _device_copy(np.zeros(max(len(group.numels), 1), np.uint32), stream)
             self._memory += [partials, arrivals]
             self._counters.append((arrivals, 4 * max(len(group.numels), 1)))
-            for launch in passes:
+            for launch in self._group_launches(k):
                 launch.set_workspace(partials.ptr, arrivals.ptr,
                                      all_sums.ptr + size * n_sums * int(offset), plan_sums)
                 if n_totals:
@@ -125,17 +144,17 @@ class Launcher:
         its shape words)."""
         memory = _device_copy(np.zeros(max(n, 1), np.float64), stream)
         self._memory.append(memory)
-        for passes in self.launches:
-            for launch in passes:
+        for k in range(len(self.groups)):
+            for launch in self._group_launches(k):
                 launch.set_array("means_array", memory.ptr)
 
     def _attach_arrays(self, arrays: dict, stream: int) -> None:
         """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""
         for name, values in arrays.items():
-            for group, passes in zip(self.groups, self.launches):
+            for k, group in enumerate(self.groups):
                 memory = _device_copy(np.ascontiguousarray(np.asarray(values)[group.indices]), stream)
                 self._memory.append(memory)
-                for launch in passes:
+                for launch in self._group_launches(k):
                     launch.set_array(name, memory.ptr)
 
     def upload(self, stream: int) -> None:
@@ -148,8 +167,10 @@ class Launcher:
                     self.tables[k] = _tables.make_table(self.table_mode, table.nbytes, self.device_id)
                 self.tables[k].write(table, stream)
                 base = self.tables[k].ptr
-                for launch in self.launches[k]:
+                for launch in self._group_launches(k):
                     launch.set_table(base, base + group.records_offset)
+                if self.fused[k] is not None:
+                    self.fused[k].set_fused(base + group.jobs_offset, self._tickets)
 
     def rebound(self, columns: dict, stream_of) -> "Launcher":
         """Points slots at new addresses (slot index -> addresses); `stream_of(device_id)` is
@@ -207,11 +228,15 @@ class Launcher:
         for k in busy:
             for p, launch in enumerate(self.launches[k]):
                 launch.set_counting(counter_ptr, arrivals.ptr, blocks if p == last else 0)
+            if self.fused[k] is not None:  # (a step runs these or the passes: `_runs_fused`)
+                self.fused[k].set_counting(counter_ptr, arrivals.ptr, 2 * blocks)
         return True
 
     def launch_order(self) -> list:
         """The launches of a step without hooks or rows, in `run`'s order."""
         busy = self._busy()
+        if self._runs_fused(busy, None):
+            return [self.fused[k] for k in busy]
         return [self.launches[k][p] for p in range(self._n_passes()) for k in busy]
 
     def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
@@ -232,17 +257,18 @@ class Launcher:
             self._rows.prepare(rows, stream)
             for k in busy:
                 self.tables[k].before_launch(stream)
-                self._rows.place(k, self.launches[k], self.groups[k].indices, rows, stream,
-                                 self._slotted[k])
+                self._rows.place(k, self._group_launches(k), self.groups[k].indices, rows,
+                                 stream, self._slotted[k])
             if self._interrupted:  # (after the wait for the interrupted launches' stream)
                 self._zero_counters(stream)
             # every pass and hook runs even with nothing to launch here: ranks that all-reduce
             # between passes must all reach the hook
             n_passes = self._n_passes()
-            for p in range(n_passes):
+            passes = ([[self.fused[k] for k in busy]] if self._runs_fused(busy, after_pass) else
+                      [[self.launches[k][p] for k in busy] for p in range(n_passes)])
+            for p, launches in enumerate(passes):
                 self._interrupted = True  # until the pass's launches are all queued
-                for k in busy:
-                    launch = self.launches[k][p]
+                for launch in launches:
                     launch.set_args(args, grad_scale, found_inf)
                     launch.launch(stream)
                 self._interrupted = False

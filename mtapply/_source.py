@@ -145,7 +145,7 @@ def math_type(dtypes: tuple[str, ...]) -> str:
 def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[str, ...],
                    flags: tuple[tuple[str, bool], ...], chunk: int = CHUNK_ELEMENTS,
                    checks: tuple = (), layout: tuple | None = None,
-                   block: int = BLOCK_THREADS) -> str:
+                   block: int = BLOCK_THREADS, fused: bool = False) -> str:
     """Complete source of one kernel variant (op file, slot dtypes, compile-time flags, elements
     per chunk, the checks of its device scalars: `OpSpec.device_checks`, threads per block
     `block`: `kernel_block`), with one entry point
@@ -154,7 +154,8 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
 
     `layout` (bytes of the launch header, the C++ names of the op's argument words in order):
     the host's packing of the kernel arguments, which the source then asserts at compile time
-    (see `layout_asserts`)."""
+    (see `layout_asserts`). `fused`: also the entry `FUSED_ENTRY`, both passes of a two-pass op
+    in one launch (kernels/walker.cuh, walk_fused)."""
     lines = [f"#define MTA_BLOCK {block}",
              f"#define MTA_SLOTS {len(dtypes)}",
              f"#define MTA_CHUNK {chunk}",
@@ -177,6 +178,8 @@ def variant_source(kernel_file: str, functors: tuple[str, ...], dtypes: tuple[st
     lines += ["}  // namespace mta"]
     lines += inlined_sources((kernel_file,), seen)
     lines += [f"MTA_DEFINE_ENTRY({entry_name(k)}, {f})" for k, f in enumerate(functors)]
+    if fused:
+        lines.append(f"MTA_DEFINE_FUSED_ENTRY({FUSED_ENTRY}, {', '.join(functors)})")
     if layout is not None:
         lines += [line for k, f in enumerate(functors) for line in layout_asserts(f, *layout, k)]
     return "\n".join(lines) + "\n"
@@ -208,14 +211,17 @@ def entry_name(pass_index: int) -> str:
     return f"mta_pass{pass_index}"
 
 
+FUSED_ENTRY = "mta_fused"  # a two-pass op's passes in one launch (`variant_source`'s `fused`)
+
+
 _loaded: dict = {}
 _loading = threading.Lock()  # one thread compiles and loads a variant; the others wait for it
 
 
 def kernel_functions(source: str, device_id: int, n_passes: int,
-                     options: tuple | None = None) -> list:
+                     options: tuple | None = None, fused: bool = False) -> list:
     """The entry points of `source` compiled with `options` (default COMPILE_OPTIONS) on a
-    device (cupy.cuda.function.Function), one per pass."""
+    device (cupy.cuda.function.Function), one per pass, then the fused one where `fused`."""
     options = COMPILE_OPTIONS if options is None else options
     key = (source, device_id, options)
     functions = _loaded.get(key)
@@ -229,7 +235,8 @@ def kernel_functions(source: str, device_id: int, n_passes: int,
                     arch = "".join(map(str, cupy.cuda.Device(device_id).compute_capability))
                     module = cupy.cuda.function.Module()
                     module.load(_compiled_binary(source, arch, options))
-                    functions = [module.get_function(entry_name(k)) for k in range(n_passes)]
+                    names = [entry_name(k) for k in range(n_passes)] + [FUSED_ENTRY] * fused
+                    functions = [module.get_function(name) for name in names]
                 _loaded[key] = functions
     return functions
 

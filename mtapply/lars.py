@@ -16,9 +16,9 @@ class LARSSpec(RuleSpec):
                    (lr when a norm is zero)
         v = momentum * v + local_lr * (g + weight_decay * p);   p = p - v
     Tensors listed in `exclude` (biases, norm layers) take plain momentum steps with lr and no
-    weight decay: the rule's `adapt` and `decay_on`, 0 for them, are fixed with the plan. Two
-    launches per step whatever the number of tensors: one sums ||p||^2 and ||g||^2 of every
-    tensor on the device, the next updates. The sums are float32 (float64 params included), on
+    weight decay: the rule's `adapt` and `decay_on`, 0 for them, are fixed with the plan. One
+    launch per step whatever the number of tensors: its blocks sum ||p||^2 and ||g||^2 of each
+    tensor on the device, then update it (kernels/walker.cuh, walk_fused). The sums are float32 (float64 params included), on
     the CPU as on the GPU.
     """
 
@@ -68,7 +68,7 @@ def lars_plan(params, grads, momentum_buffers, *, exclude=None, master_params=No
 
     Returns:
         A `Plan`. `plan.step(lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-        eps=0.0, grad_scale=None, found_inf=None, stream=None)`: two launches whatever the number
+        eps=0.0, grad_scale=None, found_inf=None, stream=None)`: one launch whatever the number
         of tensors (per-tensor norms on the device, then the update), no host synchronisation.
     """
     tensors = {"params": params, "grads": grads, "momentum_buffers": momentum_buffers,

@@ -192,15 +192,22 @@ class OpSpec:
         float32; a rule's is float64 where every param is float64 (`RuleSpec`)."""
         return "float32"
 
+    def fusable(self, dtypes: tuple) -> bool:
+        """Whether a group of these slot dtypes may run its two passes in one launch
+        (kernels/walker.cuh, walk_fused): a first pass that only sums over each tensor, and an
+        update that reads those sums. No hand-written op does."""
+        return False
+
     def source(self, dtypes: tuple, threads: int = _source.BLOCK_THREADS,
                sum_dtype: str = "float32") -> str:
         """The CUDA source of the op's kernel for a group whose slots have these dtypes,
-        launched with `threads` per block (`threads_for`), its sums in `sum_dtype`."""
+        launched with `threads` per block (`threads_for`), its sums in `sum_dtype`; with the
+        fused entry where `fusable`."""
         flags = self.flags + ((("SUM64", True),) if sum_dtype == "float64" else ())
         return _source.variant_source(self.kernel_file, self.functors_for(dtypes), dtypes,
                                       flags, self.chunk_for(dtypes), self.device_checks(),
                                       (HEADER_BYTES, self.arg_members),
-                                      _source.kernel_block(threads))
+                                      _source.kernel_block(threads), self.fusable(dtypes))
 
     @property
     def arg_members(self) -> tuple:

@@ -204,7 +204,7 @@ class _Writer:
             for k, total in enumerate(program.sums):
                 self.names[total.name] = f"q_{total.name}"
                 where = (f"a.{TOTALS}[{whole}]" if total.whole
-                         else f"sums[{n_sums} * tensor + {k}]")
+                         else f"__ldcg(&sums[{n_sums} * tensor + {k}])")  # (L2: walk_fused)
                 whole += total.whole
                 reads.append(f"    const double q_{total.name} = static_cast<double>({where});")
             lines = self._update_lines()

@@ -161,6 +161,15 @@ class RuleSpec(OpSpec):
     def sum_dtype(self, param_dtypes) -> str:
         return sum_dtype_of(param_dtypes)
 
+    def fusable(self, dtypes: tuple) -> bool:
+        """Per-tensor sums only (no whole-list sums, scalar state or factored slots), taken by
+        a first pass that stores nothing (not the pair of `functors_for` whose first pass
+        stores) and an update walked by the chunk walker (not 8-bit state's own walk)."""
+        program = self.program
+        return (bool(program.sums) and not (program.totals or program.scalars or program.factored)
+                and self.functors_for(dtypes) == self._functors and len(self._functors) == 2
+                and not self.walks_itself(dtypes))
+
     def chunk_for(self, dtypes: tuple) -> int:
         """A factored rule's blocks take longer chunks: each makes its op (hyperparameters and
         shape) once for 32,768 elements rather than 4,096 (Adafactor's gpt2-124M step 2.24 ->
