@@ -62,3 +62,15 @@ def on_gpu_at(arrays, offset=0):
         flat = np.concatenate([np.zeros(offset, a.dtype), a.reshape(-1)])
         out.append(torch.from_numpy(flat).cuda()[offset:].view(a.shape))
     return out
+
+
+def count_launches(fn) -> int:
+    """The kernel launches mtapply issues while `fn()` runs."""
+    launches = []
+    original = mtapply._launch.KernelLaunch.launch
+    mtapply._launch.KernelLaunch.launch = lambda self, s: (launches.append(s), original(self, s))[1]
+    try:
+        fn()
+    finally:
+        mtapply._launch.KernelLaunch.launch = original
+    return len(launches)

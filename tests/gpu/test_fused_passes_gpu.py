@@ -9,7 +9,7 @@ from mtapply._blocks import FUSED_LAG
 from mtapply.rules._spec import SUMMING_CHUNK
 
 torch = pytest.importorskip("torch")
-from _helpers import to64  # noqa: E402
+from _helpers import count_launches, to64  # noqa: E402
 
 # tensors of one chunk, of none, of more chunks than the lag between a block's sums and its
 # update (whose updates then wait for the tensor's last sums), and many small ones between
@@ -36,17 +36,6 @@ def _twins(lists):
     return [[t.clone() for t in ts] for ts in lists]
 
 
-def _count_launches(step):
-    launches = []
-    original = mtapply._launch.KernelLaunch.launch
-    mtapply._launch.KernelLaunch.launch = lambda self, s: (launches.append(self), original(self, s))[1]
-    try:
-        step()
-    finally:
-        mtapply._launch.KernelLaunch.launch = original
-    return len(launches)
-
-
 def _two_passes(k):
     """A hook between the passes: the plan then launches them one by one."""
 
@@ -61,8 +50,8 @@ def test_lars_fused_equals_its_two_launches(dtype):
         for a, b in zip(fused[1], apart[1]):
             a.copy_(torch.randn_like(a) * 0.01)
             b.copy_(a)
-        assert _count_launches(lambda: plans[0].step(**HYPER)) == 1
-        assert _count_launches(lambda: plans[1].step(after_pass=_two_passes, **HYPER)) == 2
+        assert count_launches(lambda: plans[0].step(**HYPER)) == 1
+        assert count_launches(lambda: plans[1].step(after_pass=_two_passes, **HYPER)) == 2
         for name, x, y in (("params", fused[0], apart[0]), ("buffers", fused[2], apart[2])):
             for i, (a, b) in enumerate(zip(x, y)):
                 assert torch.equal(a, b), f"{name}[{i}] differs at step {step + 1}"
@@ -86,7 +75,7 @@ def test_a_users_rule_with_mixed_dtypes_and_unaligned_views():
         sgd = normalized_sgd()
         plans = [sgd.plan(*ls) for ls in (fused, apart)]
         for _ in range(3):
-            assert _count_launches(lambda: plans[0].step(lr=1.0)) == 2  # one per dtype
+            assert count_launches(lambda: plans[0].step(lr=1.0)) == 2  # one per dtype
             plans[1].step(lr=1.0, after_pass=_two_passes)
         for i, (a, b) in enumerate(zip(fused[0], apart[0])):
             assert torch.equal(a, b), f"params[{i}]"

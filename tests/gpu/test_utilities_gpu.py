@@ -6,6 +6,7 @@ import pytest
 import mtapply
 
 torch = pytest.importorskip("torch")
+from _helpers import count_launches  # noqa: E402
 
 CHUNK = mtapply._source.CHUNK_ELEMENTS
 SHAPES = [(0,), (1,), (CHUNK - 1,), (CHUNK,), (CHUNK + 1,), (278011,), (555, 555), (2048 * 32 + 1,), (0,)]
@@ -20,17 +21,6 @@ def _lists(dtypes=("float32",), scale=1.0, shapes=SHAPES, seed=None):
 
 def _norms64(tensors) -> np.ndarray:
     return np.array([float(t.double().pow(2).sum().sqrt()) for t in tensors])
-
-
-def _count_launches(fn):
-    launches = []
-    original = mtapply._launch.KernelLaunch.launch
-    mtapply._launch.KernelLaunch.launch = lambda self, s: (launches.append(s), original(self, s))[1]
-    try:
-        fn()
-    finally:
-        mtapply._launch.KernelLaunch.launch = original
-    return len(launches)
 
 
 @pytest.mark.parametrize("dtypes", [("float32",), ("bfloat16",), ("float16",), ("float64",),
@@ -50,7 +40,7 @@ def test_l2_norms_are_deterministic_and_one_launch_for_100k_tensors():
     tensors = _lists(shapes=[(int(n),) for n in sizes], seed=3)
     runs = []
     for _ in range(3):
-        count = _count_launches(lambda: runs.append(mtapply.l2_norms(tensors)))
+        count = count_launches(lambda: runs.append(mtapply.l2_norms(tensors)))
         assert count == 1
     for norms, total in runs[1:]:
         assert torch.equal(norms, runs[0][0]) and torch.equal(total, runs[0][1])
