@@ -274,27 +274,42 @@ class _Batch:
         x, y = self.updates, self.other
         norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
         x.div_(norms.clamp_(min=eps))
-        lt = self._lt_products()
-        stream = torch.cuda.current_stream(x.device).cuda_stream if lt else 0
         for _ in range(steps):
-            if self.wide:  # X X^T; X <- a X + (b G + c G G) X
-                torch.bmm(x, x.mT, out=self.gram)
-                torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c,
-                              out=self.gram_update)
-                if lt:
-                    lt(self.gram_update, x, x, y, 1.0, a, stream)
-                else:
-                    torch.baddbmm(x, self.gram_update, x, beta=a, out=y)
-            else:  # the transpose's iteration, kept in the param's layout: X^T X, X <- a X + X G'
-                torch.bmm(x.mT, x, out=self.gram)
-                torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c,
-                              out=self.gram_update)
-                if lt:
-                    lt(x, self.gram_update, x, y, 1.0, a, stream)
-                else:
-                    torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
+            self.gram_of(x)
+            self.gram_polynomial(b, c)
+            self.x_update(x, y, a)
             x, y = y, x
         return self.results[id(x)]
+
+    # One Newton-Schulz iteration is these three products (mtapply.bench.products times each).
+    # A wide batch iterates on X X^T: X <- a X + (b G + c G G) X; a tall one on the transpose,
+    # kept in the param's layout: G = X^T X, X <- a X + X G'.
+
+    def gram_of(self, x) -> None:
+        """G = X X^T (wide) or X^T X (tall), into `gram`."""
+        if self.wide:
+            torch.bmm(x, x.mT, out=self.gram)
+        else:
+            torch.bmm(x.mT, x, out=self.gram)
+
+    def gram_polynomial(self, b: float, c: float) -> None:
+        """G' = b G + c G G, into `gram_update`."""
+        torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c, out=self.gram_update)
+
+    def x_update(self, x, y, a: float) -> None:
+        """y = a X + G' X (wide) or a X + X G' (tall): one cuBLASLt product on CUDA, whose C (X)
+        is not its output."""
+        lt = self._lt_products()
+        if lt:
+            stream = torch.cuda.current_stream(x.device).cuda_stream
+            if self.wide:
+                lt(self.gram_update, x, x, y, 1.0, a, stream)
+            else:
+                lt(x, self.gram_update, x, y, 1.0, a, stream)
+        elif self.wide:
+            torch.baddbmm(x, self.gram_update, x, beta=a, out=y)
+        else:
+            torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
 
 
 class _Shard:
