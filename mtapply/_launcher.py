@@ -39,7 +39,8 @@ class Launcher:
             functors = spec.functors_for(group.dtypes)
             threads = spec.threads_for(group.dtypes, group.numels, _sms(device_id))
             source = spec.source(group.dtypes, threads, self.sum_dtype)
-            group.fused = spec.fusable(group.dtypes)
+            # (a fused grid is twice the blocks; its arrival counts keep bit 31 for a flag)
+            group.fused = spec.fusable(group.dtypes) and 2 * group.n_blocks < 2**30
             functions = _source.kernel_functions(source, device_id, len(functors),
                                                  spec.compile_options(group.dtypes), group.fused)
             self.launches.append([KernelLaunch(f, threads, group.n_blocks, spec.arg_fields)

@@ -58,6 +58,24 @@ def test_lars_fused_equals_its_two_launches(dtype):
         np.testing.assert_array_equal(plans[0].sums().get(), plans[1].sums().get())
 
 
+def test_lamb_with_bfloat16_moments_fused_equals_its_two_launches():
+    # float32 moments take the pair whose first pass stores them (two launches); 16-bit ones fuse
+    params, grads = _tensors(SHAPES[:80], "float32", 2, seed=5)
+    moments = _tensors(SHAPES[:80], "bfloat16", 2, seed=6)
+    for v in moments[1]:
+        v.abs_()
+    fused = [params, grads, *moments]
+    apart = _twins(fused)
+    plans = [mtapply.lamb_plan(*lists) for lists in (fused, apart)]
+    hyper = dict(lr=1e-2, weight_decay=0.01)
+    for step in range(1, 4):
+        assert count_launches(lambda: plans[0].step(step=step, **hyper)) == 1
+        plans[1].step(step=step, after_pass=_two_passes, **hyper)
+    for i, (a, b) in enumerate(zip(fused[0] + fused[2] + fused[3], apart[0] + apart[2] + apart[3])):
+        assert torch.equal(a, b), f"tensor {i}"
+    assert not torch.equal(fused[0][2], _tensors(SHAPES[:80], "float32", 1, seed=5)[0][2])
+
+
 def test_a_users_rule_with_mixed_dtypes_and_unaligned_views():
     # two dtype groups (two fused launches, one after the other) and views that start one
     # element past an aligned address (the walker's element by element path)
