@@ -2,6 +2,8 @@
 (kernels/walker.cuh, walk_fused): bit for bit what its two launches give, step after step."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mtapply
 from mtapply import rule
@@ -122,3 +124,39 @@ def test_fused_steps_replay_in_a_graph_and_skip_on_found_inf():
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(lists[0] + lists[2], twin[0] + twin[2])):
         assert torch.equal(a, b), f"tensor {i}"
+
+
+SPECIAL = [0, 1, 3, 4, 5, SUMMING_CHUNK - 1, SUMMING_CHUNK, SUMMING_CHUNK + 1, 3 * SUMMING_CHUNK + 4]
+
+
+@st.composite
+def drawn_lists(draw):
+    """Up to 600 sizes (at most 2**22 elements in all) and each one's offset into its buffer."""
+    budget, sizes = 2**22, []
+    for _ in range(draw(st.integers(0, 600))):
+        n = draw(st.sampled_from(SPECIAL) if draw(st.booleans()) else st.integers(0, 2**20))
+        n = min(n, budget)
+        budget -= n
+        sizes.append(n)
+    aligned = draw(st.booleans())
+    return sizes, [0 if aligned else draw(st.integers(0, 3)) for _ in sizes]
+
+
+def _views(sizes, offsets, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(n + off + 1, generator=g, device="cuda") * 0.05).to(getattr(torch, dtype))
+            [off:off + n] for n, off in zip(sizes, offsets)]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(lists=drawn_lists(), dtype=st.sampled_from(["float32", "bfloat16"]),
+       mode=st.sampled_from(["memcpy", "unified"]), seed=st.integers(0, 2**16))
+def test_drawn_lists_fused_equal_their_two_launches(lists, dtype, mode, seed):
+    sizes, offsets = lists
+    fused, apart = ([_views(sizes, offsets, dtype, seed + k) for k in range(3)] for _ in range(2))
+    plans = [mtapply.lars_plan(*ls, table_mode=mode) for ls in (fused, apart)]
+    for _ in range(2):
+        plans[0].step(**HYPER)
+        plans[1].step(after_pass=_two_passes, **HYPER)
+    for i, (a, b) in enumerate(zip(fused[0] + fused[2], apart[0] + apart[2])):
+        assert torch.equal(a, b), f"tensor {i} of {len(sizes)}"
