@@ -28,6 +28,7 @@ import math
 import torch
 
 from ._dtensor import is_dtensor, local_tensors
+from ._launch import stream_pointer
 from ._muon_state import Storage
 from ._optimizer_step import closure_loss
 from .ops._spec import check_number
@@ -301,7 +302,7 @@ class _Batch:
         is not its output."""
         lt = self._lt_products()
         if lt:
-            stream = torch.cuda.current_stream(x.device).cuda_stream
+            stream = stream_pointer(None, "torch", x.device.index)  # (torch's current one)
             if self.wide:
                 lt(self.gram_update, x, x, y, 1.0, a, stream)
             else:
