@@ -44,3 +44,10 @@ def test_the_timed_products_make_one_newton_schulz_iteration(shape):
     error = (batch.other.double() - expected).norm() / expected.norm()
     assert error < 2e-2  # bfloat16 products
     assert not torch.equal(batch.other, batch.updates)
+
+
+def test_joined_rows_batch_every_gram_matrix_of_a_shared_side():
+    shapes = [(8, 24)] * 3 + [(24, 8)] * 2 + [(8, 16)] + [(16, 16)]
+    rows = products.joined_rows(shapes, torch.device("cpu"), repeats=1, steps=1)
+    assert [(r["product"], r["shape"]) for r in rows] == [("gram_polynomial (joined)", [6, 8, 8])]
+    assert rows[0]["tflops"] * rows[0]["seconds"] * 1e12 == pytest.approx(2 * 6 * 8 ** 3)

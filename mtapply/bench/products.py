@@ -7,7 +7,8 @@ For each shape of a workload, the matrices of that shape make one batch (as the 
 batches them) and one iteration's three products are timed in turn: G = X X^T (the short side's
 Gram matrix), G' = b G + c G G and the X update a X + G' X (one cuBLASLt product on CUDA). A
 product's TFLOPS count its multiply-adds twice; the dense row is one square bfloat16 matmul of
-`--dense` rows. On the CPU (no CUDA) it runs with small shapes in wall time, for tests.
+`--dense` rows. Where several shapes share their short side, one more row times b G + c G G
+over all of their Gram matrices in one batch. On the CPU (no CUDA) it runs in wall time.
 """
 from __future__ import annotations
 
@@ -111,6 +112,32 @@ def product_rows(shapes, device, repeats: int, steps: int) -> list:
     return rows
 
 
+def joined_rows(shapes, device, repeats: int, steps: int) -> list:
+    """For each short side shared by several shapes, b G + c G G over all their Gram matrices in
+    one batch (a row "gram_polynomial (joined)"): what batching the m x m products of every
+    shape together would give against the per-shape rows."""
+    import torch
+
+    counts: dict = {}
+    for (r, c), count in shape_groups(shapes).items():
+        counts.setdefault(min(r, c), []).append(count)
+    _, b, c = COEFFICIENTS
+    rows = []
+    for side, each in counts.items():
+        if len(each) < 2:
+            continue
+        total = sum(each)
+        x = torch.randn((total, side, 2 * side), device=device, dtype=torch.bfloat16)
+        x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True))
+        gram = torch.bmm(x, x.mT)
+        out = torch.empty_like(gram)
+        seconds = time_call(lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=out),
+                            device, repeats, steps)
+        rows.append({"product": "gram_polynomial (joined)", "shape": [total, side, side],
+                     "seconds": seconds, "tflops": 2 * total * side ** 3 / seconds / 1e12})
+    return rows
+
+
 def main(argv=None) -> dict:
     import torch
 
@@ -128,7 +155,9 @@ def main(argv=None) -> dict:
                "dense": dense, "workloads": {}}
     print(f"dense bf16 matmul {args.dense}^3: {dense['tflops']:.0f} TFLOPS")
     for name in args.workloads:
-        rows = product_rows(WORKLOADS[name](), device, args.repeats, args.steps)
+        shapes = WORKLOADS[name]()
+        rows = (product_rows(shapes, device, args.repeats, args.steps)
+                + joined_rows(shapes, device, args.repeats, args.steps))
         results["workloads"][name] = rows
         for row in rows:
             share = row["tflops"] / dense["tflops"]
