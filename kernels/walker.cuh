@@ -495,8 +495,8 @@ __device__ __forceinline__ unsigned long long element_pointers(const Chunk& job,
 }
 
 template <class Args>
-__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch, bool last_first = false) {
-  return chunk_at(launch, last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+__device__ __forceinline__ Chunk chunk_of(const Launch<Args>& launch) {
+  return chunk_at(launch, blockIdx.x);
 }
 
 // The op's functor for the block's chunk: an indexed op is made with the chunk itself.
@@ -587,9 +587,11 @@ __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& laun
   if constexpr (Op::N_SUMS > 0) finish_sums<Op>(launch, acc, slot, job.tensor, job.index, numel, fused);
 }
 
+// A chunk's partial sums go to the slot of the chunk walked (block order reversed for LAST_FIRST).
 template <class Op>
 __device__ __forceinline__ void walk_elements(const Launch<typename Op::Args>& launch) {
-  walk_chunk<Op>(launch, chunk_of(launch, LastFirst<Op>::value), blockIdx.x);
+  const long long walked = LastFirst<Op>::value ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  walk_chunk<Op>(launch, chunk_at(launch, walked), walked);
 }
 
 // Both passes of an op whose first pass sums over each tensor (Sum: it writes nothing) and
