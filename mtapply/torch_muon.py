@@ -7,9 +7,9 @@ bfloat16 straight into a batch of its shape (a (count, rows, cols) buffer kept b
 one per shape); Newton-Schulz then runs on each batch with batched products (torch.bmm and
 torch.baddbmm, in bfloat16 with float32 accumulation, as torch.optim.Muon's per-matrix
 torch.addmm), the Gram matrix taken on the short side (a tall matrix's X^T X, so the result
-keeps the param's own layout). On CUDA the X update a X + B X is one cuBLASLt product
-(`_lt_products`) reading X and writing the other buffer: baddbmm's sums without its copy of X
-into the output first (a third of its time). One launch of `library.muon_apply` then applies
+keeps the param's own layout). On CUDA b G + c G G and the X update a X + B X are cuBLASLt
+products (`_lt_products`) whose output is not their C: baddbmm's sums without its copy of C
+into the output first (a third of their time). One launch of `library.muon_apply` then applies
 weight decay and the update scaled by each matrix's adjusted lr. Nothing waits for the GPU,
 and after the first step nothing is allocated but torch's own reuse of its cached blocks for
 the norms.
@@ -253,18 +253,20 @@ class _Batch:
         return results[k] if shard is None else results[k][shard.part].contiguous()
 
     def _lt_products(self):
-        """On CUDA, the X update as one cuBLASLt product with C apart from D (no copy of X into
-        the output first, as baddbmm makes); None elsewhere or where cuBLASLt is missing."""
+        """On CUDA, cuBLASLt products whose C is not their output (no copy of C into the output
+        first, as baddbmm makes): (b G + c G G, the X update); None elsewhere or where
+        cuBLASLt is missing."""
         if self.lt is None:
             self.lt = False
             if self.updates.is_cuda:
                 from ._lt_products import LtProducts
 
                 count, rows, cols = self.updates.shape
-                side = min(rows, cols)
+                side, device = min(rows, cols), self.updates.device
                 try:
-                    self.lt = (LtProducts(count, rows, side, cols, self.updates.device) if self.wide
-                               else LtProducts(count, rows, side, side, self.updates.device))
+                    self.lt = (LtProducts(count, side, side, side, device),
+                               LtProducts(count, rows, side, cols, device) if self.wide
+                               else LtProducts(count, rows, side, side, device))
                 except (OSError, RuntimeError):
                     self.lt = False
         return self.lt
@@ -294,23 +296,30 @@ class _Batch:
             torch.bmm(x.mT, x, out=self.gram)
 
     def gram_polynomial(self, b: float, c: float) -> None:
-        """G' = b G + c G G, into `gram_update`."""
-        torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c, out=self.gram_update)
-
-    def x_update(self, x, y, a: float) -> None:
-        """y = a X + G' X (wide) or a X + X G' (tall): one cuBLASLt product on CUDA, whose C (X)
-        is not its output."""
+        """G' = b G + c G G, into `gram_update`: one cuBLASLt product on CUDA."""
         lt = self._lt_products()
         if lt:
-            stream = stream_pointer(None, "torch", x.device.index)  # (torch's current one)
+            g = self.gram
+            lt[0](g, g, g, self.gram_update, c, b, self._stream())
+        else:
+            torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c, out=self.gram_update)
+
+    def x_update(self, x, y, a: float) -> None:
+        """y = a X + G' X (wide) or a X + X G' (tall): one cuBLASLt product on CUDA."""
+        lt = self._lt_products()
+        if lt:
             if self.wide:
-                lt(self.gram_update, x, x, y, 1.0, a, stream)
+                lt[1](self.gram_update, x, x, y, 1.0, a, self._stream())
             else:
-                lt(x, self.gram_update, x, y, 1.0, a, stream)
+                lt[1](x, self.gram_update, x, y, 1.0, a, self._stream())
         elif self.wide:
             torch.baddbmm(x, self.gram_update, x, beta=a, out=y)
         else:
             torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
+
+    def _stream(self) -> int:
+        """torch's current stream on the batch's device (cuBLASLt takes it per product)."""
+        return stream_pointer(None, "torch", self.updates.device.index)
 
 
 class _Shard:

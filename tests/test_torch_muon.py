@@ -384,3 +384,28 @@ def test_the_newton_schulz_update_product_equals_baddbmm(shape):
     gap = (out.float() - expected.float()).norm() / expected.float().norm()
     assert gap < 1e-3, f"relative gap {gap:.2e}"
     assert torch.equal(x, before[0]) and torch.equal(b, before[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6, 96, 160), (6, 160, 96), (3, 64, 64)])
+def test_the_gram_polynomial_product_equals_baddbmm(shape):
+    """b G + c G G by one cuBLASLt product into a buffer other than G gives what torch.baddbmm
+    gives, and leaves G as it was."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mtapply.torch_muon import _Batch
+
+    count, rows, cols = shape
+    params = [torch.empty((rows, cols), device="cuda") for _ in range(count)]
+    batch = _Batch(params)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(batch.gram.shape, generator=g, device="cuda")
+    batch.gram.copy_(x + x.mT)
+    batch.gram_update.fill_(float("nan"))
+    before = batch.gram.clone()
+    batch.gram_polynomial(-4.775, 2.0315)
+    assert batch.lt, "the CUDA batch runs cuBLASLt's products"
+    expected = torch.baddbmm(before, before, before, beta=-4.775, alpha=2.0315)
+    gap = (batch.gram_update.float() - expected.float()).norm() / expected.float().norm()
+    assert gap < 1e-3, f"relative gap {gap:.2e}"
+    assert torch.equal(batch.gram, before)
