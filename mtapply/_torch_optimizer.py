@@ -94,12 +94,14 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         """torch's listing of each group's options, under the class's full name (so that
         mtapply's AdamW does not read as torch.optim's) and the optimizer's own options:
         `mtapply.torch.AdamW (flat_grads=False) (` then the groups."""
-        _, groups = super().__repr__().split("\n", 1)  # torch's: "AdamW (" and the groups
+        # torch's: "AdamW (" and the groups; "AdamW ()" before the first group is added
+        _, _, groups = super().__repr__().partition("\n")
         rule = getattr(self, "rule", None)
-        own = (f"rule={rule!r}, " if rule is not None else "") + f"flat_grads={self._flat_grads}"
-        if self.master_weights:
+        own = ((f"rule={rule!r}, " if rule is not None else "")
+               + f"flat_grads={getattr(self, '_flat_grads', False)}")
+        if getattr(self, "master_weights", False):
             own += ", master_weights=True"
-        return f"{type(self).__module__}.{type(self).__qualname__} ({own}) (\n{groups}"
+        return f"{type(self).__module__}.{type(self).__qualname__} ({own}) (\n{groups or ')'}"
 
     # -- torch.optim.Optimizer interface ------------------------------------------------------
 

@@ -77,3 +77,21 @@ def test_subclass_repr_names_the_subclass():
 
     assert repr(MyAdam([torch.nn.Parameter(torch.zeros(2))])).startswith(
         f"{__name__}.test_subclass_repr_names_the_subclass.<locals>.MyAdam (flat_grads=False) (")
+
+
+def test_an_optimizer_prints_while_its_constructor_has_not_added_a_group():
+    """A traceback from within the constructor (a refused option) prints the optimizer: torch's
+    own listing is one line until the first group is added."""
+    torch = pytest.importorskip("torch")
+    import mtapply.torch as mt
+
+    seen = []
+
+    class Watched(mt.SGD):
+        def add_param_group(self, param_group):
+            seen.append(repr(self))
+            super().add_param_group(param_group)
+
+    with pytest.raises(ValueError, match="differentiable"):
+        Watched([torch.nn.Parameter(torch.ones(2))], lr=0.1, differentiable=True)
+    assert seen[0].startswith(f"{Watched.__module__}.") and seen[0].endswith("(\n)")
