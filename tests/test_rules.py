@@ -126,6 +126,33 @@ def test_every_construct_follows_the_float64_definition():
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+# bfloat16(x): on elements and on a uniform value
+ROUNDING = dict(slots="param:rw grad:r", hyper=dict(k=1.0),
+                update="param = bfloat16(grad) * bfloat16(k)")
+TIE = 2.0 ** -8  # half a bfloat16 step above 1: ties go to the even neighbour
+ROUNDED = {1 + TIE: 1.0, 1 + 3 * TIE: 1 + 4 * TIE, -(1 + 3 * TIE): -(1 + 4 * TIE),
+           1 + 1.5 * TIE: 1 + 2 * TIE, 3.4e38: np.inf, -3.4e38: -np.inf,  # a subnormal too:
+           1e-40: float(np.uint32(1 << 16).view(np.float32)),
+           -0.0: -0.0, np.inf: np.inf, 0.1: 0.10009765625, 65536.0 + 256.0: 65536.0}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bfloat16_rounds_to_the_nearest_bfloat16_ties_to_even(dtype):
+    rule = mtapply.rule("rounding", **ROUNDING)
+    grads = np.array([*ROUNDED, np.nan], dtype)
+    params = np.full_like(grads, 7.0)
+    rule.step([params], [grads], k=1 + 3 * TIE)  # k rounds to 1 + 4 TIE
+    want = np.array([*ROUNDED.values(), np.nan], dtype) * dtype(1 + 4 * TIE)
+    np.testing.assert_array_equal(params, want)
+    assert np.signbit(params[list(ROUNDED).index(-0.0)])
+    torch = pytest.importorskip("torch")
+    drawn = np.random.default_rng(4).standard_normal(10_000).astype(dtype) * 1e3
+    params = np.full_like(drawn, 7.0)
+    rule.step([params], [drawn], k=1.0)
+    expected = torch.from_numpy(drawn).to(torch.bfloat16).to(torch.float64).numpy()
+    np.testing.assert_array_equal(params, expected.astype(dtype))
+
+
 def test_float16_storage_computes_in_float32():
     lion = mtapply.rule("lion", **LION)
     rng = np.random.default_rng(3)
@@ -367,8 +394,8 @@ def test_hyperparameters_named_like_cpp_keywords_or_addresses_compile(dtypes):
         assert cubin[:4] == b"\x7fELF" and _source.entry_name(1).encode() in cubin
 
 
-@pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING, LARS, LAMB],
-                         ids=["lion", "adagrad", "everything", "lars", "lamb"])
+@pytest.mark.parametrize("definition", [LION, ADAGRAD, EVERYTHING, LARS, LAMB, ROUNDING],
+                         ids=["lion", "adagrad", "everything", "lars", "lamb", "rounding"])
 @pytest.mark.parametrize("dtypes", ["float32", "bfloat16", "float64", "master"])
 def test_generated_kernels_compile(definition, dtypes):
     pytest.importorskip("cuda.bindings")

@@ -19,13 +19,18 @@ HELPERS = """
 template <class T> __device__ __forceinline__ T rule_rsqrt(T x) { return T(1) / sqrt(x); }
 // float: the hardware reciprocal square root (2 ulp, as torch.rsqrt on CUDA), not a division
 template <> __device__ __forceinline__ float rule_rsqrt(float x) { return rsqrtf(x); }
+// x rounded to the nearest bfloat16 (ties to even), as a value of x's type
+template <class T> __device__ __forceinline__ T rule_bfloat16(T x) {
+  return T(to_acc(from_acc<bf16>(static_cast<float>(x))));
+}
 template <class T> __device__ __forceinline__ T rule_mod(T a, T b) { return a - b * floor(a / b); }
 template <class T> __device__ __forceinline__ T rule_sign(T x) {
   return x != x ? x : T((x > T(0)) - (x < T(0)));
 }
 """
 _FUNCTIONS = {"sqrt": "sqrt", "rsqrt": "rule_rsqrt", "abs": "fabs", "sign": "rule_sign",
-              "exp": "exp", "log": "log", "min": "fmin", "max": "fmax"}
+              "exp": "exp", "log": "log", "min": "fmin", "max": "fmax",
+              "bfloat16": "rule_bfloat16"}
 _BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 

@@ -48,7 +48,7 @@ from .._ranges import parse as parse_range
 from ._factored import AXES, COL, FACTORED_ONLY, FORMS, FULL, ROW, UNFACTORED, UNFACTORED_ONLY
 
 FUNCTIONS = {"sqrt": 1, "rsqrt": 1, "abs": 1, "sign": 1, "exp": 1, "log": 1, "min": 2,
-             "max": 2, "where": 3, "row_mean": 1, "col_mean": 1}
+             "max": 2, "where": 3, "row_mean": 1, "col_mean": 1, "bfloat16": 1}
 MEANS = {"row_mean": "c", "col_mean": "r"}  # the matrix axis each mean reduces
 BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**", ast.Mod: "%"}
 COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",

@@ -25,8 +25,22 @@ import numpy as np
 from ._factored import COL, FACTORED_ONLY, ROW, UNFACTORED, UNFACTORED_ONLY
 from ._language import NUMEL, STEP, Program
 
+def round_bfloat16(x):
+    """x rounded to the nearest bfloat16 (ties to even), as a float of x's width: a float32's
+    upper 16 bits, rounded; NaN stays NaN and what overflows goes to infinity, as on a GPU."""
+    x = np.asarray(x)
+    single = x.astype(np.float32)
+    bits = single.view(np.uint32)
+    odd = (bits >> np.uint32(16)) & np.uint32(1)
+    with np.errstate(over="ignore"):
+        rounded = ((bits + np.uint32(0x7FFF) + odd) & np.uint32(0xFFFF0000)).view(np.float32)
+    out = np.where(np.isnan(single), single, rounded).astype(
+        x.dtype if x.dtype.kind == "f" else np.float64)
+    return out if out.ndim else out[()]
+
+
 _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np.exp,
-                      "log": np.log, "min": np.fmin, "max": np.fmax}
+                      "log": np.log, "min": np.fmin, "max": np.fmax, "bfloat16": round_bfloat16}
 
 
 def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
@@ -262,7 +276,7 @@ class Compiled:
             if node.func.id == "where":
                 return not self._program.kind(node.args[0]).uniform
             return node.func.id in ("sqrt", "abs", "sign", "exp", "log", "min", "max", "rsqrt",
-                                    "row_mean", "col_mean")
+                                    "row_mean", "col_mean", "bfloat16")
         return False
 
 
@@ -344,6 +358,8 @@ class _Into:
             return self._allocating("np.where", node.args)
         if name == "rsqrt":
             return self._ufunc("RSQRT", node.args, out)
+        if name == "bfloat16":
+            return self._allocating("F['bfloat16']", node.args)
         return self._ufunc(f"np.{_ELEMENT_FUNCTIONS[name].__name__}", node.args, out)
 
     def _binary(self, node: ast.BinOp, out):

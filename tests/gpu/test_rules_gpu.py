@@ -18,7 +18,7 @@ import mtapply.torch as mt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' rules
 from test_rule_scalars import EMA  # noqa: E402
-from test_rules import ADAGRAD, EVERYTHING, LAMB, LARS, LION  # noqa: E402
+from test_rules import ADAGRAD, EVERYTHING, LAMB, LARS, LION, ROUNDED, ROUNDING, TIE  # noqa: E402
 
 SHAPES = [(10,), (3, 4), (0,), (1,), (257,), (1 << 20 | 3,)]
 
@@ -465,3 +465,19 @@ def test_a_global_norm_from_l2_norms_is_a_device_hyperparameter(framework):
         got = torch.from_dlpack(got).cpu().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"param {i}")
         assert not np.array_equal(got, _numpy(_lists(1, 7)[0][i])) or got.size == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bfloat16_rounds_on_the_gpu_as_torch_and_the_cpu_path(dtype):
+    rule = mtapply.rule("rounding", **ROUNDING)
+    g = torch.Generator().manual_seed(6)
+    grads = torch.cat([torch.tensor([*ROUNDED, float("nan")], dtype=dtype),
+                       torch.randn(1 << 20, generator=g, dtype=dtype) * 1e3]).cuda()
+    params = torch.full_like(grads, 7.0)
+    host = [params.cpu().numpy()], [grads.cpu().numpy()]
+    rule.step([params], [grads], k=1 + 3 * TIE)
+    rule.step(*host, k=1 + 3 * TIE)
+    got = params.cpu()
+    np.testing.assert_array_equal(got.numpy(), host[0][0])
+    torch.testing.assert_close(got, grads.cpu().to(torch.bfloat16).to(dtype) * (1 + 4 * TIE),
+                               rtol=0, atol=0, equal_nan=True)
