@@ -1,22 +1,22 @@
 """`mtapply.torch.Muon`: torch.optim.Muon (momentum, Newton-Schulz orthogonalization of each
 2-D update, decoupled weight decay) over all of a param group's matrices at once.
 
-A step is three passes, whatever the number of matrices: one launch of the rule
+A step is four passes, whatever the number of matrices: one launch of the rule
 `library.muon_momentum` updates every momentum buffer and writes each matrix's update in
 bfloat16 straight into a batch of its shape (a (count, rows, cols) buffer kept between steps,
-one per shape); Newton-Schulz then runs on each batch with batched products (torch.bmm and
+one per shape); one launch of `library.muon_normalize` divides every matrix of every batch by
+its norm into the batch's second buffer; Newton-Schulz then runs on each batch with batched products (torch.bmm and
 torch.baddbmm, in bfloat16 with float32 accumulation, as torch.optim.Muon's per-matrix
 torch.addmm), the Gram matrix taken on the short side (a tall matrix's X^T X, so the result
 keeps the param's own layout). On CUDA b G + c G G and the X update a X + B X are cuBLASLt
 products (`_lt_products`) whose output is not their C: baddbmm's sums without its copy of C
 into the output first (a third of their time). One launch of `library.muon_apply` then applies
 weight decay and the update scaled by each matrix's adjusted lr. Nothing waits for the GPU,
-and after the first step nothing is allocated but torch's own reuse of its cached blocks for
-the norms.
+and after the first step nothing is allocated.
 
 FSDP2 (DTensor) matrices: the momentum pass writes each shard's update into a buffer of the
-shard's shape, an all-gather makes the whole matrix on every rank (torch's cached blocks
-again), every rank runs Newton-Schulz on the whole matrices, and the last pass steps each
+shard's shape, an all-gather makes the whole matrix on every rank (in torch's cached
+blocks), every rank runs Newton-Schulz on the whole matrices, and the last pass steps each
 rank's shard with its part of the result.
 
 Groups with `use_muon=False` step with AdamW instead (the usual hybrid: embeddings, heads,
@@ -186,12 +186,14 @@ class Muon(torch.optim.Optimizer):
         rule = self._storage.momentum_rule(group["nesterov"])
         rule.step(*self._storage.arguments(rule, params, self.state, given),
                   momentum=float(group["momentum"]))
-        done = {}
-        for batch, _ in batches:
-            if id(batch) not in done:
-                batch.gather()
-                done[id(batch)] = batch.orthogonalize(group["ns_coefficients"],
-                                                      int(group["ns_steps"]), float(group["eps"]))
+        distinct = list({id(batch): batch for batch, _ in batches}.values())
+        for batch in distinct:
+            batch.gather()
+        library.muon_normalize().step([x for batch in distinct for x in batch.starts],
+                                      [x for batch in distinct for x in batch.views],
+                                      eps=float(group["eps"]))
+        done = {id(batch): batch.orthogonalize(group["ns_coefficients"], int(group["ns_steps"]))
+                for batch in distinct}
         updates = [batch.update(done[id(batch)], k) for batch, k in batches]
         scales = [_lr_ratio(group["adjust_lr_fn"], p.shape) for p in params]
         library.muon_apply().step(local_tensors(params), updates, lr=_lr_value(group["lr"]),
@@ -235,7 +237,8 @@ class _Batch:
         self.wide = rows <= cols
         self.lt = None  # the a X + B X product by cuBLASLt (CUDA), made at the first step
         self.views = list(self.updates.unbind(0))
-        self.results = {id(self.updates): self.views, id(self.other): list(self.other.unbind(0))}
+        self.starts = list(self.other.unbind(0))  # each update divided by its norm goes here
+        self.results = {id(self.updates): self.views, id(self.other): self.starts}
 
     def direction(self, k: int):
         """Where the momentum pass writes matrix k's update: its shard's buffer, or the batch."""
@@ -271,12 +274,11 @@ class _Batch:
                     self.lt = False
         return self.lt
 
-    def orthogonalize(self, coefficients, steps: int, eps: float) -> list:
-        """Newton-Schulz on every update of the batch; each matrix's result (a view)."""
+    def orthogonalize(self, coefficients, steps: int) -> list:
+        """Newton-Schulz on every update of the batch, each divided by its norm into `starts`
+        (`library.muon_normalize`); each matrix's result (a view)."""
         a, b, c = coefficients
-        x, y = self.updates, self.other
-        norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
-        x.div_(norms.clamp_(min=eps))
+        x, y = self.other, self.updates
         for _ in range(steps):
             self.gram_of(x)
             self.gram_polynomial(b, c)

@@ -755,6 +755,19 @@ def muon_momentum(nesterov: bool = True) -> Rule:
 
 
 @functools.lru_cache(maxsize=None)
+def muon_normalize() -> Rule:
+    """Newton-Schulz's start in `mtapply.torch.Muon`: each matrix to orthogonalize (its
+    bfloat16 view in a batch) divided by its Frobenius norm, at least eps,
+    X = X / max(||X||, eps), with the norm rounded to bfloat16 as torch.optim.Muon's is; one
+    launch over every batch. The matrix is passed as the grad and its quotient written to the
+    param (another buffer, not read)."""
+    return rule("muon_normalize", slots="param:rw grad:r", hyper=dict(eps=(1e-7, NON_NEGATIVE)),
+                sums={"x2": "grad * grad"},
+                finish="norm = bfloat16(max(bfloat16(sqrt(x2)), eps))",
+                update="param = grad / norm")
+
+
+@functools.lru_cache(maxsize=None)
 def muon_apply() -> Rule:
     """torch.optim.Muon's last pass: decoupled weight decay, then the orthogonalized update
     (passed as the grad) times the lr adjusted for the matrix's shape (`scale`, per tensor):
@@ -766,7 +779,7 @@ def muon_apply() -> Rule:
 
 
 __all__ = ["adadelta", "adafactor", "adafactor_optax", "adadelta_optax", "adagrad", "adagrad_optax", "adam", "adamax",
-           "adamax_optax", "adan", "ademamix", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
+           "adamax_optax", "adan", "ademamix", "dadapt_adam", "lamb", "lars", "lion", "muon_apply", "muon_momentum", "muon_normalize", "nadam", "prodigy", "radam", "radam_optax", "rmsprop", "rmsprop_optax",
            "schedule_free_adamw", "sgd",
            # links
            "add_decayed_weights", "clip", "clip_by_global_norm", "scale", "scale_by_adam", "scale_by_belief",
