@@ -421,9 +421,10 @@ def test_each_matrix_is_divided_by_its_norm_as_torch_optim_muon_divides_it(devic
     shapes = [(40, 24), (24, 40), (7, 5), (1, 1), (3, 2)]
     xs = [(torch.randn(s, generator=g) * 10 ** k).to(device, torch.bfloat16)
           for k, s in enumerate(shapes)]
-    xs[-1].mul_(1e-9)  # its norm is below eps
+    xs[-1].mul_(1e-13)  # its norm (some 1e-9) is below eps
     out = [torch.full_like(x, float("nan")) for x in xs]
     library.muon_normalize().step(out, xs, eps=1e-7)
+    assert xs[-1].float().norm() < 1e-7
     for x, got in zip(xs, out):
         want = x / x.norm().clamp(min=1e-7)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
