@@ -21,9 +21,10 @@ class LAMBSpec(RuleSpec):
              (1 when either norm is zero)
     Two launches whatever the number of tensors where the moments are float32: the moments
     (stored) and both norms, then the update; with moments of another type (bfloat16, float16)
-    one, whose blocks sum the norms and then update (kernels/walker.cuh, walk_fused). Differences from Apex: the global gradient norm is an input (a
-    number or a device scalar) rather than computed inside the step; grads are left as they are
-    (Apex overwrites them with the update). The norms are float32 sums.
+    one, whose blocks sum the norms and then update (kernels/walker.cuh, walk_fused).
+    Differences from Apex: the global gradient norm is an input (a number or a device scalar)
+    rather than computed inside the step; grads are left as they are (Apex overwrites them
+    with the update). The norms are float32 sums.
     """
 
     def __init__(self, *, adam_w_mode: bool = True, use_nvlamb: bool = False,
@@ -76,7 +77,8 @@ def lamb_plan(params, grads, exp_avgs, exp_avg_sqs, *, master_params=None, adam_
         A `Plan`. `plan.step(lr, step, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
         grad_averaging=True, bias_correction=True, max_grad_norm=0.0, global_grad_norm=None,
         grad_scale=None, found_inf=None, stream=None)`: two launches whatever the number of
-        tensors (one where the moments are not float32). lr, step and global_grad_norm may be one-element float32 device arrays.
+        tensors (one where the moments are not float32). lr, step and global_grad_norm may be
+        one-element float32 device arrays.
     """
     spec = LAMBSpec(adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
                     master_weights=master_params is not None)

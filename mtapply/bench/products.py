@@ -114,10 +114,8 @@ def product_rows(shapes, device, repeats: int, steps: int) -> list:
 
 def joined_rows(shapes, device, repeats: int, steps: int) -> list:
     """For each short side shared by several shapes, b G + c G G over all their Gram matrices in
-    one batch (a row "gram_polynomial (joined)"): what batching the m x m products of every
-    shape together would give against the per-shape rows."""
-    import torch
-
+    one batch (a row "gram_polynomial (joined)"), by the optimizer's own product: what batching
+    the m x m products of every shape together would give against the per-shape rows."""
     counts: dict = {}
     for (r, c), count in shape_groups(shapes).items():
         counts.setdefault(min(r, c), []).append(count)
@@ -127,12 +125,9 @@ def joined_rows(shapes, device, repeats: int, steps: int) -> list:
         if len(each) < 2:
             continue
         total = sum(each)
-        x = torch.randn((total, side, 2 * side), device=device, dtype=torch.bfloat16)
-        x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True))
-        gram = torch.bmm(x, x.mT)
-        out = torch.empty_like(gram)
-        seconds = time_call(lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=out),
-                            device, repeats, steps)
+        batch = _batch(total, side, side, device)
+        batch.gram_of(batch.updates)
+        seconds = time_call(lambda: batch.gram_polynomial(b, c), device, repeats, steps)
         rows.append({"product": "gram_polynomial (joined)", "shape": [total, side, side],
                      "seconds": seconds, "tflops": 2 * total * side ** 3 / seconds / 1e12})
     return rows
