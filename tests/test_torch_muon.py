@@ -414,17 +414,20 @@ def test_the_gram_polynomial_product_equals_baddbmm(shape):
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_matrix_is_divided_by_its_norm_as_torch_optim_muon_divides_it(device):
     """Newton-Schulz's start, one launch over every batch: torch.optim.Muon's bfloat16
-    X / max(||X||, eps), the norm rounded to bfloat16, bit for bit; eps where the norm is less."""
+    X / max(||X||, eps), the norm rounded to bfloat16, bit for bit; eps where the norm is less;
+    all NaN where the matrix holds a NaN."""
     from mtapply.rules import library
 
     g = torch.Generator().manual_seed(8)
-    shapes = [(40, 24), (24, 40), (7, 5), (1, 1), (3, 2)]
+    shapes = [(40, 24), (24, 40), (7, 5), (1, 1), (6, 4), (3, 2)]
     xs = [(torch.randn(s, generator=g) * 10 ** k).to(device, torch.bfloat16)
           for k, s in enumerate(shapes)]
+    xs[-2][2, 3] = float("nan")
     xs[-1].mul_(1e-13)  # its norm (some 1e-9) is below eps
     out = [torch.full_like(x, float("nan")) for x in xs]
     library.muon_normalize().step(out, xs, eps=1e-7)
     assert xs[-1].float().norm() < 1e-7
     for x, got in zip(xs, out):
         want = x / x.norm().clamp(min=1e-7)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert out[-2].isnan().all()

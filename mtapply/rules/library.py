@@ -763,7 +763,8 @@ def muon_normalize() -> Rule:
     param (another buffer, not read)."""
     return rule("muon_normalize", slots="param:rw grad:r", hyper=dict(eps=(1e-7, NON_NEGATIVE)),
                 sums={"x2": "grad * grad"},
-                finish="norm = bfloat16(max(bfloat16(sqrt(x2)), eps))",
+                # (a NaN norm stays NaN, as torch's clamp keeps it)
+                finish="n = bfloat16(sqrt(x2))\nnorm = bfloat16(where(n < eps, eps, n))",
                 update="param = grad / norm")
 
 
