@@ -1,6 +1,7 @@
 """The kernels, tables, workspaces and argument words of a plan on its GPUs."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -20,7 +21,7 @@ class Launcher:
     tables, `MemcpyTable.before_launch`), so the latest stream's work is the last to use it."""
 
     def __init__(self, spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream,
-                 means: int = 0):
+                 means: int = 0, sum_dtype=None):
         self.table_mode, self.device_id, self.pointers = table_mode, device_id, pointers
         self.groups = group_tensors([("cuda", device_id)] * len(numels), dtypes, numels, pointers,
                                     spec.chunk_for)
@@ -32,7 +33,9 @@ class Launcher:
         self._tickets = 0  # the count of a fused launch's jobs taken (walker.cuh, walk_fused)
         self._rows = RowTables(spec, device_id)
         self.all_sums = None
-        self.sum_dtype = spec.sum_dtype(d[0] for d in dtypes)
+        self.totals = None  # the address of the whole-list sums (see `_attach_sums`)
+        # (a plan over several GPUs gives each the dtype of all its tensors')
+        self.sum_dtype = sum_dtype or spec.sum_dtype(d[0] for d in dtypes)
         self._counters: list = []  # (memory, bytes) of the counts a kernel leaves at zero
         self._interrupted = False  # a step's launches stopped part way: counts may be left
         for group in self.groups:
@@ -67,10 +70,10 @@ class Launcher:
         """Group k's launches: one per pass, then its fused one, if any."""
         return self.launches[k] + ([self.fused[k]] if self.fused[k] is not None else [])
 
-    def _runs_fused(self, busy: list, after_pass) -> bool:
-        """Whether a step runs each busy group's fused launch rather than its passes: where
-        every busy group has one and nothing runs on the host between the passes."""
-        return after_pass is None and bool(busy) and all(self.fused[k] is not None for k in busy)
+    def _runs_fused(self, busy: list) -> bool:
+        """Whether a step that may runs each busy group's fused launch rather than its passes:
+        where every busy group has one."""
+        return bool(busy) and all(self.fused[k] is not None for k in busy)
 
     def __reduce_ex__(self, protocol):
         raise _tables._not_copied(self)
@@ -122,6 +125,8 @@ class Launcher:
         self._memory += [all_sums, mapping, finished]
         self._counters.append((finished, 4))
         self.all_sums = all_sums
+        if n_totals:
+            self.totals = all_sums.ptr + size * n_sums * len(numels)
         plan_sums = (all_sums.ptr, mapping.ptr, finished.ptr, len(numels), int(np.count_nonzero(numels)))
         if any(launch is not None for launch in self.fused):
             tickets = _device_copy(np.zeros(1, np.uint32), stream)  # (one launch at a time)
@@ -137,7 +142,7 @@ class Launcher:
                 launch.set_workspace(partials.ptr, arrivals.ptr,
                                      all_sums.ptr + size * n_sums * int(offset), plan_sums)
                 if n_totals:
-                    launch.set_array("totals_array", all_sums.ptr + size * n_sums * len(numels))
+                    launch.set_array("totals_array", self.totals)
 
     def _attach_means(self, n: int, stream: int) -> None:
         """The workspace of a factored rule's per-matrix means and its factor pass's partial
@@ -236,7 +241,7 @@ class Launcher:
     def launch_order(self) -> list:
         """The launches of a step without hooks or rows, in `run`'s order."""
         busy = self._busy()
-        if self._runs_fused(busy, None):
+        if self._runs_fused(busy):
             return [self.fused[k] for k in busy]
         return [self.launches[k][p] for p in range(self._n_passes()) for k in busy]
 
@@ -246,14 +251,18 @@ class Launcher:
         global norm) from the one before. `stream_of(device_id)` is the launch stream;
         `after_pass(k)` runs on the host between passes k and k + 1; `rows` (mtapply._rows.Rows)
         gives per-tensor hyperparameters."""
-        import cupy
+        for p in self.passes(args, stream_of, grad_scale, found_inf, rows,
+                             fused=after_pass is None):
+            if after_pass is not None:
+                after_pass(p)
 
+    def passes(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, rows=None,
+               fused=True):
+        """`run`'s launches, yielding k between passes k and k + 1 (once pass k's launches are
+        queued), so that the caller may queue other work there; `fused`: whether a step may
+        run each group's fused launch in place of its passes (then nothing is yielded)."""
         stream = stream_of(self.device_id)
-        switch = cupy.cuda.runtime.getDevice() != self.device_id
-        device = cupy.cuda.Device(self.device_id) if switch else None
-        if switch:
-            device.__enter__()
-        try:
+        with _on(self.device_id):
             busy = self._busy()
             self._rows.prepare(rows, stream)
             for k in busy:
@@ -262,26 +271,27 @@ class Launcher:
                                  stream, self._slotted[k])
             if self._interrupted:  # (after the wait for the interrupted launches' stream)
                 self._zero_counters(stream)
-            # every pass and hook runs even with nothing to launch here: ranks that all-reduce
-            # between passes must all reach the hook
-            n_passes = self._n_passes()
-            passes = ([[self.fused[k] for k in busy]] if self._runs_fused(busy, after_pass) else
-                      [[self.launches[k][p] for k in busy] for p in range(n_passes)])
-            for p, launches in enumerate(passes):
+        # every pass and yield comes even with nothing to launch here: ranks that all-reduce
+        # between passes must all reach the hook
+        passes = ([[self.fused[k] for k in busy]] if fused and self._runs_fused(busy) else
+                  [[self.launches[k][p] for k in busy] for p in range(self._n_passes())])
+        for p, launches in enumerate(passes):
+            with _on(self.device_id):
                 self._interrupted = True  # until the pass's launches are all queued
                 for launch in launches:
                     launch.set_args(args, grad_scale, found_inf)
                     launch.launch(stream)
                 self._interrupted = False
-                if after_pass is not None and p + 1 < n_passes:
-                    after_pass(p)
-            for k in busy:
-                self.tables[k].launched_on(stream)
-                self._rows.launched_on(k, stream)
-            self._keep.stream = stream
-        finally:
-            if switch:
-                device.__exit__(None, None, None)
+            if p + 1 < len(passes):
+                yield p
+        for k in busy:
+            self.tables[k].launched_on(stream)
+            self._rows.launched_on(k, stream)
+        self._keep.stream = stream
+
+    @property
+    def launches_anything(self) -> bool:
+        return bool(self._busy())
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,6 +306,18 @@ def _cupy_device(device_id: int):
     import cupy
 
     return cupy.cuda.Device(device_id)
+
+
+@contextlib.contextmanager
+def _on(device_id: int):
+    """CuPy's current device is `device_id` inside (switched only where it is not)."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device_id:
+        yield
+    else:
+        with cupy.cuda.Device(device_id):
+            yield
 
 
 def _device_copy(values: np.ndarray, stream: int):
@@ -313,49 +335,7 @@ def _device_copy(values: np.ndarray, stream: int):
 
 
 
-class Devices:
-    """The launchers of a plan whose tensors are on several GPUs, each with the positions of
-    its tensors in the plan's lists; one launch set per device, on that device's stream."""
-
-    def __init__(self, parts: list):
-        self.parts = parts  # (device_id, indices, Launcher)
-        self._origin_subsets = (None, [])  # (origin rows, each part's subset of them)
-        self._latest = (None, [])  # (the latest step's rows, each part's share)
-
-    def _rows_of_parts(self, rows: Rows | None) -> list:
-        """Each part's share of `rows`: patches over the origin's subsets, made once each."""
-        if rows is None:
-            return [None] * len(self.parts)
-        if self._latest[0] is not rows:
-            origin, subsets = self._origin_subsets
-            if origin is not rows.origin:
-                subsets = [rows.origin.subset(indices) for _, indices, _ in self.parts]
-                self._origin_subsets = (rows.origin, subsets)
-            self._latest = (rows, [rows.on(subset) for subset in subsets])
-        return self._latest[1]
-
-    def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
-            rows=None) -> None:
-        for (_, _, launcher), part_rows in zip(self.parts, self._rows_of_parts(rows)):
-            launcher.run(args, stream_of, grad_scale, found_inf, rows=part_rows)
-
-    def invalid_flags(self) -> tuple:
-        return tuple(launcher.invalid_flags() for _, _, launcher in self.parts)
-
-    def clear_invalid(self, stream_of) -> None:
-        for _, _, launcher in self.parts:
-            launcher.clear_invalid(stream_of)
-
-    def rebound(self, columns: dict, stream_of) -> "Devices":
-        for device_id, _, launcher in self.parts:
-            launcher.check_upload(stream_of(device_id))
-        self.parts = [(device_id, indices,
-                       launcher.rebound({k: a[indices] for k, a in columns.items()}, stream_of))
-                      for device_id, indices, launcher in self.parts]
-        return self
-
-
-def launcher_for(spec, refs, arrays, table_mode, device_id, stream) -> Launcher:
+def launcher_for(spec, refs, arrays, table_mode, device_id, stream, sum_dtype=None) -> Launcher:
     """The launcher of ingested tensors on one GPU."""
     slots = spec.slots
     n = len(refs[slots[0]])
@@ -363,7 +343,8 @@ def launcher_for(spec, refs, arrays, table_mode, device_id, stream) -> Launcher:
     numels = np.fromiter((r.numel for r in refs[slots[0]]), dtype=np.int64, count=n)
     pointers = np.array([[refs[s][i].ptr for s in slots] for i in range(n)], dtype=np.uint64)
     arrays, means = with_shapes(spec, refs, arrays)
-    return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream, means)
+    return Launcher(spec, arrays, dtypes, numels, pointers, table_mode, device_id, stream, means,
+                    sum_dtype)
 
 
 def with_shapes(spec, refs, arrays: dict) -> tuple:

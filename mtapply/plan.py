@@ -17,7 +17,8 @@ import numpy as np
 from . import _cpu, _tables
 from ._dlpack import export, framework_of
 from ._launch import stream_and_owner
-from ._launcher import Devices, Launcher, launcher_for
+from ._devices import Devices, Shared
+from ._launcher import Launcher, launcher_for
 from ._ranges import GRAD_SCALE, STEP
 from ._repeat import Repeat, repeatable
 from ._rows import Rows, rows_for
@@ -130,28 +131,33 @@ class Plan:
         """The launcher of the plan's GPU, or of each of its GPUs (one launch set per device,
         each device's tables on that device)."""
         self.table_mode = self.table_mode or _tables.default_mode()
-        params = self._refs[self.spec.slots[0]]
-        devices = list(dict.fromkeys(ref.device[1] for ref in params))
         arrays = self.spec.tensor_arrays(self._n)
-        if len(devices) == 1:
-            return launcher_for(self.spec, self._refs, arrays, self.table_mode, devices[0],
-                             self._stream_for(devices[0], stream))
+        parts = _parts_by_device(self._refs[self.spec.slots[0]])
+        if len(parts) == 1:
+            device_id = parts[0][0]
+            return launcher_for(self.spec, self._refs, arrays, self.table_mode, device_id,
+                                self._stream_for(device_id, stream))
+        labels = ', '.join(f'cuda:{d}' for d in dict.fromkeys(d for d, _ in parts))
+        shared = self.spec.shared
         if self.spec.single_device:
             raise ValueError(f"{self.spec.name} sums over the whole list, which here spans GPUs "
-                             f"{', '.join(f'cuda:{d}' for d in devices)}: call it once per GPU")
+                             f"{labels}: call it once per GPU")
         if stream is not None:
-            raise ValueError("stream= names one stream, but the tensors are on GPUs "
-                             f"{', '.join(f'cuda:{d}' for d in devices)}: leave it None to launch "
-                             f"on each device's current stream")
-        of_device = np.fromiter((ref.device[1] for ref in params), np.int64, self._n)
-        parts = []
-        for device_id in devices:
-            indices = np.flatnonzero(of_device == device_id)
+            raise ValueError(f"stream= names one stream, but the tensors are on GPUs {labels}: "
+                             f"leave it None to launch on each device's current stream")
+        launchers = []
+        for device_id, indices in parts:
             refs = {name: [column[i] for i in indices] for name, column in self._refs.items()}
             subset = {name: np.asarray(values)[indices] for name, values in arrays.items()}
-            parts.append((device_id, indices, launcher_for(self.spec, refs, subset, self.table_mode,
-                                                        device_id, self._stream_for(device_id, None))))
-        return Devices(parts)
+            launchers.append((device_id, indices, launcher_for(
+                self.spec, refs, subset, self.table_mode, device_id,
+                self._stream_for(device_id, None), self.sum_dtype if shared else None)))
+        if not shared:
+            return Devices(launchers)
+        return Devices(launchers, Shared(launchers, self.spec.n_totals,
+                                         self.spec.output_numel("scalars_out", self._n),
+                                         self.sum_dtype,
+                                         lambda device_id: self._stream_for(device_id, None)))
 
     def __len__(self) -> int:
         return self._n
@@ -587,6 +593,12 @@ def _read_array(value, name: str):
     no stream would order against the legacy default stream, which breaks CUDA graph capture."""
     ref = torch_ref(value) if framework_of(value) == "torch" else None
     return ref if ref is not None else export(value, name, None)
+
+
+def _parts_by_device(params: list) -> list:
+    """(device id, the positions of its tensors) per GPU of the params, in order of first use."""
+    of_device = np.fromiter((ref.device[1] for ref in params), np.int64, len(params))
+    return [(int(d), np.flatnonzero(of_device == d)) for d in dict.fromkeys(of_device.tolist())]
 
 
 def _device_label(device: tuple) -> str:

@@ -220,3 +220,11 @@ def test_factored_rules_compile(name, storage):
         assert cubin[:4] == b"\x7fELF"
         for k in range(len(spec.functors_for(dtypes))):
             assert _source.entry_name(k).encode() in cubin
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_kernel_adding_the_totals_of_several_gpus_compiles(dtype):
+    from mtapply._devices import adding_source
+
+    cubin = _source.compile_offline(adding_source(dtype), "sm_90")
+    assert cubin[:4] == b"\x7fELF" and _source.entry_name(0).encode() in cubin

@@ -65,6 +65,8 @@ class OpSpec:
     # cpu_update takes each tensor's values shaped as the tensor (else flat): factored rules
     cpu_shaped: bool = False
     single_device: bool = False  # results span the whole list (a global norm): one GPU only
+    # whole-list sums or scalar state that the GPUs of a plan share (mtapply._devices.Shared)
+    shared: bool = False
     uniform_hyper: bool = False  # one value per hyperparameter for the list (no per-tensor rows)
     ranges: dict = {}  # device scalar -> its Range, where RANGES does not give it (else ANY)
 

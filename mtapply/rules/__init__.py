@@ -260,15 +260,15 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
         totals: name -> expression of sums over every element of the whole list (a global
             gradient norm: {"g2": "grad * grad"}), computed in the first pass as `sums` are and
             added up over the tensors in a fixed order (deterministic, no host
-            synchronisation); each is then one number for every tensor. The tensors must be on
-            one device.
+            synchronisation); each is then one number for every tensor. Over tensors on
+            several GPUs, every device adds all devices' totals in device order.
         scalars: name -> initial value of numbers kept between steps for the whole list (NAdam's
             running product of momentum factors): in the update a name reads the value the
             previous step left, and a line assigning it (from numbers, hyperparameters, step
             and scalars) sets the next step's. Each step then takes `scalars_out=`, a float32
-            array (float64 where every param is float64, as the sums then are) on the
-            tensors' device made from `initial_scalars(dtype)`, which it updates;
-            the tensors must be on one device, with one value per hyperparameter.
+            array (float64 where every param is float64, as the sums then are) on the first
+            tensor's device made from `initial_scalars(dtype)`, which it updates, with one
+            value per hyperparameter.
             `mtapply.torch.optimizer` keeps the array per param group; `mtapply.optax` keeps
             the scalars as fields of its state (on the CPU, or through the host callback).
 

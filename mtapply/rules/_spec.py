@@ -58,9 +58,9 @@ class RuleSpec(OpSpec):
         self.arg_fields, self._members = made.arg_fields, made.members
         self.device_scalars = made.device_scalars
         self._names = frozenset(self.device_scalars) | frozenset(self.outputs)
-        # one array of scalar state, or whole-list sums: one device; scalar state also takes one
-        # value per hyperparameter (its lines read them once for the list)
-        self.single_device = bool(program.scalars or program.totals)
+        # one array of scalar state, or whole-list sums: shared by the devices of a plan; scalar
+        # state also takes one value per hyperparameter (its lines read them once for the list)
+        self.shared = bool(program.scalars or program.totals)
         self.uniform_hyper = bool(program.scalars)
         self._fields = made.fields
         # a rule that never reads the step does not need one
