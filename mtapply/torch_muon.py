@@ -5,10 +5,13 @@ A step is four passes, whatever the number of matrices: one launch of the rule
 `library.muon_momentum` updates every momentum buffer and writes each matrix's update in
 bfloat16 straight into a batch of its shape (a (count, rows, cols) buffer kept between steps,
 one per shape); one launch of `library.muon_normalize` divides every matrix of every batch by
-its norm into the batch's second buffer; Newton-Schulz then runs on each batch with batched products (torch.bmm and
-torch.baddbmm, in bfloat16 with float32 accumulation, as torch.optim.Muon's per-matrix
-torch.addmm), the Gram matrix taken on the short side (a tall matrix's X^T X, so the result
-keeps the param's own layout). On CUDA b G + c G G and the X update a X + B X are cuBLASLt
+its norm into the batch's second buffer; Newton-Schulz then runs on each batch with batched
+products (torch.bmm and torch.baddbmm, in bfloat16 with float32 accumulation, as
+torch.optim.Muon's per-matrix torch.addmm), the Gram matrix taken on the short side (a tall
+matrix's X^T X, so the result keeps the param's own layout). The Gram matrices of every batch
+of one short side lie in one buffer, so that each iteration's b G + c G G is one product over
+all of them (faster than one per shape: gpt2-hidden's four shapes of side 768 take 80 us
+joined against 4 x 25 us on an H200). On CUDA b G + c G G and the X update a X + B X are cuBLASLt
 products (`_lt_products`) whose output is not their C: baddbmm's sums without its copy of C
 into the output first (a third of their time). One launch of `library.muon_apply` then applies
 weight decay and the update scaled by each matrix's adjusted lr. Nothing waits for the GPU,
@@ -192,8 +195,7 @@ class Muon(torch.optim.Optimizer):
         library.muon_normalize().step([x for batch in distinct for x in batch.starts],
                                       [x for batch in distinct for x in batch.views],
                                       eps=float(group["eps"]))
-        done = {id(batch): batch.orthogonalize(group["ns_coefficients"], int(group["ns_steps"]))
-                for batch in distinct}
+        done = newton_schulz(distinct, group["ns_coefficients"], int(group["ns_steps"]))
         updates = [batch.update(done[id(batch)], k) for batch, k in batches]
         scales = [_lr_ratio(group["adjust_lr_fn"], p.shape) for p in params]
         library.muon_apply().step(local_tensors(params), updates, lr=_lr_value(group["lr"]),
@@ -218,7 +220,8 @@ class Muon(torch.optim.Optimizer):
 class _Batch:
     """The bfloat16 work buffers of `count` matrices of one shape: the updates (written by the
     momentum pass, each param's slice a view), a second buffer of that shape for Newton-Schulz
-    to alternate with, and the (count, r, r) Gram matrices of the short side r.
+    to alternate with, and the (count, r, r) Gram matrices of the short side r, slices of a
+    `_Grams` that the batch may share with the group's other batches of that side.
 
     A DTensor param (an FSDP2 shard) has its update written into a buffer of its local shard,
     which `gather` all-gathers into its whole matrix in the batch: every rank orthogonalizes
@@ -231,14 +234,23 @@ class _Batch:
         like = dict(device=params[0].device, dtype=torch.bfloat16)
         self.updates = torch.empty((len(params), rows, cols), **like)
         self.other = torch.empty_like(self.updates)
-        side = min(rows, cols)
-        self.gram = torch.empty((len(params), side, side), **like)
-        self.gram_update = torch.empty_like(self.gram)
+        self.side = min(rows, cols)
+        self.share(_Grams(len(params), self.side, self.updates.device), 0)
         self.wide = rows <= cols
-        self.lt = None  # the a X + B X product by cuBLASLt (CUDA), made at the first step
+        self.lt = None  # the X update by cuBLASLt (CUDA), made at the first step
         self.views = list(self.updates.unbind(0))
         self.starts = list(self.other.unbind(0))  # each update divided by its norm goes here
         self.results = {id(self.updates): self.views, id(self.other): self.starts}
+
+    @property
+    def count(self) -> int:
+        return self.updates.shape[0]
+
+    def share(self, grams: "_Grams", start: int) -> None:
+        """Keep the Gram matrices G and G' in `grams`, from matrix `start` on."""
+        self.grams = grams
+        self.gram = grams.gram[start:start + self.count]
+        self.gram_update = grams.gram_update[start:start + self.count]
 
     def direction(self, k: int):
         """Where the momentum pass writes matrix k's update: its shard's buffer, or the batch."""
@@ -255,36 +267,14 @@ class _Batch:
         shard = self.shards.get(k)
         return results[k] if shard is None else results[k][shard.part].contiguous()
 
-    def _lt_products(self):
-        """On CUDA, cuBLASLt products whose C is not their output (no copy of C into the output
-        first, as baddbmm makes): (b G + c G G, the X update); None elsewhere or where
-        cuBLASLt is missing."""
+    def _lt_update(self):
+        """On CUDA, the X update by cuBLASLt, whose C is not its output (no copy of C into the
+        output first, as baddbmm makes); False elsewhere or where cuBLASLt is missing."""
         if self.lt is None:
-            self.lt = False
-            if self.updates.is_cuda:
-                from ._lt_products import LtProducts
-
-                count, rows, cols = self.updates.shape
-                side, device = min(rows, cols), self.updates.device
-                try:
-                    self.lt = (LtProducts(count, side, side, side, device),
-                               LtProducts(count, rows, side, cols, device) if self.wide
-                               else LtProducts(count, rows, side, side, device))
-                except (OSError, RuntimeError):
-                    self.lt = False
+            count, rows, cols = self.updates.shape
+            self.lt = (_lt_products(self.updates, count, rows, self.side, cols) if self.wide
+                       else _lt_products(self.updates, count, rows, self.side, self.side))
         return self.lt
-
-    def orthogonalize(self, coefficients, steps: int) -> list:
-        """Newton-Schulz on every update of the batch, each divided by its norm into `starts`
-        (`library.muon_normalize`); each matrix's result (a view)."""
-        a, b, c = coefficients
-        x, y = self.other, self.updates
-        for _ in range(steps):
-            self.gram_of(x)
-            self.gram_polynomial(b, c)
-            self.x_update(x, y, a)
-            x, y = y, x
-        return self.results[id(x)]
 
     # One Newton-Schulz iteration is these three products (mtapply.bench.products times each).
     # A wide batch iterates on X X^T: X <- a X + (b G + c G G) X; a tall one on the transpose,
@@ -298,30 +288,102 @@ class _Batch:
             torch.bmm(x.mT, x, out=self.gram)
 
     def gram_polynomial(self, b: float, c: float) -> None:
-        """G' = b G + c G G, into `gram_update`: one cuBLASLt product on CUDA."""
-        lt = self._lt_products()
-        if lt:
-            g = self.gram
-            lt[0](g, g, g, self.gram_update, c, b, self._stream())
-        else:
-            torch.baddbmm(self.gram, self.gram, self.gram, beta=b, alpha=c, out=self.gram_update)
+        """G' = b G + c G G, into `gram_update`, for this batch and every batch it shares its
+        Gram matrices with: one product."""
+        self.grams.polynomial(b, c)
 
     def x_update(self, x, y, a: float) -> None:
         """y = a X + G' X (wide) or a X + X G' (tall): one cuBLASLt product on CUDA."""
-        lt = self._lt_products()
+        lt = self._lt_update()
         if lt:
             if self.wide:
-                lt[1](self.gram_update, x, x, y, 1.0, a, self._stream())
+                lt(self.gram_update, x, x, y, 1.0, a, _stream(x))
             else:
-                lt[1](x, self.gram_update, x, y, 1.0, a, self._stream())
+                lt(x, self.gram_update, x, y, 1.0, a, _stream(x))
         elif self.wide:
             torch.baddbmm(x, self.gram_update, x, beta=a, out=y)
         else:
             torch.baddbmm(x, x, self.gram_update, beta=a, out=y)
 
-    def _stream(self) -> int:
-        """torch's current stream on the batch's device (cuBLASLt takes it per product)."""
-        return stream_pointer(None, "torch", self.updates.device.index)
+
+class _Grams:
+    """Newton-Schulz's Gram matrices G and G' = b G + c G G of one short side, (count, side,
+    side) bfloat16 each: one batch's, or those of every batch of a group's side on a device
+    (`join`), each batch's a slice, so that one product makes G' for them all (cuBLASLt's
+    m x m products run nearer the GPU's throughput in one large batch than in several)."""
+
+    def __init__(self, count: int, side: int, device):
+        self.gram = torch.empty((count, side, side), device=device, dtype=torch.bfloat16)
+        self.gram_update = torch.empty_like(self.gram)
+        self.batches = ()  # the batches sharing these, in order, once joined
+        self.lt = None  # the product by cuBLASLt (CUDA), made at the first step
+
+    @classmethod
+    def join(cls, batches: list) -> "_Grams":
+        """The Gram matrices of `batches` (one side, one device) in one `_Grams`, made again
+        only when the batches change."""
+        grams = batches[0].grams
+        own = not grams.batches  # a batch's from its making
+        if (own and len(batches) == 1) or grams.batches == tuple(batches):
+            return grams
+        grams = cls(sum(batch.count for batch in batches), batches[0].side,
+                    batches[0].updates.device)
+        grams.batches = tuple(batches)
+        start = 0
+        for batch in batches:
+            batch.share(grams, start)
+            start += batch.count
+        return grams
+
+    def polynomial(self, b: float, c: float) -> None:
+        """G' = b G + c G G, into `gram_update`: one cuBLASLt product on CUDA."""
+        if self.lt is None:
+            count, side, _ = self.gram.shape
+            self.lt = _lt_products(self.gram, count, side, side, side)
+        g = self.gram
+        if self.lt:
+            self.lt(g, g, g, self.gram_update, c, b, _stream(g))
+        else:
+            torch.baddbmm(g, g, g, beta=b, alpha=c, out=self.gram_update)
+
+
+def newton_schulz(batches: list, coefficients, steps: int) -> dict:
+    """Newton-Schulz on every update of every batch, each divided by its norm into `starts`
+    (`library.muon_normalize`): id(batch) -> each matrix's result (a view). Each iteration
+    takes every batch's Gram matrices, then G' once for each short side, then every X update."""
+    a, b, c = coefficients
+    sides: dict = {}
+    for batch in batches:
+        sides.setdefault((batch.updates.device, batch.side), []).append(batch)
+    grams = [_Grams.join(same) for same in sides.values()]
+    pairs = [(batch.other, batch.updates) for batch in batches]
+    for _ in range(steps):
+        for batch, (x, _) in zip(batches, pairs):
+            batch.gram_of(x)
+        for joined in grams:
+            joined.polynomial(b, c)
+        for batch, (x, y) in zip(batches, pairs):
+            batch.x_update(x, y, a)
+        pairs = [(y, x) for x, y in pairs]
+    return {id(batch): batch.results[id(x)] for batch, (x, _) in zip(batches, pairs)}
+
+
+def _lt_products(like, count: int, m: int, k: int, n: int):
+    """On `like`'s CUDA device, cuBLASLt's product of `count` (m, k) by (k, n) matrices whose
+    C is not its output; False elsewhere or where cuBLASLt is missing."""
+    if not like.is_cuda:
+        return False
+    from ._lt_products import LtProducts
+
+    try:
+        return LtProducts(count, m, k, n, like.device)
+    except (OSError, RuntimeError):
+        return False
+
+
+def _stream(tensor) -> int:
+    """torch's current stream on the tensor's device (cuBLASLt takes it per product)."""
+    return stream_pointer(None, "torch", tensor.device.index)
 
 
 class _Shard:

@@ -404,11 +404,69 @@ def test_the_gram_polynomial_product_equals_baddbmm(shape):
     batch.gram_update.fill_(float("nan"))
     before = batch.gram.clone()
     batch.gram_polynomial(-4.775, 2.0315)
-    assert batch.lt, "the CUDA batch runs cuBLASLt's products"
+    assert batch.grams.lt, "the CUDA batch runs cuBLASLt's products"
     expected = torch.baddbmm(before, before, before, beta=-4.775, alpha=2.0315)
     gap = (batch.gram_update.float() - expected.float()).norm() / expected.float().norm()
     assert gap < 1e-3, f"relative gap {gap:.2e}"
     assert torch.equal(batch.gram, before)
+
+
+def _newton_schulz_batches(device, groups):
+    """A `_Batch` per (count, rows, cols), its Newton-Schulz start a seeded randn of unit norm."""
+    from mtapply.torch_muon import _Batch
+
+    g = torch.Generator().manual_seed(11)
+    batches = []
+    for count, rows, cols in groups:
+        batch = _Batch([torch.empty((rows, cols), device=device) for _ in range(count)])
+        x = torch.randn(batch.other.shape, generator=g)
+        batch.other.copy_(x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True))
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_gram_polynomial_over_every_batch_of_a_side_gives_the_per_batch_results(device):
+    """Batches of one short side share one buffer of Gram matrices and one b G + c G G per
+    iteration: each matrix's result is the one its batch gives alone (bit for bit on the CPU;
+    on a GPU the products of another batch count may split their sums otherwise)."""
+    from mtapply.torch_muon import NS_COEFFICIENTS, newton_schulz
+
+    groups = [(2, 8, 24), (1, 24, 8), (1, 8, 8), (3, 16, 48), (2, 40, 16), (2, 32, 64)]
+    joined = _newton_schulz_batches(device, groups)
+    done = newton_schulz(joined, NS_COEFFICIENTS, 5)
+    side8, side16, side32 = joined[:3], joined[3:5], joined[5]
+    assert side8[0].grams is side8[1].grams is side8[2].grams
+    assert side8[0].grams.gram.shape == (4, 8, 8) and side16[0].grams.gram.shape == (5, 16, 16)
+    assert side32.grams.gram.shape[0] == side32.count and not side32.grams.batches  # its own
+    for batch, alone in zip(joined, _newton_schulz_batches(device, groups)):
+        expected = newton_schulz([alone], NS_COEFFICIENTS, 5)[id(alone)]
+        assert alone.grams.gram.shape[0] == alone.count  # its own
+        for got, want in zip(done[id(batch)], expected, strict=True):
+            if device == "cpu":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_side_joined_again_when_its_batches_change(device):
+    """A step without one matrix's grad leaves its batch out of its side's shared Gram
+    matrices, the next step takes it back: each step as torch.optim.Muon's."""
+    shapes = [(8, 24), (24, 8), (8, 8), (8, 24), (16, 8)]
+    a, b = _params(device, shapes), _params(device, shapes)
+    ours, theirs = mt.Muon(a, lr=0.02), torch.optim.Muon(b, lr=0.02)
+    for t, left_out in enumerate((None, 2, None, 1)):
+        for params, opt in ((a, ours), (b, theirs)):
+            _set_grads(params, t)
+            if left_out is not None:
+                params[left_out].grad = None
+            opt.step()
+        _assert_close(a, b)
+    stepped = [batch for batch in ours._batches.values()
+               if batch.side == 8 and batch.ids != (id(a[1]),)]
+    assert len(stepped) == 3 and stepped[0].grams.batches == tuple(stepped)
+    assert all(batch.grams is stepped[0].grams for batch in stepped)
 
 
 @pytest.mark.parametrize("device", DEVICES)

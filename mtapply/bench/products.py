@@ -114,20 +114,24 @@ def product_rows(shapes, device, repeats: int, steps: int) -> list:
 
 def joined_rows(shapes, device, repeats: int, steps: int) -> list:
     """For each short side shared by several shapes, b G + c G G over all their Gram matrices in
-    one batch (a row "gram_polynomial (joined)"), by the optimizer's own product: what batching
-    the m x m products of every shape together would give against the per-shape rows."""
-    counts: dict = {}
+    one product (a row "gram_polynomial (joined)"), as the optimizer runs it (`_Grams.join`):
+    against the per-shape rows, what joining them gains."""
+    from ..torch_muon import _Grams
+
+    sides: dict = {}
     for (r, c), count in shape_groups(shapes).items():
-        counts.setdefault(min(r, c), []).append(count)
+        sides.setdefault(min(r, c), []).append((count, r, c))
     _, b, c = COEFFICIENTS
     rows = []
-    for side, each in counts.items():
-        if len(each) < 2:
+    for side, groups in sides.items():
+        if len(groups) < 2:
             continue
-        total = sum(each)
-        batch = _batch(total, side, side, device)
-        batch.gram_of(batch.updates)
-        seconds = time_call(lambda: batch.gram_polynomial(b, c), device, repeats, steps)
+        batches = [_batch(*group, device) for group in groups]
+        grams = _Grams.join(batches)
+        for batch in batches:
+            batch.gram_of(batch.updates)
+        seconds = time_call(lambda: grams.polynomial(b, c), device, repeats, steps)
+        total = grams.gram.shape[0]
         rows.append({"product": "gram_polynomial (joined)", "shape": [total, side, side],
                      "seconds": seconds, "tflops": 2 * total * side ** 3 / seconds / 1e12})
     return rows
