@@ -284,9 +284,10 @@ class Launcher:
                 self._interrupted = False
             if p + 1 < len(passes):
                 yield p
-        for k in busy:
-            self.tables[k].launched_on(stream)
-            self._rows.launched_on(k, stream)
+        with _on(self.device_id):  # (events recorded on the device's stream)
+            for k in busy:
+                self.tables[k].launched_on(stream)
+                self._rows.launched_on(k, stream)
         self._keep.stream = stream
 
     @property
