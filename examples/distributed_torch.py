@@ -116,6 +116,7 @@ OPTIMIZERS = {
     "adagrad8bit": lambda params: mt.Adagrad(params, lr=1e-3, state_bits=8, min_8bit_size=1024),
     "ademamix8bit": lambda params: mt.AdEMAMix(params, lr=1e-3, weight_decay=0.05, state_bits=8,
                                                min_8bit_size=1024),
+    "prodigy": lambda params: mt.Prodigy(params, lr=1.0, weight_decay=0.01),
     "muon": lambda params: muon(params),
     "muon8bit": lambda params: muon(params, state_bits=8, min_8bit_size=1024),
 }
@@ -193,9 +194,10 @@ def parse_args(argv=None):
     usage = parser.format_usage()
     if args.device == "cuda" and not torch.cuda.is_available():
         refuse("--device cuda, but torch sees no CUDA device: use --device cpu (gloo)", usage)
-    if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer.startswith(("lars", "lamb")):
+    if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer.startswith(
+            ("lars", "lamb", "prodigy")):
         refuse(f"--optimizer {args.optimizer} with --mode fsdp2 needs GPUs: on the CPU mtapply "
-               f"does not sum its per-tensor norms over the shards (use --mode ddp, or another "
+               f"does not sum its norms and sums over the shards (use --mode ddp, or another "
                f"--optimizer)", usage)
     if args.mode != "single" and "RANK" not in os.environ:
         refuse(f"--mode {args.mode} runs under torchrun, one process per rank: torchrun "

@@ -24,8 +24,9 @@ def _check_adaptive(name, lr, betas, eps, d0, growth_rate, fsdp_in_use) -> None:
     if not growth_rate >= 1.0:
         raise ValueError(f"Invalid growth_rate: {growth_rate} (at least 1, or inf)")
     if fsdp_in_use:
-        raise ValueError(f"{name}(fsdp_in_use=True): sharded params are not supported (d sums "
-                         "over the whole list on one device)")
+        raise ValueError(f"{name}(fsdp_in_use=True): FSDP2's DTensor params have their sums "
+                         "all-reduced over their shards without it (leave it False); FSDP1's "
+                         "flattened params are not supported")
 
 
 def _one_param_group(self, param_group) -> None:

@@ -45,7 +45,7 @@ class Part:
         self.numeric_lrs = False  # every group's lr a number when `hyper` was last made whole
         self.lrs = None  # in a merged group on a GPU: the groups' number lrs, on the device
         self.float32_math = all(p.dtype not in (torch.float64, torch.complex128) for p in params)
-        self.sums = None  # a torch view of the plan's per-tensor sums, when they are all-reduced
+        self.sums = None  # a torch view of the plan's first-pass sums, when they are all-reduced
         self.after_pass = None
         self.scalars = None  # a rule's scalar state array (RuleBased)
         if plan is not None and is_dtensor(params[0]):
@@ -185,16 +185,17 @@ def shard_groups(param) -> list:
 
 
 def _all_reduce_sums(plan, param):
-    """For LARS and LAMB over FSDP2 shards: (the plan's per-tensor sums as a torch view, a hook
-    that sums them over the shard groups between the norms pass and the update), so every rank
-    takes the norms of the whole tensors; (None, None) for single-pass ops."""
+    """For ops with sums over FSDP2 shards (LARS's and LAMB's norms, Prodigy's whole-list
+    sums): (the plan's first-pass sums as a torch view, a hook that sums them over the shard
+    groups between the first pass and the update), so every rank takes the sums of the whole
+    tensors and of the whole model; (None, None) for single-pass ops."""
     if not plan.spec.n_sums:
         return None, None
-    sums = plan.sums()
+    sums = plan.first_pass_sums()
     if sums is None:  # the CPU backend sums each tensor whole: it has no pass to hook
         raise ValueError(f"{plan.spec.name} over FSDP2 (DTensor) shards on {param.device}: "
-                         "the per-tensor norms are all-reduced between the kernels' passes, "
-                         "which run on a GPU; put the model on CUDA devices")
+                         "its sums are all-reduced between the kernels' passes, which run on "
+                         "a GPU; put the model on CUDA devices")
     import torch.distributed as dist
 
     view = torch.as_tensor(sums, device=param.device)  # the plan's own memory, no copy

@@ -468,7 +468,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         hyper = self._part_hyper(part, group)
         scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
         if part.sums is not None:
-            part.sums.zero_()  # empty shards add nothing: their rows are never written
+            part.sums.zero_()  # empty shards add nothing: their sums are never written
         if part.counter is not None:
             hyper["step"] = part.counter  # the plan counts the step in it
         staging = part.staging

@@ -113,16 +113,16 @@ class RuleBased(FusedOptimizer):
     def _check_prepared(self, prepared: list) -> None:
         """A rule with whole-list sums (a global norm, Prodigy's d) sums over one plan: its
         params must step together, in one plan on one device (torch.optim's counterparts sum
-        over every param of the step)."""
+        over every param of the step); FSDP2 shards' sums are all-reduced between the passes."""
         summed = [(group, bound) for _, group, bound, _ in prepared
                   if bound is not None and self._stepping_rule(group).program.totals]
         parts = [part for _, bound in summed for part in bound.parts]
-        if len(parts) > 1 or any(bound.sharded for _, bound in summed):
+        if len(parts) > 1:
             name = self._stepping_rule(summed[0][0]).name
             raise ValueError(
                 f"{type(self).__name__} ({name}) sums over all its params at each step, which "
                 f"here would step as {len(parts)} separate lists: params on several devices, "
-                f"FSDP2 shards, params that missed steps the others took (a grad of None), 16-bit "
+                f"params that missed steps the others took (a grad of None), 16-bit "
                 f"params beside others under master_weights=True, or param groups that cannot "
                 f"step together (a tensor lr, other compile-time options). Keep the params on "
                 f"one device, give each a grad at every step (zero_grad(set_to_none=False) "

@@ -314,6 +314,18 @@ class Plan:
         return cupy.ndarray((self._n, self.spec.n_sums), self._cuda.sum_dtype,
                             self._cuda.all_sums)
 
+    def first_pass_sums(self):
+        """Everything a first pass leaves for the update: the per-tensor sums (`sums`), then the
+        whole-list sums (a rule's totals), as one flat CuPy array; None as for `sums`. Summing
+        it over processes between the passes gives the sums of tensors sharded over them."""
+        self._open()
+        if not isinstance(self._cuda, Launcher) or self._cuda.all_sums is None:
+            return None
+        import cupy
+
+        return cupy.ndarray((self._n * self.spec.n_sums + self.spec.n_totals,),
+                            self._cuda.sum_dtype, self._cuda.all_sums)
+
     @property
     def invalid(self):
         """A one-element float32 array that a step sets to 1 when a device value it was given

@@ -233,7 +233,7 @@ def _torchrun() -> list:
                                             ("fsdp2", "lion"), ("fsdp2", "adamw8bit"),
                                             ("fsdp2", "lion8bit"), ("fsdp2", "ademamix8bit"),
                                             ("ddp", "rmsprop8bit"), ("fsdp2", "muon"),
-                                            ("fsdp2", "muon8bit")])
+                                            ("fsdp2", "muon8bit"), ("ddp", "prodigy")])
 def test_distributed_example_on_cpu_equals_one_process(tmp_path, mode, optimizer):
     """torchrun with two CPU processes (gloo) trains as one process on whole batches does; over
     FSDP2 shards 8-bit states too (each weight's shard holds whole blocks of its tensor). The

@@ -97,7 +97,8 @@ def test_a_model_split_over_two_gpus_trains_like_torch_optim():
                                             ("fsdp2", "rmsprop8bit"), ("fsdp2", "adagrad8bit"),
                                             ("fsdp2", "ademamix8bit"), ("ddp", "lamb8bit"),
                                             ("ddp", "sgd8bit"), ("fsdp2", "muon"),
-                                            ("fsdp2", "muon8bit")])
+                                            ("fsdp2", "muon8bit"), ("fsdp2", "prodigy"),
+                                            ("ddp", "prodigy")])
 def test_distributed_training_equals_one_gpu(mode, optimizer, tmp_path):
     torchrun = shutil.which("torchrun")
     command = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
