@@ -235,7 +235,8 @@ class _Batch:
         self.updates = torch.empty((len(params), rows, cols), **like)
         self.other = torch.empty_like(self.updates)
         self.side = min(rows, cols)
-        self.share(_Grams(len(params), self.side, self.updates.device), 0)
+        # G and G', slices of the `_Grams` of the batch's side (`_Grams.join`, at its first step)
+        self.grams = self.gram = self.gram_update = None
         self.wide = rows <= cols
         self.lt = None  # the X update by cuBLASLt (CUDA), made at the first step
         self.views = list(self.updates.unbind(0))
@@ -315,7 +316,7 @@ class _Grams:
     def __init__(self, count: int, side: int, device):
         self.gram = torch.empty((count, side, side), device=device, dtype=torch.bfloat16)
         self.gram_update = torch.empty_like(self.gram)
-        self.batches = ()  # the batches sharing these, in order, once joined
+        self.batches = ()  # the batches sharing these, in order
         self.lt = None  # the product by cuBLASLt (CUDA), made at the first step
 
     @classmethod
@@ -323,8 +324,7 @@ class _Grams:
         """The Gram matrices of `batches` (one side, one device) in one `_Grams`, made again
         only when the batches change."""
         grams = batches[0].grams
-        own = not grams.batches  # a batch's from its making
-        if (own and len(batches) == 1) or grams.batches == tuple(batches):
+        if grams is not None and grams.batches == tuple(batches):
             return grams
         grams = cls(sum(batch.count for batch in batches), batches[0].side,
                     batches[0].updates.device)

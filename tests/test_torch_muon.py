@@ -393,11 +393,12 @@ def test_the_gram_polynomial_product_equals_baddbmm(shape):
     gives, and leaves G as it was."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from mtapply.torch_muon import _Batch
+    from mtapply.torch_muon import _Batch, _Grams
 
     count, rows, cols = shape
     params = [torch.empty((rows, cols), device="cuda") for _ in range(count)]
     batch = _Batch(params)
+    _Grams.join([batch])
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(batch.gram.shape, generator=g, device="cuda")
     batch.gram.copy_(x + x.mT)
@@ -438,7 +439,7 @@ def test_one_gram_polynomial_over_every_batch_of_a_side_gives_the_per_batch_resu
     side8, side16, side32 = joined[:3], joined[3:5], joined[5]
     assert side8[0].grams is side8[1].grams is side8[2].grams
     assert side8[0].grams.gram.shape == (4, 8, 8) and side16[0].grams.gram.shape == (5, 16, 16)
-    assert side32.grams.gram.shape[0] == side32.count and not side32.grams.batches  # its own
+    assert side32.grams.gram.shape[0] == side32.count and side32.grams.batches == (side32,)
     for batch, alone in zip(joined, _newton_schulz_batches(device, groups)):
         expected = newton_schulz([alone], NS_COEFFICIENTS, 5)[id(alone)]
         assert alone.grams.gram.shape[0] == alone.count  # its own

@@ -44,10 +44,11 @@ def product_flops(product: str, count: int, rows: int, cols: int) -> int:
 def _batch(count: int, rows: int, cols: int, device):
     import torch
 
-    from ..torch_muon import _Batch
+    from ..torch_muon import _Batch, _Grams
 
     params = [torch.empty((rows, cols), device=device) for _ in range(count)]
     batch = _Batch(params)
+    _Grams.join([batch])  # its own Gram matrices
     batch.updates.copy_(torch.randn(batch.updates.shape, device=device))
     batch.updates.div_(torch.linalg.vector_norm(batch.updates, dim=(1, 2), keepdim=True))
     return batch
