@@ -36,7 +36,10 @@ class Part:
 
     def __init__(self, indices, params, plan, counter, staging=None):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter
-        if plan is not None and counter is not None:
+        # a plan over several GPUs reads its step as a number, counted on the host (a CPU tensor)
+        self.host_counter = counter is not None and counter.device.type == "cpu" and (
+            plan is not None and plan.spans_devices)
+        if plan is not None and counter is not None and not self.host_counter:
             plan.count_steps(counter)  # each step reads it and, unless found_inf, advances it
         self.staging = staging or None  # stand-ins copied around each step (_torch_layouts)
         self.device = params[0].device

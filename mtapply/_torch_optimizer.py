@@ -186,7 +186,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                         id(p) for p in group["params"] if p.requires_grad)
                 group = dense
             prepared.append((index, group, bound, sparse))
-        self._check_prepared(prepared)
+        self._check_prepared(prepared, grad_scale is not None or found_inf is not None)
         self._before_groups(grad_scale, found_inf, self._flat.trainable if flat else None)
         for index, group, bound, sparse in prepared:
             for own, members in by_group(group, sparse) if sparse else ():
@@ -288,9 +288,9 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
 
     # -- binding --------------------------------------------------------------------------------
 
-    def _check_prepared(self, prepared: list) -> None:
+    def _check_prepared(self, prepared: list, scaled: bool) -> None:
         """Refusals that need every group bound (index, group, bound, sparse params), raised
-        before any group steps."""
+        before any group steps; `scaled`: the step takes GradScaler's scale or inf flag."""
 
     def _before_groups(self, grad_scale, found_inf, flat_buffers) -> None:
         """Work that spans the groups (LAMB's global gradient norm). `flat_buffers`: with
@@ -453,7 +453,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         """Where a merged part's groups give their lrs as numbers on a GPU, for float32 math:
         the groups' lrs written to their device slots, which replace them in `per_group`."""
         if (part.device.type != "cuda" or not part.float32_math
-                or not all(type(h.get("lr")) is float for h in per_group)):
+                or not all(type(h.get("lr")) is float for h in per_group)
+                or part.plan is not None and part.plan.spans_devices):  # (reads numbers)
             return None
         lrs = part.lrs
         if lrs is None or len(lrs.slots) != len(per_group):
@@ -469,8 +470,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         scale, skip = part.on_device(grad_scale), part.on_device(found_inf)
         if part.sums is not None:
             part.sums.zero_()  # empty shards add nothing: their sums are never written
-        if part.counter is not None:
-            hyper["step"] = part.counter  # the plan counts the step in it
+        if part.counter is not None:  # the plan counts the step in it, or the host does
+            hyper["step"] = float(part.counter) + 1.0 if part.host_counter else part.counter
         staging = part.staging
         if staging is not None:
             staging.before([p.grad for p in part.params])
@@ -480,6 +481,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             part.plan.release("grads", watch=False)
         if staging is not None:
             staging.after()
+        if part.host_counter:
+            part.counter.add_(1.0)
         _bump_versions(part.params)
 
     def _bind(self, key, options, group, params, grads) -> Bound:
@@ -499,15 +502,19 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             if counting:
                 step = self.state[p]["step"]
                 count = counts.setdefault(id(step), float(step))
-            classes.setdefault((p.device, count, masters(p)), []).append(i)
+            device = p.device.type if self._spans_devices(group) else p.device
+            classes.setdefault((device, count, masters(p)), []).append(i)
         parts = []
         for (_, count, master), indices in classes.items():
             members = [params[i] for i in indices]
-            counter = self._counter(members, count) if counting else None
             lists = PlanLists(self.state, members, [grads[i] for i in indices], local_tensor)
             if master:
                 lists.masters = lists.state(MASTER)
             plan = self._make_plan(group, lists)
+            counter = None
+            if counting:  # a plan over several GPUs has its steps counted on the host
+                spans = plan is not None and plan.spans_devices
+                counter = self._counter(members, count, "cpu" if spans else members[0].device)
             parts.append(Part(np.asarray(indices), members, plan, counter, lists.staging))
             if owner:
                 parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
@@ -533,9 +540,14 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         """Whether the group's params keep a device step counter."""
         return self._counts_steps
 
-    def _counter(self, params, count: float):
-        """One device step counter for params of equal step count: their `state["step"]`."""
-        counter = torch.tensor(count, dtype=torch.float32, device=params[0].device)
+    def _spans_devices(self, group) -> bool:
+        """Whether the group's CUDA params on several GPUs step as one plan (a rule that sums
+        over all of them, or keeps one scalar state for them), rather than one per GPU."""
+        return False
+
+    def _counter(self, params, count: float, device):
+        """One step counter for params of equal step count, on `device`: their `state["step"]`."""
+        counter = torch.tensor(count, dtype=torch.float32, device=device)
         for p in params:
             self.state[p]["step"] = counter
         return counter

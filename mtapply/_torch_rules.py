@@ -110,23 +110,43 @@ class RuleBased(FusedOptimizer):
         by its `seed`, the step and the param's place), as Adam's option."""
         return bool(group.get("stochastic_rounding", False))
 
-    def _check_prepared(self, prepared: list) -> None:
+    def _spans_devices(self, group) -> bool:
+        return bool(self._stepping_rule(group).program.totals)
+
+    def _check_prepared(self, prepared: list, scaled: bool) -> None:
         """A rule with whole-list sums (a global norm, Prodigy's d) sums over one plan: its
-        params must step together, in one plan on one device (torch.optim's counterparts sum
-        over every param of the step); FSDP2 shards' sums are all-reduced between the passes."""
+        params must step together, in one plan (torch.optim's counterparts sum over every param
+        of the step), which may span GPUs; FSDP2 shards' sums are all-reduced between the
+        passes."""
         summed = [(group, bound) for _, group, bound, _ in prepared
                   if bound is not None and self._stepping_rule(group).program.totals]
+        for group, bound in summed:
+            if any(part.plan is not None and part.plan.spans_devices for part in bound.parts):
+                self._check_across_devices(group, scaled)
         parts = [part for _, bound in summed for part in bound.parts]
         if len(parts) > 1:
             name = self._stepping_rule(summed[0][0]).name
             raise ValueError(
                 f"{type(self).__name__} ({name}) sums over all its params at each step, which "
-                f"here would step as {len(parts)} separate lists: params on several devices, "
+                f"here would step as {len(parts)} separate lists: params on the CPU and a GPU, "
                 f"params that missed steps the others took (a grad of None), 16-bit "
                 f"params beside others under master_weights=True, or param groups that cannot "
                 f"step together (a tensor lr, other compile-time options). Keep the params on "
                 f"one device, give each a grad at every step (zero_grad(set_to_none=False) "
                 f"keeps zeros), and give the groups number lrs")
+
+    def _check_across_devices(self, group, scaled: bool) -> None:
+        """Over params on several GPUs every device reads the step's values as numbers: no
+        GradScaler scale or inf flag, no tensor hyperparameter."""
+        name = f"{type(self).__name__} ({self._stepping_rule(group).name}) over params on several GPUs"
+        if scaled:
+            raise ValueError(f"{name} takes no GradScaler (its scale and inf flag are tensors "
+                             f"on one GPU): unscale and check the grads yourself, or keep the "
+                             f"params on one GPU")
+        tensors = [key for key, value in group.items() if isinstance(value, torch.Tensor)]
+        if tensors:
+            raise ValueError(f"{name} takes its hyperparameters as numbers, but {tensors[0]} is "
+                             f"a tensor: give it as a float")
 
     def _factored_shapes(self, group, p) -> dict:
         """The shapes of the factored slots that `p` keeps (see `mtapply.rules._factored`):

@@ -162,6 +162,11 @@ class Plan:
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def spans_devices(self) -> bool:
+        """Whether the plan's tensors are on several GPUs (a launch set per device)."""
+        return isinstance(self._cuda, Devices)
+
     def __repr__(self) -> str:
         """The op and its compile-time options, the tensors, their devices, their dtypes (one
         group per combination over the slots, in slot order) and the table mode, e.g.

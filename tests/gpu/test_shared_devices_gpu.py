@@ -91,3 +91,70 @@ def test_two_gpus_step_as_one_list(name, dtype):
         ours = _run(name, devices, dtype)
     assert [d for d, _, _ in ours[2]._cuda.parts] == [0, 1]
     _assert_same(name, ours, _run(name, ["cuda:0"] * len(SHAPES), dtype), dtype)
+
+
+def _prodigy_models(split_devices=("cuda:0", "cuda:0")):
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(20, 30), torch.nn.Linear(30, 3)
+    return first.to(split_devices[0]), second.to(split_devices[1])
+
+
+def _train(layers, opt, steps, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=g).to(layers[0].weight.device)
+        opt.zero_grad()
+        hidden = layers[0](x).tanh().to(layers[1].weight.device)
+        layers[1](hidden).square().mean().backward()
+        opt.step()
+
+
+def _params(layers):
+    return [p for layer in layers for p in layer.parameters()]
+
+
+def test_a_torch_optimizer_whose_plan_spans_parts_steps_as_over_one(monkeypatch):
+    """mtapply.torch.Prodigy whose one plan spans devices (parts of one GPU standing in): its
+    step counted on the host, each part's sums shared, the same params as one plan's."""
+    import mtapply.torch as mt
+
+    one, split = _prodigy_models(), _prodigy_models()
+    theirs = mt.Prodigy(_params(one), weight_decay=0.01)
+    ours = mt.Prodigy(_params(split), weight_decay=0.01)
+    _train(one, theirs, 6)
+    original = mtapply.plan._parts_by_device
+    monkeypatch.setattr(mtapply.plan, "_parts_by_device", lambda params: [
+        (0, np.arange(len(params))[k::2]) for k in (0, 1)] if len(params) > 1 else original(params))
+    _train(split, ours, 6)
+    (part,) = ours._bound[0].parts
+    assert part.plan.spans_devices and part.host_counter
+    step = ours.state[_params(split)[0]]["step"]
+    assert step.device.type == "cpu" and float(step) == 6.0
+    for p, q in zip(_params(split), _params(one)):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=1e-7)
+    assert float(ours.state[_params(split)[0]]["d"]) > 1e-6  # d grew
+
+    scaler = torch.amp.GradScaler("cuda", init_scale=4.0)
+    ours.zero_grad()
+    scaler.scale(split[1](split[0](torch.randn(4, 20, device="cuda")).tanh()).sum()).backward()
+    before = [p.clone() for p in _params(split)]
+    with pytest.raises(ValueError, match="over params on several GPUs takes no GradScaler"):
+        scaler.step(ours)
+    assert all(torch.equal(p, q) for p, q in zip(_params(split), before))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_torch_optimizer_over_a_model_split_over_two_gpus_steps_as_over_one():
+    """mtapply.torch.Prodigy over a model whose layers are on two GPUs: one plan over both,
+    every device with the same d, the params as on one GPU."""
+    import mtapply.torch as mt
+
+    one, split = _prodigy_models(), _prodigy_models(("cuda:0", "cuda:1"))
+    theirs = mt.Prodigy(_params(one), weight_decay=0.01)
+    ours = mt.Prodigy(_params(split), weight_decay=0.01)
+    _train(one, theirs, 6)
+    _train(split, ours, 6)
+    (part,) = ours._bound[0].parts
+    assert part.plan.spans_devices and part.host_counter
+    for p, q in zip(_params(split), _params(one)):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=2e-5, atol=1e-7)
