@@ -497,13 +497,14 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         counts: dict = {}  # one host read per step tensor (params of a plan share one)
         counting = self._counts(group)
         masters = self._takes_master if self.master_weights else _NO_MASTER
+        spans = self._spans_devices(group)
         for i, p in enumerate(params):
             count = 0.0
             if counting:
                 step = self.state[p]["step"]
                 count = counts.setdefault(id(step), float(step))
-            device = p.device.type if self._spans_devices(group) else p.device
-            classes.setdefault((device, count, masters(p)), []).append(i)
+            classes.setdefault((p.device.type if spans else p.device, count, masters(p)),
+                               []).append(i)
         parts = []
         for (_, count, master), indices in classes.items():
             members = [params[i] for i in indices]
@@ -513,8 +514,8 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             plan = self._make_plan(group, lists)
             counter = None
             if counting:  # a plan over several GPUs has its steps counted on the host
-                spans = plan is not None and plan.spans_devices
-                counter = self._counter(members, count, "cpu" if spans else members[0].device)
+                host = plan is not None and plan.spans_devices
+                counter = self._counter(members, count, "cpu" if host else members[0].device)
             parts.append(Part(np.asarray(indices), members, plan, counter, lists.staging))
             if owner:
                 parts[-1].group_of = np.array([owner[id(p)] for p in members], np.int64)
