@@ -322,9 +322,11 @@ class _Grams:
     @classmethod
     def join(cls, batches: list) -> "_Grams":
         """The Gram matrices of `batches` (one side, one device) in one `_Grams`, made again
-        only when the batches change."""
+        only when the batches change (a batch left out of a step, then back, may still hold
+        the older one: every batch must hold it)."""
         grams = batches[0].grams
-        if grams is not None and grams.batches == tuple(batches):
+        if (grams is not None and grams.batches == tuple(batches)
+                and all(batch.grams is grams for batch in batches)):
             return grams
         grams = cls(sum(batch.count for batch in batches), batches[0].side,
                     batches[0].updates.device)
