@@ -62,11 +62,12 @@ class Devices:
 class Shared:
     """A rule's whole-list sums and scalar state over the GPUs of one plan.
 
-    A step runs every device's first pass (its totals, over its own tensors); each device
-    copies its totals into a slot of every device's exchange buffer; each device waits for
-    the others' copies and adds the slots in device order (so all devices hold the same
-    totals, bit for bit) before its update. The exchange buffer has a half per step parity:
-    a device may copy the next step's totals while another still reads this step's.
+    A step runs every device's passes up to its update (its totals, over its own tensors);
+    each device copies its totals into a slot of every device's exchange buffer; each device
+    waits for the others' copies and adds the slots in one order, the devices' order in the
+    plan (so all devices hold the same totals, bit for bit), before its update. The exchange
+    buffer has a half per step parity: a device may copy the next step's totals while another
+    still reads this step's.
 
     The scalar state is the caller's array (`scalars_out`), on the plan's first device; each
     other device steps a copy of it, refreshed from it at the start of each step, and computes
@@ -93,6 +94,8 @@ class Shared:
             self.exchange.append(exchange.ptr)
             self.zeros.append(zeros.ptr)
             self.copies.append(copy)
+        # (the first device reads a copy where it writes the state back: kept past that too)
+        self._keep[0].memory += [copy for copy in self.copies if copy is not None]
         with _on(parts[0][0]):
             self._started = _tables._Event()  # the step's start on the first device
         self._copied: list = []  # per device, its copy of the scalar state refreshed
@@ -101,34 +104,45 @@ class Shared:
             with _on(device_id):
                 self._copied.append(_tables._Event())
                 self._done.append(_tables._Event())
-        self._finished = None
 
     def run(self, parts: list, args: dict, stream_of, grad_scale, found_inf, shares) -> None:
         streams = [stream_of(device_id) for device_id, _, _ in parts]
-        parity, self._parity = self._parity, self._parity ^ 1
+        self._follow(parts, streams)
         own = args.get("scalars_out")
         each_args = [args] + [self._with_copy(args, own, k) for k in range(1, len(parts))]
         self._refresh_copies(parts, streams, own)
+        parity = self._parity
         stages = []
         for k, ((device_id, _, launcher), stream) in enumerate(zip(parts, streams)):
             stage = launcher.passes(each_args[k], stream_of, grad_scale, found_inf, shares[k],
                                     fused=False)
-            next(stage, None)  # the first pass: this device's totals
+            _through_totals(stage, launcher.n_passes)
             stages.append(stage)
             with _on(device_id):
                 self._send_totals(k, parts, stream, parity)
                 self._done[k].record(stream)
+        self._parity ^= 1  # (only once every device's totals are on their way)
         for k, ((device_id, _, launcher), stream) in enumerate(zip(parts, streams)):
             with _on(device_id):
-                for other, done in enumerate(self._done):
-                    if other != k:
-                        done.wait_on(stream)
-                if self.width and launcher.totals is not None:
-                    self._add_totals(k, device_id, launcher.totals, len(parts), parity, stream)
+                if self.width:
+                    for other, done in enumerate(self._done):
+                        if other != k:
+                            done.wait_on(stream)
+                    if launcher.totals is not None:
+                        self._add_totals(k, device_id, launcher.totals, len(parts), parity,
+                                         stream)
             for _ in stages[k]:  # the update, from the same totals on every device
                 pass
             self._keep[k].stream = stream
         self._write_back(parts, streams, own)
+
+    def _follow(self, parts: list, streams: list) -> None:
+        """Each device's stream waits for the work this object queued on its stream of the
+        step before, where that was another stream."""
+        for (device_id, _, _), keep, stream in zip(parts, self._keep, streams):
+            with _on(device_id):
+                _tables.wait_for(keep.stream, stream)
+                keep.stream = stream
 
     def _with_copy(self, args: dict, own, k: int) -> dict:
         """Device k's arguments: its copy of the scalar state in place of the caller's."""
@@ -172,7 +186,8 @@ class Shared:
 
     def _add_totals(self, k: int, device_id: int, totals: int, count: int, parity: int,
                     stream: int) -> None:
-        """totals = the sum of every device's slot, in device order (the same on every device)."""
+        """totals = the sum of every device's slot, in the devices' order (the same on every
+        device)."""
         half = self.exchange[k] + parity * count * self.width * self.itemsize
         adding = _source.kernel_functions(self.adding, device_id, 1)[0]
         adding((1,), (-(-self.width // 32) * 32,),
@@ -205,6 +220,15 @@ extern "C" __global__ void {entry}(const {t}* slots, {t}* totals, int count, int
   totals[w] = total;
 }}
 """
+
+
+def _through_totals(stage, n_passes: int) -> None:
+    """Runs a step's passes (`Launcher.passes`) up to the update: through the pass that leaves
+    the totals (the first of two; a factored rule's sums pass, after its factor passes), or
+    through its one pass."""
+    for p in stage:
+        if p >= n_passes - 2:
+            return
 
 
 def adding_source(dtype: str) -> str:

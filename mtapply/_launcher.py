@@ -206,6 +206,11 @@ class Launcher:
     def _n_passes(self) -> int:
         return len(self.launches[0]) if self.launches else 0
 
+    @property
+    def n_passes(self) -> int:
+        """The passes of a step (launches one after another over every group)."""
+        return self._n_passes()
+
     def slotted_names(self, rows: Rows) -> tuple:
         """The names whose new values reach every launch of `rows` (the latest step's) by the
         slots alone: the slots' names, where every busy group reads them there."""

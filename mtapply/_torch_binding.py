@@ -31,8 +31,8 @@ def data_addresses(tensors: list) -> np.ndarray:
 
 
 class Part:
-    """Params of a group on one device that share a step count, bound to one plan and one
-    device counter."""
+    """Params of a group on one device (or, for a rule summing over them all, on several
+    GPUs) that share a step count, bound to one plan and one step counter."""
 
     def __init__(self, indices, params, plan, counter, staging=None):
         self.indices, self.params, self.plan, self.counter = indices, params, plan, counter

@@ -543,7 +543,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
 
     def _spans_devices(self, group) -> bool:
         """Whether the group's CUDA params on several GPUs step as one plan (a rule that sums
-        over all of them, or keeps one scalar state for them), rather than one per GPU."""
+        over all of them), rather than one per GPU."""
         return False
 
     def _counter(self, params, count: float, device):

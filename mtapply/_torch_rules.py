@@ -143,7 +143,9 @@ class RuleBased(FusedOptimizer):
             raise ValueError(f"{name} takes no GradScaler (its scale and inf flag are tensors "
                              f"on one GPU): unscale and check the grads yourself, or keep the "
                              f"params on one GPU")
-        tensors = [key for key, value in group.items() if isinstance(value, torch.Tensor)]
+        tensors = [key for each in group.get("groups", [group]) for key, value in each.items()
+                   if key != "params" and any(isinstance(v, torch.Tensor) for v in (
+                       value if isinstance(value, (tuple, list)) else (value,)))]
         if tensors:
             raise ValueError(f"{name} takes its hyperparameters as numbers, but {tensors[0]} is "
                              f"a tensor: give it as a float")

@@ -261,7 +261,7 @@ def rule(name: str, *, slots: str, hyper: dict, update: str, sums=None, finish: 
             gradient norm: {"g2": "grad * grad"}), computed in the first pass as `sums` are and
             added up over the tensors in a fixed order (deterministic, no host
             synchronisation); each is then one number for every tensor. Over tensors on
-            several GPUs, every device adds all devices' totals in device order.
+            several GPUs, every device adds all devices' totals in one order.
         scalars: name -> initial value of numbers kept between steps for the whole list (NAdam's
             running product of momentum factors): in the update a name reads the value the
             previous step left, and a line assigning it (from numbers, hyperparameters, step
