@@ -32,7 +32,9 @@ def _lists(rule, devices, dtype, seed=0):
     return columns
 
 
-def _run(name, devices, dtype, steps=5):
+def _run(name, devices, dtype, steps=5, late=None):
+    """The rule's steps over lists on `devices`; `late`: a device whose stream sleeps before
+    each step, so that its totals come after the others' (the waits must hold them)."""
     make, hyper = RULES[name]
     rule = make()
     columns = _lists(rule, devices, dtype)
@@ -43,6 +45,9 @@ def _run(name, devices, dtype, steps=5):
     for step in range(1, steps + 1):
         for grad in columns["grad"]:  # new grads each step, on their devices
             grad.copy_(torch.randn(grad.shape, generator=g, dtype=torch.float64).to(grad))
+        if late is not None:
+            with torch.cuda.device(late):
+                torch.cuda._sleep(20_000_000)  # some 10 ms of the device's stream
         plan.step(step=step, scalars_out=scalars, **hyper)
     for device in dict.fromkeys(devices):
         torch.cuda.synchronize(device)
@@ -82,13 +87,14 @@ def test_parts_of_one_gpu_step_as_one_list(name, dtype, split, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("late", [None, 0, 1])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", sorted(RULES))
-def test_two_gpus_step_as_one_list(name, dtype):
+def test_two_gpus_step_as_one_list(name, dtype, late):
     devices = ["cuda:0", "cuda:1", "cuda:1", "cuda:0", "cuda:1", "cuda:0", "cuda:0", "cuda:1"]
     streams = [torch.cuda.Stream(device=d) for d in (0, 1)]
     with torch.cuda.stream(streams[0]), torch.cuda.stream(streams[1]):
-        ours = _run(name, devices, dtype)
+        ours = _run(name, devices, dtype, late=late)
     assert [d for d, _, _ in ours[2]._cuda.parts] == [0, 1]
     _assert_same(name, ours, _run(name, ["cuda:0"] * len(SHAPES), dtype), dtype)
 
