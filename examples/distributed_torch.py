@@ -26,8 +26,8 @@ loads it: the results are the same as without. A configuration mtapply refuses e
 message and exit status 2.
 
 On GPUs (one per rank, NCCL) when torch sees them, else on the CPU (`--device cpu`: gloo, and
-mtapply's NumPy backend), DDP and FSDP2 alike; LARS and LAMB over FSDP2 shards need GPUs (on the
-CPU their per-tensor norms are not summed over the shards). `--optimizer` NAME8bit keeps the
+mtapply's NumPy backend), DDP and FSDP2 alike (LARS's and LAMB's norms and Prodigy's sums
+summed over the shards between their passes, on the CPU too). `--optimizer` NAME8bit keeps the
 optimizer's state in 8 bits (state_bits=8; SGD, LARS, LAMB, RMSprop, Adagrad, AdEMAMix, Lion,
 AdamW and Muon). `--optimizer muon` is Muon for the weight matrices with AdamW for the biases,
 in one optimizer: over FSDP2 each rank gathers the whole matrices for Newton-Schulz.
@@ -194,11 +194,6 @@ def parse_args(argv=None):
     usage = parser.format_usage()
     if args.device == "cuda" and not torch.cuda.is_available():
         refuse("--device cuda, but torch sees no CUDA device: use --device cpu (gloo)", usage)
-    if args.device == "cpu" and args.mode == "fsdp2" and args.optimizer.startswith(
-            ("lars", "lamb", "prodigy")):
-        refuse(f"--optimizer {args.optimizer} with --mode fsdp2 needs GPUs: on the CPU mtapply "
-               f"does not sum its norms and sums over the shards (use --mode ddp, or another "
-               f"--optimizer)", usage)
     if args.mode != "single" and "RANK" not in os.environ:
         refuse(f"--mode {args.mode} runs under torchrun, one process per rank: torchrun "
                f"--nproc_per_node=2 examples/distributed_torch.py --mode {args.mode} (or --mode "

@@ -120,10 +120,11 @@ def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
 
 
 SUM_DTYPE = "sum_dtype"  # the args entry of a summing op's sum dtype (`OpSpec.sum_dtype`)
+GIVEN_SUMS = "given_sums"  # the args entry of a tensor's sums taken before its update
 
 
 def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
-        cache=None) -> bool:
+        cache=None, first_pass=None) -> bool:
     """Applies `spec` to every tensor of `refs` (slot -> list of TensorRef) with `args`, or
     with its row's where `rows` (mtapply._rows.Rows) is given; grads are divided by
     `grad_scale` first (AMP), in the math type, as the kernel does. With master
@@ -132,7 +133,12 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
 
     DeviceScalars (of `args`, the rows, `grad_scale`, `found_inf`) are read now: nothing is
     written where found_inf is non-zero, nor where a value is out of its range, which returns
-    False (as the kernels do, see kernels/walker.cuh `step_runs`)."""
+    False (as the kernels do, see kernels/walker.cuh `step_runs`).
+
+    `first_pass`: (sums, after_pass) for a rule with sums: every tensor's sums are taken first
+    into `sums` (a flat array of the plan's sum dtype: each tensor's, then the whole-list
+    sums, as `Plan.first_pass_sums` lays them out), `after_pass(0)` may change them (sum them
+    over the processes holding shards of the tensors), and the update reads them there."""
     if found_inf is not None and _read(found_inf) != 0.0:
         return True
     values = _values(spec, args, rows, grad_scale)
@@ -145,8 +151,10 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
     if spec.n_sums:  # sums in the plan's type, as the kernels take them (float64 over float64)
         wide = {SUM_DTYPE: spec.sum_dtype(r.dtype for r in refs[spec.slots[0]])}
         args, row_args = dict(args, **wide), [dict(row, **wide) for row in row_args]
-    totals = None
-    if spec.n_totals:  # whole-list sums: a first pass over every tensor
+    totals, given = None, None
+    if spec.n_sums and first_pass is not None:
+        totals, given = _first_pass(spec, refs, grad_scale, tensor_args, *first_pass)
+    elif spec.n_totals:  # whole-list sums: a first pass over every tensor
         totals = spec.cpu_totals((i, arrays, tensor_args(i), dtype)
                                  for i, dtype, arrays in _tensors(spec, refs, grad_scale))
     together = ()
@@ -158,8 +166,10 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
                     | _cpu_eight_bit.run(spec, cache, args, grad_scale))
     def step(i: int) -> None:
         dtype, arrays = _tensor(spec, refs, i, grad_scale)
-        given = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
-        _update(spec, refs, i, arrays, given, dtype)
+        taken = tensor_args(i) if totals is None else dict(tensor_args(i), totals_array=totals)
+        if given is not None:
+            taken = dict(taken, **{GIVEN_SUMS: given[i]})
+        _update(spec, refs, i, arrays, taken, dtype)
 
     first = refs[spec.slots[0]]
     stepped = [i for i in range(len(first)) if first[i].numel and i not in together]
@@ -169,6 +179,24 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
         for i in stepped:
             step(i)
     return True
+
+
+def _first_pass(spec, refs: dict, grad_scale, tensor_args, sums: np.ndarray, after_pass):
+    """(the whole-list sums, each tensor's sums as float64s): taken into `sums` (zeros for an
+    empty tensor), then read back after `after_pass(0)`."""
+    n, width = len(refs[spec.slots[0]]), spec.n_sums
+    sum_dtype = sums.dtype.name
+    sums[:] = 0
+    taken = []
+    for i, dtype, arrays in _tensors(spec, refs, grad_scale):
+        taken.append(spec.cpu_sums(i, arrays, tensor_args(i), dtype))
+        sums[i * width:(i + 1) * width] = taken[-1]
+    if spec.n_totals:
+        sums[n * width:] = spec.cpu_whole_sums(taken, sum_dtype)
+    after_pass(0)
+    per_tensor = sums[:n * width].astype(np.float64).reshape(n, width)
+    totals = sums[n * width:].copy() if spec.n_totals else None
+    return totals, [list(row) for row in per_tensor]
 
 
 def _update(spec, refs: dict, i: int, arrays: dict, given: dict, dtype) -> None:

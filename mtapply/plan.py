@@ -111,6 +111,7 @@ class Plan:
         self._scalars: OrderedDict = OrderedDict()
         self._latest_rows = None  # the rows of the latest step's per-tensor hyperparameters
         self._cpu_cache: dict = {}  # the CPU backend's views of the tensors (see `_cpu.run`)
+        self._cpu_sums = None  # on the CPU, the sums a step with after_pass takes first
         self._cuda = None
         if self.device is not None and self.device[0] == "cuda":
             self._cuda = self._launchers(stream)
@@ -233,7 +234,8 @@ class Plan:
 
         `after_pass(k)`, for ops of several passes on one GPU, is called on the host once pass k
         is enqueued and before pass k + 1: it may enqueue work on the launch stream, such as an
-        all-reduce of `sums()` across the ranks that hold shards of the same tensors.
+        all-reduce of `first_pass_sums()` across the ranks that hold shards of the same
+        tensors. On the CPU, for an op with sums, it is called once they are taken (k = 0).
 
         A device value out of its range (see the class's docstring) skips the step and sets
         `invalid`; a number out of its range raises ValueError before anything is written.
@@ -278,8 +280,11 @@ class Plan:
         if self._n == 0:
             return
         if self._cuda is None:
+            first_pass = None
+            if after_pass is not None and self.spec.n_sums:  # (the sums, then the hook)
+                first_pass = (self.first_pass_sums(), after_pass)
             if not _cpu.run(self.spec, self._refs, args, grad_scale=scale, rows=rows,
-                            found_inf=skip, cache=self._cpu_cache):
+                            found_inf=skip, cache=self._cpu_cache, first_pass=first_pass):
                 self._invalid_host[0] = 1.0
                 return False
         else:
@@ -321,9 +326,16 @@ class Plan:
 
     def first_pass_sums(self):
         """Everything a first pass leaves for the update: the per-tensor sums (`sums`), then the
-        whole-list sums (a rule's totals), as one flat CuPy array; None as for `sums`. Summing
-        it over processes between the passes gives the sums of tensors sharded over them."""
+        whole-list sums (a rule's totals), as one flat CuPy array (on the CPU a NumPy array,
+        filled where a step is given `after_pass`); None for ops without sums or plans over
+        several GPUs. Summing it over processes between the passes (`after_pass`) gives the
+        sums of tensors sharded over them."""
         self._open()
+        if self._cuda is None and self.spec.n_sums:
+            if self._cpu_sums is None:
+                self._cpu_sums = np.zeros(self._n * self.spec.n_sums + self.spec.n_totals,
+                                          self.sum_dtype)
+            return self._cpu_sums
         if not isinstance(self._cuda, Launcher) or self._cuda.all_sums is None:
             return None
         import cupy

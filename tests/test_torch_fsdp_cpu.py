@@ -25,17 +25,24 @@ def sharded_model(tmp_path):
 
 
 @pytest.mark.parametrize("cls", [mt.LARS, mt.LAMB, mt.Prodigy, mt.DAdaptAdam])
-def test_norms_over_shards_on_the_cpu_are_refused_before_anything_is_written(cls, sharded_model):
+def test_sums_over_shards_on_the_cpu_step_as_the_unsharded_model(cls, sharded_model):
     """The per-tensor norms of LARS and LAMB, and the whole-list sums of Prodigy and
-    D-Adaptation, are all-reduced between the kernels' passes, on a GPU; on the CPU each rank
-    would take its own shards' sums: refused, nothing written."""
-    opt = cls(sharded_model.parameters(), lr=0.1)
-    sharded_model(torch.randn(5, 4)).sum().backward()
-    before = [p.detach().to_local().clone() for p in sharded_model.parameters()]
-    with pytest.raises(ValueError, match="FSDP2 .*shards on cpu.*put the model on CUDA devices"):
-        opt.step()
-    for was, p in zip(before, sharded_model.parameters()):
-        assert torch.equal(was, p.detach().to_local())
+    D-Adaptation, are taken over every tensor first, all-reduced over the shard group, then
+    read by the update (one rank here: the same bits as the unsharded model)."""
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    plain.load_state_dict({k: v.full_tensor() for k, v in sharded_model.state_dict().items()})
+    mine, theirs = cls(sharded_model.parameters(), lr=0.1), cls(plain.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=g)
+        for model, opt in ((sharded_model, mine), (plain, theirs)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    hooked = [part for bound in mine._bound.values() for part in bound.parts]
+    assert hooked and all(part.after_pass is not None for part in hooked)
+    for p, q in zip(sharded_model.parameters(), plain.parameters()):
+        assert torch.equal(p.detach().full_tensor(), q.detach())
 
 
 def test_adamw_over_shards_on_the_cpu_steps_as_torch_optim(sharded_model):

@@ -44,20 +44,23 @@ _ELEMENT_FUNCTIONS = {"sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "exp": np
 
 
 def evaluate(program: Program, arrays: dict, scalars: dict, dtype, state=None,
-             totals=None, factored: bool | None = None, sum_dtype: str = "float32") -> dict:
+             totals=None, factored: bool | None = None, sum_dtype: str = "float32",
+             sums=None) -> dict:
     """New values of the written slots of one tensor. `arrays`: slot name -> values in `dtype`;
     `scalars`: hyperparameter (and step) name -> float; `state`: the array (of `sum_dtype`) of
     the rule's scalar state (see `Rule.initial_scalars`), updated here; `totals`: the whole-list
     sums, in `program.totals` order (`whole_sums`); `factored`: for a factored rule, whether
     the param steps as factored (its slots then of the `_factored.canonical_shape`s), and
-    only the slots it keeps are given back."""
+    only the slots it keeps are given back. `sums`: the tensor's sums, in `program.sums` order,
+    where they were taken before (`tensor_sums`, then summed over the shards of a tensor)."""
     env = _environment(program, arrays, scalars, state)
     functions = compiled(program, factored)
     with np.errstate(all="ignore"):
         if program.sums:  # the prefix lines once, into env: each tensor's sums, the list's
             values = functions.sums(env, dtype)
-            env.update(zip((s.name for s in program.sums),
-                           _sums(program, values, arrays["param"].shape, dtype, sum_dtype)))
+            if sums is None:
+                sums = _sums(program, values, arrays["param"].shape, dtype, sum_dtype)
+            env.update(zip((s.name for s in program.sums), sums))
             if program.totals:
                 env.update(zip((t.name for t in program.totals), map(np.float64, totals)))
             functions.rest(env, dtype)

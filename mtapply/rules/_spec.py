@@ -239,7 +239,7 @@ class RuleSpec(OpSpec):
         state = _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None
         new = _numpy.evaluate(self.program, rule_arrays, self._scalars(args, index), dtype, state,
                               args.get(_cuda.TOTALS), factored,
-                              args.get(_cpu.SUM_DTYPE, "float32"))
+                              args.get(_cpu.SUM_DTYPE, "float32"), args.get(_cpu.GIVEN_SUMS))
         return {list_name(name): values.reshape(shapes[name]) if shapes else values
                 for name, values in new.items()}
 
@@ -285,19 +285,24 @@ class RuleSpec(OpSpec):
             update.n_buffers = _numpy.compiled(self.program).n_buffers
         return update
 
+    def cpu_sums(self, index: int, arrays: dict, args: dict, dtype) -> list:
+        """Tensor `index`'s sums (`program.sums` order), as its first pass takes them."""
+        rule_arrays, factored, _ = self._rule_arrays(arrays)
+        return _numpy.tensor_sums(self.program, rule_arrays, self._scalars(args, index), dtype,
+                                  _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None,
+                                  factored, args.get(_cpu.SUM_DTYPE, "float32"))
+
     def cpu_totals(self, tensors):
         """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
         tensor."""
         tensors = list(tensors)
         sum_dtype = tensors[0][2].get(_cpu.SUM_DTYPE, "float32") if tensors else "float32"
+        return _numpy.whole_sums(self.program, [self.cpu_sums(*tensor) for tensor in tensors],
+                                 sum_dtype)
 
-        def sums(index, arrays, args, dtype):
-            rule_arrays, factored, _ = self._rule_arrays(arrays)
-            return _numpy.tensor_sums(self.program, rule_arrays, self._scalars(args, index),
-                                      dtype, _cpu.view(args[_cuda.SCALARS].ref)
-                                      if self.outputs else None, factored, sum_dtype)
-
-        return _numpy.whole_sums(self.program, [sums(*tensor) for tensor in tensors], sum_dtype)
+    def cpu_whole_sums(self, per_tensor: list, sum_dtype: str):
+        """The whole-list sums from each tensor's `cpu_sums`."""
+        return _numpy.whole_sums(self.program, per_tensor, sum_dtype)
 
     def _scalars(self, args: dict, index: int) -> dict:
         """Each hyperparameter's (and the step's) value for tensor `index`."""
