@@ -235,7 +235,7 @@ def _torchrun() -> list:
                                             ("ddp", "rmsprop8bit"), ("fsdp2", "muon"),
                                             ("fsdp2", "muon8bit"), ("ddp", "prodigy"),
                                             ("fsdp2", "lars"), ("fsdp2", "lamb"),
-                                            ("fsdp2", "prodigy")])
+                                            ("fsdp2", "prodigy"), ("fsdp2", "lamb8bit")])
 def test_distributed_example_on_cpu_equals_one_process(tmp_path, mode, optimizer):
     """torchrun with two CPU processes (gloo) trains as one process on whole batches does; over
     FSDP2 shards 8-bit states too (each weight's shard holds whole blocks of its tensor). The

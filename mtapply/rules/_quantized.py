@@ -128,9 +128,8 @@ class QuantizedRuleSpec(RuleSpec):
                 codes, arrays[scale], signed=slot not in self.unsigned).reshape(shape)
         return values
 
-    def cpu_totals(self, tensors):
-        return super().cpu_totals([(index, self._dequantized(arrays), args, dtype)
-                                   for index, arrays, args, dtype in tensors])
+    def cpu_sums(self, index: int, arrays: dict, args: dict, dtype) -> list:
+        return super().cpu_sums(index, self._dequantized(arrays), args, dtype)
 
     def cpu_update(self, arrays: dict, args: dict, dtype, index: int) -> dict:
         if arrays[self.scale_slots[0]].size == 0:  # float32 state: the rule as it is
