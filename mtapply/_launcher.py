@@ -203,13 +203,10 @@ class Launcher:
         """The groups with blocks to launch."""
         return [k for k, passes in enumerate(self.launches) if passes[0].n_blocks]
 
-    def _n_passes(self) -> int:
-        return len(self.launches[0]) if self.launches else 0
-
     @property
     def n_passes(self) -> int:
         """The passes of a step (launches one after another over every group)."""
-        return self._n_passes()
+        return len(self.launches[0]) if self.launches else 0
 
     def slotted_names(self, rows: Rows) -> tuple:
         """The names whose new values reach every launch of `rows` (the latest step's) by the
@@ -235,7 +232,7 @@ class Launcher:
             self._follow(stream)
         self._memory.append(arrivals)
         self._counters.append((arrivals, 4))
-        last = self._n_passes() - 1
+        last = self.n_passes - 1
         for k in busy:
             for p, launch in enumerate(self.launches[k]):
                 launch.set_counting(counter_ptr, arrivals.ptr, blocks if p == last else 0)
@@ -248,7 +245,7 @@ class Launcher:
         busy = self._busy()
         if self._runs_fused(busy):
             return [self.fused[k] for k in busy]
-        return [self.launches[k][p] for p in range(self._n_passes()) for k in busy]
+        return [self.launches[k][p] for p in range(self.n_passes) for k in busy]
 
     def run(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, after_pass=None,
             rows=None) -> None:
@@ -279,7 +276,7 @@ class Launcher:
         # every pass and yield comes even with nothing to launch here: ranks that all-reduce
         # between passes must all reach the hook
         passes = ([[self.fused[k] for k in busy]] if fused and self._runs_fused(busy) else
-                  [[self.launches[k][p] for k in busy] for p in range(self._n_passes())])
+                  [[self.launches[k][p] for k in busy] for p in range(self.n_passes)])
         for p, launches in enumerate(passes):
             with _on(self.device_id):
                 self._interrupted = True  # until the pass's launches are all queued
