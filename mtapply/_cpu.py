@@ -155,8 +155,9 @@ def run(spec, refs: dict, args: dict, grad_scale=1.0, rows=None, found_inf=None,
     if spec.n_sums and first_pass is not None:
         totals, given = _first_pass(spec, refs, grad_scale, tensor_args, *first_pass)
     elif spec.n_totals:  # whole-list sums: a first pass over every tensor
-        totals = spec.cpu_totals((i, arrays, tensor_args(i), dtype)
-                                 for i, dtype, arrays in _tensors(spec, refs, grad_scale))
+        taken = [spec.cpu_sums(i, arrays, tensor_args(i), dtype)
+                 for i, dtype, arrays in _tensors(spec, refs, grad_scale)]
+        totals = spec.cpu_whole_sums(taken, args[SUM_DTYPE])
     together = ()
     if cache is not None and rows is None and totals is None and spec.cpu_batchable():
         batches = _batches(spec, refs, cache)

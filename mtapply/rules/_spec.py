@@ -292,14 +292,6 @@ class RuleSpec(OpSpec):
                                   _cpu.view(args[_cuda.SCALARS].ref) if self.outputs else None,
                                   factored, args.get(_cpu.SUM_DTYPE, "float32"))
 
-    def cpu_totals(self, tensors):
-        """The whole-list sums over (index, arrays, args, math dtype) of every non-empty
-        tensor."""
-        tensors = list(tensors)
-        sum_dtype = tensors[0][2].get(_cpu.SUM_DTYPE, "float32") if tensors else "float32"
-        return _numpy.whole_sums(self.program, [self.cpu_sums(*tensor) for tensor in tensors],
-                                 sum_dtype)
-
     def cpu_whole_sums(self, per_tensor: list, sum_dtype: str):
         """The whole-list sums from each tensor's `cpu_sums`."""
         return _numpy.whole_sums(self.program, per_tensor, sum_dtype)
