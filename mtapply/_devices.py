@@ -40,8 +40,11 @@ class Devices:
         if self.shared is not None:
             self.shared.run(self.parts, args, stream_of, grad_scale, found_inf, shares)
             return
-        for (_, _, launcher), part_rows in zip(self.parts, shares):
-            launcher.run(args, stream_of, grad_scale, found_inf, rows=part_rows)
+        stages = [launcher.passes(args, stream_of, grad_scale, found_inf, part_rows)
+                  for (_, _, launcher), part_rows in zip(self.parts, shares)]
+        for stage in stages:  # (every device's rows checked before any launch)
+            for _ in stage:
+                pass
 
     def invalid_flags(self) -> tuple:
         return tuple(launcher.invalid_flags() for _, _, launcher in self.parts)
@@ -112,12 +115,11 @@ class Shared:
         each_args = [args] + [self._with_copy(args, own, k) for k in range(1, len(parts))]
         self._refresh_copies(parts, streams, own)
         parity = self._parity
-        stages = []
+        stages = [launcher.passes(each_args[k], stream_of, grad_scale, found_inf, shares[k],
+                                  fused=False)
+                  for k, (_, _, launcher) in enumerate(parts)]  # (every device's rows checked)
         for k, ((device_id, _, launcher), stream) in enumerate(zip(parts, streams)):
-            stage = launcher.passes(each_args[k], stream_of, grad_scale, found_inf, shares[k],
-                                    fused=False)
-            _through_totals(stage, launcher.n_passes)
-            stages.append(stage)
+            _through_totals(stages[k], launcher.n_passes)
             with _on(device_id):
                 self._send_totals(k, parts, stream, parity)
                 self._done[k].record(stream)

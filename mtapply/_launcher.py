@@ -260,9 +260,11 @@ class Launcher:
 
     def passes(self, args: dict, stream_of, grad_scale=1.0, found_inf=None, rows=None,
                fused=True):
-        """`run`'s launches, yielding k between passes k and k + 1 (once pass k's launches are
-        queued), so that the caller may queue other work there; `fused`: whether a step may
-        run each group's fused launch in place of its passes (then nothing is yielded)."""
+        """`run`'s launches, as a generator yielding k between passes k and k + 1 (once pass
+        k's launches are queued), so that the caller may queue other work there; `fused`:
+        whether a step may run each group's fused launch in place of its passes (then nothing
+        is yielded). What may refuse the step (its rows) is done in this call, before any
+        launch: a plan over several GPUs prepares every device's before it launches."""
         stream = stream_of(self.device_id)
         with _on(self.device_id):
             busy = self._busy()
@@ -277,6 +279,10 @@ class Launcher:
         # between passes must all reach the hook
         passes = ([[self.fused[k] for k in busy]] if fused and self._runs_fused(busy) else
                   [[self.launches[k][p] for k in busy] for p in range(self.n_passes)])
+        return self._launching(passes, busy, args, grad_scale, found_inf, stream)
+
+    def _launching(self, passes: list, busy: list, args: dict, grad_scale, found_inf,
+                   stream: int):
         for p, launches in enumerate(passes):
             with _on(self.device_id):
                 self._interrupted = True  # until the pass's launches are all queued

@@ -164,3 +164,29 @@ def test_a_torch_optimizer_over_a_model_split_over_two_gpus_steps_as_over_one():
     assert part.plan.spans_devices and part.host_counter
     for p, q in zip(_params(split), _params(one)):
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=2e-5, atol=1e-7)
+
+
+def test_a_value_that_only_a_later_part_holds_is_refused_with_nothing_written(monkeypatch):
+    """Every part (device) checks its per-tensor values before any part launches: an lr that
+    only the second part's tensors take and that overflows float32 is refused, the first
+    part's tensors unwritten. (Rules with whole-list sums or scalar state take one value of
+    each hyperparameter for all tensors.)"""
+    rule = library.adam()
+    monkeypatch.setattr(mtapply.plan, "_parts_by_device", lambda params: [
+        (0, np.arange(len(params))[k::2]) for k in (0, 1)])
+    columns = _lists(rule, ["cuda:0"] * len(SHAPES), torch.float32)
+    plan = rule.plan(*columns.values())
+    assert len(plan._cuda.parts) == 2
+    plan.step(step=1, lr=[1e-2] * len(SHAPES))
+    torch.cuda.synchronize()
+    before = {slot: [t.clone() for t in values] for slot, values in columns.items()}
+    lrs = [1e-2] * (len(SHAPES) - 1) + [1e39]  # the last tensor is the second part's
+    with pytest.raises(ValueError, match="lr overflows float32"):
+        plan.step(step=2, lr=lrs)
+    torch.cuda.synchronize()
+    for slot, values in columns.items():
+        for k, (got, want) in enumerate(zip(values, before[slot])):
+            assert torch.equal(got, want), f"{slot}[{k}] was written"
+    plan.step(step=2, lr=[1e-2] * len(SHAPES))  # the plan steps on
+    torch.cuda.synchronize()
+    assert not torch.equal(columns["param"][0], before["param"][0])
