@@ -6,17 +6,37 @@ import numpy as np
 import pytest
 
 import mtapply.plan
-from mtapply.rules import library
+from mtapply.rules import library, rule
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(300,), (0,), (64, 65), (1,), (5000,), (7, 3), (0, 4), (2049,)]
+
+
+def _clipped_adafactor():
+    """Factored state (row and column means: passes of their own) and an update clipped by the
+    grad's whole-list norm: the totals are exchanged after the first of several passes."""
+    return rule("clipped_adafactor", slots="param:rw grad:r row_var:rw@row col_var:rw@col "
+                "variance:rw@unfactored", hyper=dict(lr=1e-2, max_norm=1.0),
+                totals={"g2": "grad * grad"}, update="""
+                    g2e = grad * grad + 1e-30
+                    row_var = row_var + (row_mean(g2e) - row_var) * 0.2
+                    col_var = col_var + (col_mean(g2e) - col_var) * 0.2
+                    variance = variance + (g2e - variance) * 0.2
+                    v = row_var * col_var / col_mean(row_var) if factored else variance
+                    u = grad * rsqrt(v)
+                    param = param - lr / max(1, sqrt(g2) / max_norm) * u
+                """)
+
+
 RULES = {  # rule, its extra hyperparameters
     "prodigy": (library.prodigy, dict(beta3=0.999 ** 0.5, weight_decay=0.01)),
     "dadapt_adam": (library.dadapt_adam, dict(weight_decay=0.01)),
     "nadam": (library.nadam, dict(lr=1e-2)),  # scalar state, no whole-list sums
+    "clipped_adafactor": (_clipped_adafactor, {}),  # whole-list sums, no scalar state
 }
+POSITIVE = ("exp_avg_sq", "row_var", "col_var", "variance")
 
 
 def _lists(rule, devices, dtype, seed=0):
@@ -25,21 +45,25 @@ def _lists(rule, devices, dtype, seed=0):
     columns = {name: [] for name in slots}
     for shape, device in zip(SHAPES, devices):
         param = torch.randn(shape, generator=g, dtype=torch.float64)
+        state_shapes = rule.state_shapes(shape)
         for name in slots:
-            value = {"param": param, "p0": param, "exp_avg_sq": param.abs() * 0.01}.get(
-                name, torch.randn(shape, generator=g, dtype=torch.float64) * 0.1)
+            value = torch.randn(state_shapes.get(name, shape), generator=g, dtype=torch.float64)
+            value = {"param": param, "p0": param}.get(
+                name, value.abs() * 0.01 if name in POSITIVE else value * 0.1)
             columns[name].append(value.to(device, dtype).clone())
     return columns
 
 
-def _run(name, devices, dtype, steps=5, late=None):
+def _run(name, devices, dtype, steps=5, late=None, streams=None):
     """The rule's steps over lists on `devices`; `late`: a device whose stream sleeps before
-    each step, so that its totals come after the others' (the waits must hold them)."""
+    each step, so that its totals come after the others' (the waits must hold them);
+    `streams`: streams of the first device that the steps take in turn, the first held back."""
     make, hyper = RULES[name]
     rule = make()
     columns = _lists(rule, devices, dtype)
     scalars = torch.tensor(rule.initial_scalars(np.dtype(str(dtype).split(".")[1])),
                            device=devices[0])
+    out = dict(scalars_out=scalars) if rule.scalars else {}
     plan = rule.plan(*columns.values())
     g = torch.Generator().manual_seed(9)
     for step in range(1, steps + 1):
@@ -48,7 +72,16 @@ def _run(name, devices, dtype, steps=5, late=None):
         if late is not None:
             with torch.cuda.device(late):
                 torch.cuda._sleep(20_000_000)  # some 10 ms of the device's stream
-        plan.step(step=step, scalars_out=scalars, **hyper)
+        if streams is None:
+            plan.step(step=step, **out, **hyper)
+            continue
+        stream = streams[step % len(streams)]
+        stream.wait_stream(torch.cuda.current_stream())  # (the new grads)
+        with torch.cuda.stream(stream):
+            if stream is streams[0]:
+                torch.cuda._sleep(20_000_000)
+            plan.step(step=step, **out, **hyper)
+        torch.cuda.current_stream().wait_stream(stream)
     for device in dict.fromkeys(devices):
         torch.cuda.synchronize(device)
     return columns, scalars, plan
@@ -84,6 +117,19 @@ def test_parts_of_one_gpu_step_as_one_list(name, dtype, split, monkeypatch):
     ours = _run(name, ["cuda:0"] * len(SHAPES), dtype)
     assert len(ours[2]._cuda.parts) == len(set(labels))
     _assert_same(name, ours, theirs, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_parts_that_change_streams_between_steps_step_as_one_list(name, monkeypatch):
+    """Steps on streams taken in turn, the one of odd steps held back: each step's passes wait
+    for the step before on the other stream (its totals and scalar state)."""
+    theirs = _run(name, ["cuda:0"] * len(SHAPES), torch.float64)
+    monkeypatch.setattr(mtapply.plan, "_parts_by_device", lambda params: [
+        (0, np.arange(len(params))[k::3]) for k in (0, 1, 2)])
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    ours = _run(name, ["cuda:0"] * len(SHAPES), torch.float64, streams=streams)
+    assert len(ours[2]._cuda.parts) == 3
+    _assert_same(name, ours, theirs, torch.float64)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
