@@ -650,7 +650,7 @@ def clip_by_global_norm(max_norm) -> Link:
                 totals={"u2": "grad * grad"},
                 update="""
                     norm = sqrt(u2)
-                    update = where(norm < max_norm, grad, grad / norm * max_norm)
+                    update = where(norm < max_norm, grad, grad * (max_norm / norm))
                 """)
 
 
