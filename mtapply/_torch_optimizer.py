@@ -172,8 +172,29 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         merged = self._merged_group()  # params edited in place merge again, as torch sees them
         if (merged is None) == ("merged" in self._bound):  # the other way's plans are stale
             self._bound.clear()
-        prepared = []
-        stepped = flat  # whether every group steps by its bound parts
+        prepared, self._made = [], []
+        try:
+            stepped = self._prepare_groups(merged, flat, prepared, grad_scale, found_inf)
+        except BaseException:
+            self._unmake_state()
+            raise
+        finally:
+            self._made = None
+        self._before_groups(grad_scale, found_inf, self._flat.trainable if flat else None)
+        for index, group, bound, sparse in prepared:
+            for own, members in by_group(group, sparse) if sparse else ():
+                self._sparse_step(own, members)  # each with its own group's options
+            self._launch_group(index, group, bound, grad_scale, found_inf)
+        if self._flat is not None:
+            self._flat.mark()
+        if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
+            parts = [(index, part) for index, _, bound, _ in prepared for part in bound.parts]
+            self._latest = LatestStep.of(parts, self._group_changes.version)
+
+    def _prepare_groups(self, merged, flat, prepared: list, grad_scale, found_inf) -> bool:
+        """Binds every group into `prepared` (index, group, bound, sparse params) and makes the
+        refusals that need them all; returns whether every group steps by its bound parts."""
+        stepped = flat
         for index, group in [("merged", merged)] if merged else enumerate(self.param_groups):
             bound = self._bound.get(index) if flat else None
             sparse = ()
@@ -187,16 +208,16 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
                 group = dense
             prepared.append((index, group, bound, sparse))
         self._check_prepared(prepared, grad_scale is not None or found_inf is not None)
-        self._before_groups(grad_scale, found_inf, self._flat.trainable if flat else None)
-        for index, group, bound, sparse in prepared:
-            for own, members in by_group(group, sparse) if sparse else ():
-                self._sparse_step(own, members)  # each with its own group's options
-            self._launch_group(index, group, bound, grad_scale, found_inf)
-        if self._flat is not None:
-            self._flat.mark()
-        if stepped and grad_scale is None and found_inf is None and self._repeats_steps():
-            parts = [(index, part) for index, _, bound, _ in prepared for part in bound.parts]
-            self._latest = LatestStep.of(parts, self._group_changes.version)
+        return stepped
+
+    def _unmake_state(self) -> None:
+        """After a refused step: the state its binding made is dropped, with the plans that
+        point at it, so that the step leaves the optimizer as it found it."""
+        for p in self._made:
+            self.state.pop(p, None)
+        if self._made:
+            self._bound.clear()
+            self._held = {}
 
     @classmethod
     def _repeats_steps(cls) -> bool:
@@ -412,8 +433,10 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
 
     def _tensor_options(self, group) -> bool:
         """Whether a group gives a hyperparameter as a tensor that keeps its groups from
-        stepping as one (an lr tensor does not: each tensor's row reads its group's)."""
-        return False
+        stepping as one (an lr tensor does not: each tensor's row reads its group's; one
+        read as a number at each step does, as a merged part keeps its numbers)."""
+        return any(isinstance(value, torch.Tensor) for name, value in self._values(group).items()
+                   if name != "lr")
 
     def _part_hyper(self, part, group) -> dict:
         """The hyperparameters of a part: its group's, or in a merged group each tensor's own
@@ -485,10 +508,22 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             part.counter.add_(1.0)
         _bump_versions(part.params)
 
-    def _bind(self, key, options, group, params, grads) -> Bound:
+    def _check_grads(self, params) -> None:
+        """Refuses the grads a step cannot read: sparse ones, ones of another shape than their
+        param's, and complex ones beside a real param (or the other way round)."""
         for p in params:
             if p.is_sparse or p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if p.grad.shape != p.shape:
+                raise ValueError(f"param {_index_in(self.param_groups, p)} has shape "
+                                 f"{tuple(p.shape)} but its grad {tuple(p.grad.shape)}: give it "
+                                 f"a grad of its shape, or None to skip it this step")
+            if p.is_complex() != p.grad.is_complex():  # (a complex param steps as its real view)
+                raise TypeError(f"param {_index_in(self.param_groups, p)} is {p.dtype} but its "
+                                f"grad {p.grad.dtype}: give it a grad of its dtype")
+
+    def _bind(self, key, options, group, params, grads) -> Bound:
+        self._check_grads(params)
         owner = group_owners(group) if "groups" in group else None  # params keep their group's
         for p in params:
             self._init_param_state(group["groups"][owner[id(p)]] if owner else group, p)
@@ -498,11 +533,10 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         counting = self._counts(group)
         masters = self._takes_master if self.master_weights else _NO_MASTER
         spans = self._spans_devices(group)
-        for i, p in enumerate(params):
-            count = 0.0
-            if counting:
-                step = self.state[p]["step"]
-                count = counts.setdefault(id(step), float(step))
+        counted = [_count(self.state[p]["step"], counts) if counting else 0.0 for p in params]
+        if counting and self._counts_per_group(group):
+            counted = _group_counts(counted, [owner[id(p)] for p in params] if owner else None)
+        for i, (p, count) in enumerate(zip(params, counted)):
             classes.setdefault((p.device.type if spans else p.device, count, masters(p)),
                                []).append(i)
         parts = []
@@ -536,10 +570,17 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         self._init_state(group, p, state)
         if state:
             self.state[p] = state
+            if self._made is not None:
+                self._made.append(p)
 
     def _counts(self, group) -> bool:
         """Whether the group's params keep a device step counter."""
         return self._counts_steps
+
+    def _counts_per_group(self, group) -> bool:
+        """Whether the params of a group step with one count, the group's: a param that
+        missed steps (a grad of None) takes the group's count when it steps again."""
+        return False
 
     def _spans_devices(self, group) -> bool:
         """Whether the group's CUDA params on several GPUs step as one plan (a rule that sums
@@ -559,9 +600,13 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
         """The group's hyperparameters as its plans on `device` take them: a tensor value
         as a device value there (`_device_value`)."""
         values = self._values(group)
+        on_device = None
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
-                values[name] = self._device_value(value, device, name, group)
+                on_device = on_device or self._checking_spec(group).device_scalars
+                # others are CPU tensors (`_check_group`), read on the host as numbers
+                values[name] = (self._device_value(value, device, name, group)
+                                if name in on_device else float(value))
         return values
 
     def _device_value(self, value, device, name: str, group):
@@ -608,14 +653,21 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
             raise ValueError(f"param group {index}: "
                              + MASTER_STOCHASTIC.format(type(self).__name__))
         values = self._checked_values(group)
+        spec = self._checking_spec(group)
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise ValueError(f"param group {index}: Tensor {name} must be 1-element")
                 if value.device.type == "cpu":
                     values[name] = float(value)
+                elif name not in spec.device_scalars:
+                    option = self._OPTION_NAMES.get(name, name)
+                    raise TypeError(f"param group {index}: {option} is a tensor on "
+                                    f"{value.device}, but {type(self).__name__} reads only "
+                                    f"{' and '.join(spec.device_scalars)} on the device: give "
+                                    f"{option} as a number or a CPU tensor")
         try:
-            self._checking_spec(group).arguments(**values)
+            spec.arguments(**values)
         except (TypeError, ValueError) as error:
             word, space, rest = str(error).partition(" ")
             raise type(error)(f"param group {index}: {self._OPTION_NAMES.get(word, word)}{space}"
@@ -626,6 +678,7 @@ class FusedOptimizer(StateKeeping, torch.optim.Optimizer):
     _checked_at = 0  # the group changes version whose options were last checked
     _numeric_lrs = False  # whether every group's lr was a number at the last whole check
     _copies = None  # TensorCopies, made at the first tensor hyperparameter that needs one
+    _made = None  # during a step's binding: the params whose state it made
 
     def _checked_values(self, group) -> dict:
         """The hyperparameters to check, as `_checking_spec(group).arguments` takes them."""
@@ -683,6 +736,24 @@ def _outside_graphs(method):
     if disabled is None:
         disabled = _DISABLED[method] = torch.compiler.disable(method)
     return disabled
+
+
+def _count(step, counts: dict) -> float:
+    """A step tensor's count, read once however many params share it (`counts`: by id)."""
+    count = counts.get(id(step))
+    if count is None:
+        count = counts[id(step)] = float(step)
+    return count
+
+
+def _group_counts(counts: list, owners) -> list:
+    """Each param's step count as the largest of its group's (`owners`: each param's group in
+    a merged group; None: one group)."""
+    owners = owners or [0] * len(counts)
+    largest: dict = {}
+    for owner, count in zip(owners, counts):
+        largest[owner] = max(largest.get(owner, count), count)
+    return [largest[owner] for owner in owners]
 
 
 def _index_in(groups: list, p) -> str:

@@ -113,6 +113,11 @@ class RuleBased(FusedOptimizer):
     def _spans_devices(self, group) -> bool:
         return bool(self._stepping_rule(group).program.totals)
 
+    def _counts_per_group(self, group) -> bool:
+        # a rule with whole-list sums steps its params as one list, with one step count (as
+        # prodigyopt's and dadaptation's group count k), and one scalar state
+        return bool(self._stepping_rule(group).program.totals)
+
     def _check_prepared(self, prepared: list, scaled: bool) -> None:
         """A rule with whole-list sums (a global norm, Prodigy's d) sums over one plan: its
         params must step together, in one plan (torch.optim's counterparts sum over every param
@@ -129,11 +134,10 @@ class RuleBased(FusedOptimizer):
             raise ValueError(
                 f"{type(self).__name__} ({name}) sums over all its params at each step, which "
                 f"here would step as {len(parts)} separate lists: params on the CPU and a GPU, "
-                f"params that missed steps the others took (a grad of None), 16-bit "
-                f"params beside others under master_weights=True, or param groups that cannot "
-                f"step together (a tensor lr, other compile-time options). Keep the params on "
-                f"one device, give each a grad at every step (zero_grad(set_to_none=False) "
-                f"keeps zeros), and give the groups number lrs")
+                f"16-bit params beside others under master_weights=True, param groups that "
+                f"cannot step together (a tensor lr, other compile-time options), or groups at "
+                f"different step counts (one added later). Keep the params on one device and "
+                f"give the groups number lrs")
 
     def _check_across_devices(self, group, scaled: bool) -> None:
         """Over params on several GPUs every device reads the step's values as numbers: no
@@ -264,7 +268,9 @@ class RuleBased(FusedOptimizer):
                 all(v is w for v, w in zip(entry, first)) for entry in entries):
             array = first[0]._base  # the part's own array, as the last bind left it
             if (array.numel() == 3 * n and array.device == params[0].device
-                    and array.dtype == dtype and id(array) not in taken):
+                    and array.dtype == dtype and id(array) not in taken
+                    and (self._counts_per_group(group)
+                         or not self._held_elsewhere(array, group, params, names[0]))):
                 return array
         values = []
         for k, name in enumerate(names):
@@ -280,6 +286,16 @@ class RuleBased(FusedOptimizer):
             for name, view in zip(names, views):
                 state[p][name] = view
         return array
+
+    def _held_elsewhere(self, array, group, params, name: str) -> bool:
+        """Whether a param of the group outside `params` (one that missed this step) holds
+        views of `array`: it keeps its values, so the stepping params take a new array."""
+        stepping = set(map(id, params))
+        for p in group["params"]:
+            view = self.state.get(p, {}).get(name) if id(p) not in stepping else None
+            if isinstance(view, torch.Tensor) and view._base is array:
+                return True
+        return False
 
     def _part_hyper(self, part, group) -> dict:
         hyper = super()._part_hyper(part, group)
@@ -840,4 +856,6 @@ def optimizer(rule, params, *, flat_grads=False, state_bits=32, min_8bit_size=40
 
 def _scalar_dtype(params):
     """A rule's scalar state dtype over these params (`rules._spec.sum_dtype_of`)."""
-    return getattr(torch, sum_dtype_of(str(p.dtype).removeprefix("torch.") for p in params))
+    # (a complex param steps as its real view: complex128 as float64)
+    return getattr(torch, sum_dtype_of(str(p.dtype.to_real()).removeprefix("torch.")
+                                       for p in params))

@@ -428,8 +428,9 @@ class SGD(EightBitState, BFloat16State, FusedOptimizer):
         # as bound with momentum, every param has its buffer
         if group["momentum"] != 0 and self._as_bound(index, group) is None:
             fresh = [p for p in self._stepping(group["params"])
-                     if self.state[p].get("momentum_buffer") is None]
+                     if self.state.get(p, {}).get("momentum_buffer") is None]
             if fresh:
+                self._check_grads(fresh)  # (their first step launches after every check)
                 stepped = set(map(id, fresh))
                 group = dict(group, params=[p for p in group["params"] if id(p) not in stepped])
         return fresh, super()._prepare_group(index, group)

@@ -52,6 +52,7 @@ class Muon(torch.optim.Optimizer):
     `betas` ((0.9, 0.95) where the group gives none), `eps` (the group's, as an AdamW's: Muon's
     default 1e-7 where it gives none) and `weight_decay`, and torch.optim.AdamW's state
     (`step`, `exp_avg`, `exp_avg_sq`): one optimizer and one `step()` for a whole model.
+    Such a group refuses AdamW's `maximize=True` and `amsgrad=True`.
 
     `state_bits=16` keeps that state in bfloat16, `state_bits=8` as 8-bit codes with a float32
     scale per 256 elements (`<name>_absmax`; params of fewer than `min_8bit_size` elements keep
@@ -76,8 +77,12 @@ class Muon(torch.optim.Optimizer):
             param_group.setdefault("betas", AUX_BETAS)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
-        _check_group(f"param group {index}: ", self.param_groups[-1])
-        _check_matrices(index, self.param_groups[-1])
+        try:
+            _check_group(f"param group {index}: ", self.param_groups[-1])
+            _check_matrices(index, self.param_groups[-1])
+        except BaseException:
+            self.param_groups.pop()  # a refused group is not kept
+            raise
 
     @property
     def state_bits(self) -> int:
@@ -448,6 +453,11 @@ def _check_group(where: str, group) -> None:
             raise ValueError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}")
         for i, beta in enumerate(betas):
             check_number(f"{where}betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+        for name in ("maximize", "amsgrad"):
+            if group.get(name, False):
+                raise ValueError(f"{where}{name}=True in a use_muon=False group: its AdamW takes "
+                                 f"lr, betas, eps and weight_decay only; step these params with "
+                                 f"a mtapply.torch.AdamW({name}=True) of their own")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:

@@ -83,6 +83,17 @@ def test_mtapply_torch_dadapt_adam_equals_dadaptation(dtype, rel):
     assert_equals_peer(torch, mt.DAdaptAdam, dadaptation.DAdaptAdam, VARIANTS, dtype, rel)
 
 
+def test_params_that_miss_steps_follow_dadaptation():
+    """A param without grads for a few steps steps on with its group's count afterwards."""
+    torch = pytest.importorskip("torch")
+    dadaptation = pytest.importorskip("dadaptation")
+    import mtapply.torch as mt
+
+    missed = frozenset({(1, 0), (2, 0), (40, 0), (3, 3), (99, 1)})
+    assert_equals_peer(torch, mt.DAdaptAdam, dadaptation.DAdaptAdam, VARIANTS, "float64", 1e-12,
+                       missed)
+
+
 def test_the_dadapt_adam_kernel_compiles():
     pytest.importorskip("cuda.bindings")
     from mtapply import _source

@@ -118,6 +118,20 @@ def test_mtapply_torch_prodigy_equals_prodigyopt(dtype, rel):
     assert_equals_peer(torch, mt.Prodigy, prodigyopt.Prodigy, VARIANTS, dtype, rel)
 
 
+# a param without grads for a few steps (an unused branch): prodigyopt counts its steps per
+# group and sums over the params that have grads; the param then steps on with the group
+MISSED = frozenset({(1, 0), (2, 0), (40, 0), (3, 3), (99, 1)})
+
+
+def test_params_that_miss_steps_follow_prodigyopt():
+    torch = pytest.importorskip("torch")
+    prodigyopt = pytest.importorskip("prodigyopt")
+    import mtapply.torch as mt
+
+    assert_equals_peer(torch, mt.Prodigy, prodigyopt.Prodigy, VARIANTS, "float64", 1e-12,
+                       MISSED)
+
+
 def test_the_prodigy_kernel_compiles():
     pytest.importorskip("cuda.bindings")
     from mtapply import _source

@@ -225,6 +225,17 @@ def test_hybrid_groups_are_checked_as_adamw():
         mt.Muon([{"params": [bias], "use_muon": False, "betas": (0.9, 1.0)}])
     with pytest.raises(TypeError, match="use_muon must be True or False"):
         mt.Muon([{"params": [matrix], "use_muon": 1}])
+    for option in ("maximize", "amsgrad"):  # AdamW options its AdamW does not take
+        with pytest.raises(ValueError, match=f"param group 2: {option}=True in a use_muon=False"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))],
+                                 "use_muon": False, option: True})
+        assert len(opt.param_groups) == 2  # the refused group is not kept
+    opt.param_groups[1]["maximize"] = True  # set later: refused at the step, nothing written
+    matrix.grad, bias.grad = torch.ones(4, 4), torch.ones(4)
+    with pytest.raises(ValueError, match="param group 1: maximize=True"):
+        opt.step()
+    assert torch.equal(matrix, torch.ones(4, 4)) and torch.equal(bias, torch.ones(4))
+    assert not opt.state
 
 
 def test_the_benchmarks_rows_step_alike():

@@ -317,6 +317,45 @@ def test_nadam_keeps_one_mu_product_per_group_as_torch_optim_does():
         "mu_product"].item()
 
 
+def _skipping_run(make, dtype, steps=6, missed=(1, 2)):
+    """Two params; the second has no grad at the `missed` steps."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(6, generator=g, dtype=dtype)) for _ in range(2))
+    opt = make([a, b])
+    for t in range(steps):
+        grads = [torch.randn(6, generator=g, dtype=dtype) for _ in range(2)]
+        a.grad, b.grad = grads[0], None if t in missed else grads[1]
+        opt.step()
+    return opt, a, b
+
+
+def test_nadam_params_that_miss_steps_keep_their_own_mu_product():
+    """A param without a grad at some steps keeps its mu_product (torch.optim.NAdam's is per
+    param), while the others' advance."""
+    ours = _skipping_run(lambda p: mt.NAdam(p, lr=0.1), torch.float64)
+    theirs = _skipping_run(lambda p: torch.optim.NAdam(p, lr=0.1, foreach=False), torch.float64)
+    for p, q in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)  # (torch's mu_product is float32)
+        torch.testing.assert_close(ours[0].state[p]["mu_product"].float(),
+                                   theirs[0].state[q]["mu_product"], rtol=1e-6, atol=0)
+    a, b = ours[1:]
+    assert ours[0].state[a]["mu_product"].item() != ours[0].state[b]["mu_product"].item()
+
+
+def test_rules_with_scalar_state_step_complex128_params():
+    """A complex128 param steps as its float64 real view, its scalar state float64."""
+    results = []
+    for make in (mt.NAdam, lambda p, **o: torch.optim.NAdam(p, foreach=False, **o)):
+        g = torch.Generator().manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(3, 4, generator=g, dtype=torch.complex128))
+        opt = make([p], lr=1e-2)
+        for _ in range(4):
+            p.grad = torch.randn(3, 4, generator=g, dtype=torch.complex128)
+            opt.step()
+        results.append(p.detach())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=0)
+
+
 def test_nadam_refuses_a_group_whose_params_hold_different_mu_products():
     model = _model(2)
     ref = torch.optim.NAdam(model.parameters(), lr=1e-2)

@@ -195,6 +195,68 @@ def test_galore_checks_every_group_before_anything_moves():
         opt.step()
 
 
+GROUP_OPTIONS = [(mt.AdamW, {}, dict(amsgrad=True)), (mt.NAdam, {}, {}),
+                 (mt.SGD, dict(momentum=0.9), dict(momentum=0.9, nesterov=True)),
+                 (mt.RMSprop, {}, dict(centered=True)), (mt.Lion, {}, {})]
+
+
+@pytest.mark.parametrize("make,first,second", GROUP_OPTIONS,
+                         ids=[make.__name__ for make, _, _ in GROUP_OPTIONS])
+@pytest.mark.parametrize("bad,match", [
+    ("shape", r"param 0 \(param group 1\) has shape \(20,\) but its grad \(4, 5\)"),
+    ("complex", r"param 0 \(param group 1\) is torch.complex64 but its grad torch.float32"),
+])
+def test_a_grad_the_step_cannot_read_is_refused_before_anything_is_made(make, first, second,
+                                                                        bad, match):
+    """A param replaced through .data (its old grad kept) in the last group: refused naming
+    it, no param written and no state made, in groups that step as one plan or apart."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4, generator=g)), torch.nn.Parameter(torch.randn(4, 5, generator=g))
+    opt = make([dict(params=[a], **first), dict(params=[b], **second)], lr=1e-2)
+    a.grad, b.grad = torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g)
+    b.data = torch.randn(20) if bad == "shape" else torch.randn(4, 5, dtype=torch.complex64)
+    before = a.detach().clone(), b.detach().clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    assert not opt.state
+    b.grad = torch.randn_like(b)  # given a grad of its own: the step goes on
+    opt.step()
+    assert not torch.equal(a, before[0]) and not torch.equal(b, before[1])
+
+
+def test_a_tensor_option_other_than_lr_is_read_on_the_host_or_refused():
+    """torch.optim.AdamW takes a tensor weight_decay: a CPU one is read as a number at each
+    step (as the number it holds); one on a device is refused naming its group."""
+    results = []
+    for weight_decay in (torch.tensor(0.5, dtype=torch.float64), 0.5):
+        params = _params()
+        opt = mt.AdamW([{"params": params[:2], "amsgrad": True},
+                        {"params": params[2:], "weight_decay": weight_decay}], lr=1e-2)
+        for t in range(4):
+            _grads(params, t)
+            opt.step()
+            if t == 1 and torch.is_tensor(weight_decay):
+                weight_decay.fill_(0.25)  # read again at the next step
+            elif t == 1:
+                opt.param_groups[1]["weight_decay"] = 0.25
+        results.append(params)
+    for p, q in zip(*results):
+        assert torch.equal(p, q)
+    params = _params()
+    message = ("param group 1: weight_decay is a tensor on meta, but AdamW reads only lr and "
+               "step on the device: give weight_decay as a number or a CPU tensor")
+    on_device = torch.tensor(0.5, device="meta")
+    with pytest.raises(TypeError, match=message):
+        mt.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": on_device}])
+    opt = mt.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    _grads(params, 0)
+    opt.param_groups[1]["weight_decay"] = on_device
+    with pytest.raises(TypeError, match=message):
+        opt.step()
+    assert not opt.state and torch.equal(params[0], _params()[0])
+
+
 @pytest.mark.parametrize("warmup_steps", [0, 3])
 def test_schedule_free_counts_its_steps_with_flat_grads(warmup_steps):
     """Its per-group running values (steps, max lr, weight sum) advance at every step on the
