@@ -17,7 +17,7 @@ import optax
 from . import _xla
 from ._dlpack import TensorRef, export
 from ._launch import cupy_stream
-from ._optax_ops import OptaxRule, is_array
+from ._optax_ops import OptaxRule, is_array, zero_if_rounded_below
 from ._optax_state import FLOATS, FlatLayout, flat_for, leaf_struct, tree_state
 from .ops._spec import DeviceScalar, check_number
 from .plan import Plan
@@ -93,6 +93,13 @@ class Engine:
             slot = getattr(state, field, None)
             if dtype is None and isinstance(slot, dict) and len(slot) == 1:
                 dtype = jnp.dtype(next(iter(slot)))
+            elif dtype is None and isinstance(slot, dict) and set(slot) != {
+                    str(x.dtype) for x in structs}:  # (buffers of several dtypes)
+                raise ValueError(
+                    f"mtapply.optax.{self.rule.name}: the state keeps params of "
+                    f"{' and '.join(sorted(slot))} in buffers by dtype, and grads of other "
+                    f"dtypes cannot say which leaf is which: pass the params too, "
+                    f"update(grads, state, params)")
             if dtype not in by_dtype:
                 by_dtype[dtype] = FlatLayout(structs if dtype is None else [
                     jax.ShapeDtypeStruct(s.shape, dtype) for s in structs])
@@ -187,8 +194,10 @@ class Engine:
                 f"mtapply.optax.{self.rule.name}: the rule sums over every leaf (a whole-list "
                 f"sum, as clip_by_global_norm's norm), which one call computes, but this tree "
                 f"of {len(stepped)} leaves takes {len(parts)} calls (at most {per_call} leaves "
-                f"each): each would sum over its own part. Use optax's transformation for that "
-                f"link (optax.clip_by_global_norm before the chain), or fewer, larger leaves")
+                f"each): each would sum over its own part. Keep the tree to {per_call} leaves "
+                f"(fewer, larger leaves; flat_state=True, the default, takes the most), or use "
+                f"optax's own: optax.clip_by_global_norm before a chain, optax.contrib's prodigy "
+                f"or dadapt_adamw")
         return parts
 
     def _step_part(self, leaves, grad_leaves, scalars, statics, layouts, mode, part: list,
@@ -240,7 +249,11 @@ class Engine:
 
     def _learning_rate(self, count, dtype):
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
-        return jnp.asarray(lr, dtype).reshape(-1)  # one, or one per label
+        lr = jnp.asarray(lr, dtype)
+        if lr.size != self.rule.lr_count:
+            raise ValueError(f"mtapply.optax.{self.rule.name}: learning_rate must be a number (or "
+                             f"a schedule giving one), got an array of shape {lr.shape}")
+        return zero_if_rounded_below(lr).reshape(-1)  # one, or one per label
 
     def _launch(self, aliased, fresh, read, scalars, statics, layouts, mode, start) -> dict:
         """Column name -> arrays after the step over the leaves of one call (the first at

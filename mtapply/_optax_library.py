@@ -28,7 +28,8 @@ def _lion_rule(b1, b2, mu_dtype, weight_decay, mask) -> UserRule:
     _refuse("lion", mask=(mask, None))
     if callable(weight_decay):
         raise TypeError("mtapply.optax.lion: weight_decay must be a number, not a schedule")
-    rule = UserRule(library.lion(), dict(beta1=b1, beta2=b2, weight_decay=weight_decay))
+    rule = UserRule(library.lion(), dict(beta1=b1, beta2=b2, weight_decay=weight_decay),
+                    name="lion")
     dtype = _state_dtype("lion", "mu_dtype", mu_dtype)
     rule.slot_dtypes = {"exp_avg": dtype} if dtype is not None else {}
     return rule
@@ -59,7 +60,7 @@ def _adan_rule(b1, b2, b3, eps, eps_root, weight_decay, mask) -> UserRule:
                      name="adan")
 
 
-def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0, weight_decay=0.0,
+def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8, weight_decay=0.0,
          mask=None, *, flat_state=True,
          state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """optax.adan on the rule `mtapply.rules.library.adan` (optax's arguments; mask only takes
@@ -68,7 +69,7 @@ def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0, weigh
     return _transformation(_bits(rule, state_bits, min_8bit_size), learning_rate, flat_state)
 
 
-def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0,
+def fused_adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8,
                weight_decay=0.0, mask=None, *, state_bits=None,
                min_8bit_size=None) -> FusedOptimizer:
     """`adan` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
@@ -211,8 +212,8 @@ def _schedule_free_rule(learning_rate, warmup_steps, b1, b2, eps, weight_decay,
     return ScheduleFreeRule(b1, b2, eps, weight_decay, weight_lr_power, dtype), learning_rate
 
 
-def schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
-                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None,
+def schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
+                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None, *,
                         flat_state=True) -> optax.GradientTransformation:
     """optax.contrib.schedule_free_adamw on the rule `mtapply.rules.library.schedule_free_adamw`
     (optax's arguments; state_dtype is z's dtype). The params are schedule-free's y;
@@ -223,7 +224,7 @@ def schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0
     return _transformation(rule, learning_rate, flat_state)
 
 
-def fused_schedule_free_adamw(learning_rate=0.0025, *, warmup_steps=None, b1=0.9, b2=0.999,
+def fused_schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.999,
                               eps=1e-8, weight_decay=0.0, weight_lr_power=2.0,
                               state_dtype=None) -> FusedOptimizer:
     """`schedule_free_adamw` as a fused step: `opt.step(params, grads, state)`."""

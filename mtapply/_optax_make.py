@@ -76,13 +76,14 @@ class _Fused(FusedOptimizer):
     `fused_multi_transform`."""
 
 
-def _refuse(name: str, **options) -> None:
+def _refuse(name: str, peer: str | None = None, **options) -> None:
     """NotImplementedError for optax options mtapply's kernels do not have (structural ones:
-    None, bools, masks)."""
+    None, bools, masks); `peer`: optax's function, where not optax.<name>."""
     for option, (value, default) in options.items():
         if value is not default and value != default:
             raise NotImplementedError(f"mtapply.optax.{name}: {option}={value!r} is not supported "
-                                      f"(only {option}={default!r}); use optax.{name} for it")
+                                      f"(only {option}={default!r}); use {peer or 'optax.' + name} "
+                                      f"for it")
 
 
 def _state_dtype(name: str, option: str, dtype):

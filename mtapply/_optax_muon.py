@@ -119,7 +119,7 @@ def muon(learning_rate, ns_coeffs=NS_COEFFICIENTS, ns_steps: int = 5, beta=0.95,
     leaves, optax's AdamW for the others. Not supported here, each refused naming
     optax.contrib.muon: preconditioning other than "frobenius", ns_coeffs as a preset name or
     per-step rows, muon_weight_dimension_numbers."""
-    _refuse("muon", preconditioning=(preconditioning, "frobenius"),
+    _refuse("muon", "optax.contrib.muon", preconditioning=(preconditioning, "frobenius"),
             muon_weight_dimension_numbers=(muon_weight_dimension_numbers, None))
     if adam_learning_rate is None:
         adam_learning_rate = learning_rate

@@ -26,6 +26,18 @@ from .sgd import SGDSpec
 # Rules: how each mtapply op is bound and stepped.
 
 
+# float32 rounding leaves a schedule that decays to 0 a few ulps below it at its end
+# (optax.linear_schedule(1e-2, 0.0, 10) gives -1.5e-10 at step 10): such values step as 0
+ROUNDED_BELOW_ZERO = 1e-6
+
+
+def zero_if_rounded_below(value):
+    """A traced hyperparameter `value` as 0 where it lies below 0 by at most
+    ROUNDED_BELOW_ZERO; further below, it stays, to be refused as an lr is."""
+    value = jnp.asarray(value)
+    return jnp.where((value < 0) & (value >= -ROUNDED_BELOW_ZERO), jnp.zeros_like(value), value)
+
+
 class OptaxRule:
     """One mtapply op as the adapter drives it. `slots` are the state fields that hold one
     buffer per param; `plan_slots` names the op's slots for params, those fields and grads;
@@ -52,6 +64,7 @@ class OptaxRule:
     dynamic: dict = {}  # op argument -> array: a scalar operand of every call
     slot_dtypes: dict = {}  # state field -> the dtype of its buffers, where not the params'
     tree_state = False  # True: the state stays a tree like params (flat_state does not apply)
+    lr_count = 1  # the learning rates a step takes (one per label: `LabeledAdamRule`)
 
     def scalar_init(self, dtype) -> list:
         """The initial values of `scalar_fields`; a rule's scalar state of `dtype` (see
@@ -130,7 +143,7 @@ def is_number(value) -> bool:
     return not is_array(value)
 
 
-_OPTAX_NAMES = {"beta1": "b1", "beta2": "b2"}  # op argument -> optax's argument
+_OPTAX_NAMES = {"beta1": "b1", "beta2": "b2", "beta3": "b3"}  # op argument -> optax's argument
 
 
 class AdamRule(OptaxRule):
@@ -194,6 +207,7 @@ class LabeledAdamRule(AdamRule):
         super().__init__(first.hyper["beta1"], first.hyper["beta2"], first.hyper["eps"],
                          1.0 if decays else 0.0)
         self.rules, self.param_labels = rules, param_labels
+        self.lr_count = len(rules)
 
     def statics(self, params, treedef) -> tuple:
         """(label index, weight-decay factor) of each leaf."""
@@ -367,6 +381,8 @@ class UserRule(OptaxRule):
     (device values) given here, or, for a chain's scheduled ones (`schedules`), the schedule's
     value at the step count, computed at each update and passed as a per-step scalar."""
 
+    optax_names = _OPTAX_NAMES  # a hyperparameter's name in optax's function of this `name`
+
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None,
                  scalars: dict | None = None):
         self.user, self.name = rule, name or rule.name
@@ -393,11 +409,18 @@ class UserRule(OptaxRule):
             raise TypeError(f"rule {rule.name!r} needs {missing[0]}=... (a number or an array)")
         # the numbers checked now; arrays and schedules (read on the device) stand in as
         # device values
-        rule.spec().arguments(**({"lr": 0.0} if self.has_lr else {}), step=1.0, **self.hyper,
-                              **dict.fromkeys((*self.dynamic, *self.schedules),
-                                              DeviceScalar(ptr=0, obj=None)),
-                              **({"scalars_out": DeviceScalar(ptr=0, obj=None)}
-                                 if self.carried else {}))
+        try:
+            rule.spec().arguments(**({"lr": 0.0} if self.has_lr else {}), step=1.0, **self.hyper,
+                                  **dict.fromkeys((*self.dynamic, *self.schedules),
+                                                  DeviceScalar(ptr=0, obj=None)),
+                                  **({"scalars_out": DeviceScalar(ptr=0, obj=None)}
+                                     if self.carried else {}))
+        except (TypeError, ValueError) as error:
+            if name is None:  # a user's rule: its own names
+                raise
+            word, space, rest = str(error).partition(" ")  # as optax's function names it
+            raise type(error)(f"mtapply.optax.{name}: {self.optax_names.get(word, word)}{space}"
+                              f"{rest}") from None
         self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
         op_slots = dict(zip(rule.slots, rule.spec().slots))  # the op's name of each slot
         self.plan_slots = ("params", *(op_slots[name] for name in self.slots), "grads")
@@ -446,7 +469,7 @@ class UserRule(OptaxRule):
 
     def per_step(self, learning_rate, count, state) -> tuple:
         """Each scheduled hyperparameter's value at the count of steps taken (optax's)."""
-        return [schedule(count) for schedule in self.schedules.values()], []
+        return [zero_if_rounded_below(schedule(count)) for schedule in self.schedules.values()], []
 
     def fixed_args(self, statics, lr, step, *more) -> dict:
         args = dict(step=step, **self.hyper, **dict(zip(self.schedules, more)))
@@ -497,6 +520,8 @@ class DAdaptRule(UserRule):
     """Prodigy's and D-Adaptation's rules (made with `given_correction`) with optax.contrib's
     bias correction: sqrt(1 - b2**t) / (1 - b1**t) computed at each step as optax computes it
     (in the default float dtype: float32 unless jax_enable_x64), a per-step scalar."""
+
+    optax_names = {"beta1": "betas[0]", "beta2": "betas[1]"}
 
     def __init__(self, rule, hyper: dict, name: str, scalars: dict):
         self.betas = hyper["beta1"], hyper["beta2"]
