@@ -306,7 +306,8 @@ class StateKeeping:
                 raise KeyError(
                     f"{where()} has no {name!r}: {type(self).__name__} keeps "
                     f"{', '.join(map(repr, names))} per param. Load a state_dict saved by "
-                    f"{type(self).__name__} with the same options, or give the param an empty "
+                    f"mtapply.torch's {type(self).__name__} with the same options (other "
+                    f"libraries' states are laid out otherwise), or give the param an empty "
                     "state (optimizer.state[p] = {}) to start it afresh")
             value = entry[name]
             if (name != "step" and isinstance(value, torch.Tensor)
