@@ -33,11 +33,15 @@ class Range:
         if type(value) is not float:  # the common case costs one type test: this runs every step
             value = _to_float(name, value)
         if not self.holds(value):
-            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+            raise ValueError(f"{name} must be {self.describe(value)}, got {value!r}")
         return value
 
-    def describe(self) -> str:
+    def describe(self, value: float | None = None) -> str:
+        """The range in words; for an infinite `value` refused, "finite" said first where the
+        words leave it implied (inf is >= 1, yet not allowed)."""
         if self.text:
+            if self.finite and value is not None and math.isinf(value) and "finite" not in self.text:
+                return f"finite and {self.text}"
             return self.text
         parts = []
         low, high = self.low > -math.inf, self.high < math.inf

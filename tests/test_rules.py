@@ -268,7 +268,7 @@ RANGED = dict(LION, hyper=dict(lr=(None, ">= 0"), beta1=(0.9, "[0, 1)"), beta2=(
 
 @pytest.mark.parametrize("bad,match", [
     (dict(lr=-1e-3), r"lr must be >= 0, got -0\.001"),
-    (dict(lr=float("inf")), "lr must be >= 0, got inf"),
+    (dict(lr=float("inf")), "lr must be finite and >= 0, got inf"),
     (dict(beta1=1.0), r"beta1 must be \[0, 1\), got 1\.0"),
     (dict(beta1=-0.5), r"beta1 must be \[0, 1\)"),
     (dict(beta2=0.0), r"beta2 must be \(0, 1\]"),
