@@ -74,6 +74,22 @@ def test_float32_matches_torch_to_its_tolerance():
     _assert_same(ref, ref_opt, ours, our_opt, 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_grad_makes_torchs_nans(bad):
+    """torch's clamps of the estimate keep a NaN: the elements that it makes NaN are NaN here
+    too (not hidden by a max as eps1), and the others take its values."""
+    ref, ref_opt, ours, our_opt = _pair([(3, 4), (5,), (2, 3, 4)], torch.float64)
+    _grads(ref, ours)
+    for p, q in zip(ref, ours):
+        p.grad.view(-1)[1] = q.grad.view(-1)[1] = bad
+    ref_opt.step()
+    our_opt.step()
+    for p, q in zip(ref, ours):
+        assert p.isnan().any()
+        assert torch.equal(q.isnan(), p.isnan())
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
 def test_param_groups_take_their_own_options():
     groups = [dict(params=[0, 1], lr=0.05, weight_decay=0.1),
               dict(params=[2, 3], lr=0.003, maximize=True, d=2.0),

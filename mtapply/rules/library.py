@@ -673,7 +673,8 @@ def adafactor(maximize: bool = False) -> Rule:
     step t: g = grad (-grad with maximize); w = t^beta2_decay (1 - beta2_t); a factored param
     (two or more dimensions) lerps its row and column means of g^2 into row_var and col_var by
     w, and estimates V = row_var col_var / max(mean(row_var), eps1); an unfactored one lerps
-    g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)); p = p (1 - lr
+    g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)) (both maxima keep a NaN, as
+    torch's clamps do: a NaN grad is not hidden); p = p (1 - lr
     weight_decay) - alpha / max(1, RMS(u) / d) u with alpha = max(eps2, RMS(p)) min(lr,
     1 / sqrt(t)), RMS(p) of the param before the step. RMS(p) and RMS(u) come from sums of a
     first pass. On a GPU, the row and column means are reductions run first."""
@@ -691,8 +692,9 @@ def adafactor(maximize: bool = False) -> Rule:
                     row_var = {_lerp("row_var", "row_mean(g2)", "w")}
                     col_var = {_lerp("col_var", "col_mean(g2)", "w")}
                     variance = {_lerp("variance", "g2", "w")}
-                    v = row_var * col_var / max(col_mean(row_var), eps1) if factored else variance
-                    u = g * rsqrt(max(v, eps1 * eps1))
+                    m = col_mean(row_var) if factored else 1
+                    v = row_var * col_var / where(m < eps1, eps1, m) if factored else variance
+                    u = g * rsqrt(where(v < eps1 * eps1, eps1 * eps1, v))
                     alpha = max(eps2, sqrt(p2 / numel)) * min(lr, 1 / sqrt(step))
                     scale = alpha / max(1, sqrt(u2 / numel) / d)
                     param = param * (1 - lr * weight_decay) - scale * u

@@ -70,6 +70,27 @@ def test_torch_adafactor_follows_torch_optim(weight_decay, maximize):
         _assert_close(pairs)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_grad_makes_torchs_nans(bad):
+    """The estimate's clamps keep a NaN on the GPU as torch's do: the same elements are NaN,
+    the others torch's values."""
+    start = _params(2)
+    ours = [torch.nn.Parameter(p.clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.clone()) for p in start]
+    opt, ref = mt.Adafactor(ours, lr=1e-2), torch.optim.Adafactor(theirs, lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for p, q in zip(ours, theirs):
+        grad = torch.randn(p.shape, generator=gen).cuda()
+        grad.view(-1)[min(1, grad.numel() - 1)] = bad
+        p.grad, q.grad = grad.clone(), grad.clone()
+    opt.step()
+    ref.step()
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        assert q.isnan().any(), i
+        assert torch.equal(p.isnan(), q.isnan()), i
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
 def _guarded(shapes, fill, guard: int = 64):
     """Tensors of these shapes lying in one NaN-filled buffer, `guard` elements apart; with
     the buffer, to check that nothing around them was written."""
