@@ -254,6 +254,8 @@ class _AdafactorRule(UserRule):
     1)^-decay_rate, computed as optax computes it (in float32), a per-step scalar."""
 
     factoring = _Factoring(True, 128, None)
+    optax_names = {"weight_decay": "weight_decay_rate",
+                   "decay": "the step's decay 1 - (count - decay_offset + 1)^-decay_rate"}
 
     def __init__(self, rule, hyper: dict, decay_rate, decay_offset):
         self.decay_rate, self.decay_offset = decay_rate, decay_offset

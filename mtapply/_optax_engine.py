@@ -2,6 +2,7 @@
 callback elsewhere), one plan step per call."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -391,7 +392,8 @@ class _Runner:
         kind, device_id = outs[0].__dlpack_device__()
         if kind == _DLPACK_CPU:
             values = [np.asarray(s).astype(np.float64).reshape(-1) for s in scalars]
-            self._step(key, columns, {**self.rule.host_args(values, key[0]), **carried}, None)
+            with self._in_optax_words():
+                self._step(key, columns, {**self.rule.host_args(values, key[0]), **carried}, None)
             return
         import cupy
 
@@ -411,9 +413,22 @@ class _Runner:
                   for s in inputs[len(inputs) - n_scalars:]]
         reads = [np.asarray(x) for x in inputs[:len(inputs) - n_scalars]]
         columns, carried = _split_carried(_buffers_by_column(schema, layouts, outs, reads))
-        plan = Plan(self.spec(key), dict(columns))
-        plan.step(**self.rule.host_args(values, key[0]), **carried)
+        with self._in_optax_words():
+            plan = Plan(self.spec(key), dict(columns))
+            plan.step(**self.rule.host_args(values, key[0]), **carried)
         return outs
+
+    @contextlib.contextmanager
+    def _in_optax_words(self):
+        """A value refused on the host (a schedule's, or one the step computes) named as
+        optax's function names it."""
+        try:
+            yield
+        except (TypeError, ValueError) as error:
+            words = getattr(self.rule, "in_optax_words", None)
+            if words is None:
+                raise
+            raise words(error) from None
 
     def _step(self, key, columns: list, hyper: dict, stream) -> None:
         """One plan step over the buffers. Plans are cached by the buffers' addresses, which

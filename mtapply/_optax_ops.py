@@ -383,9 +383,19 @@ class UserRule(OptaxRule):
 
     optax_names = _OPTAX_NAMES  # a hyperparameter's name in optax's function of this `name`
 
+    def in_optax_words(self, error: Exception) -> Exception:
+        """A refusal of the rule's op as optax's function (its name and its arguments' names)
+        says it; a user's rule keeps the error as it is."""
+        if self.optax_function is None:
+            return error
+        word, space, rest = str(error).partition(" ")
+        word = {"lr": "learning_rate", **self.optax_names}.get(word, word)
+        return type(error)(f"mtapply.optax.{self.optax_function}: {word}{space}{rest}")
+
     def __init__(self, rule, hyper: dict, initial: dict | None = None, name: str | None = None,
                  scalars: dict | None = None):
         self.user, self.name = rule, name or rule.name
+        self.optax_function = name  # None: a user's rule, which keeps its own names
         self.initial = {slot: "params" if value == "param" else value  # as declared, or given
                         for slot, value in rule.initial.items() if value != 0.0}
         self.initial.update(initial or {})
@@ -416,11 +426,7 @@ class UserRule(OptaxRule):
                                   **({"scalars_out": DeviceScalar(ptr=0, obj=None)}
                                      if self.carried else {}))
         except (TypeError, ValueError) as error:
-            if name is None:  # a user's rule: its own names
-                raise
-            word, space, rest = str(error).partition(" ")  # as optax's function names it
-            raise type(error)(f"mtapply.optax.{name}: {self.optax_names.get(word, word)}{space}"
-                              f"{rest}") from None
+            raise self.in_optax_words(error) from None
         self.slots = tuple(name for name in rule.slots if name not in ("param", "grad"))
         op_slots = dict(zip(rule.slots, rule.spec().slots))  # the op's name of each slot
         self.plan_slots = ("params", *(op_slots[name] for name in self.slots), "grads")

@@ -114,6 +114,25 @@ def test_refusals_name_optaxs_arguments_and_functions(make, match):
         make()
 
 
+def test_adafactors_refusals_name_its_arguments():
+    with pytest.raises(ValueError, match="mtapply.optax.adafactor: weight_decay_rate must be >= 0"):
+        mtx.adafactor(1e-2, weight_decay_rate=-0.1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path raises; a GPU kernel "
+                    "skips the step and flags it")
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(learning_rate=1e-2, decay_offset=5),  # optax's decay is NaN before the offset
+     r"mtapply.optax.adafactor: the step's decay 1 - \(count - decay_offset \+ 1\)\^-decay_rate "
+     r"must be a finite number, got nan"),
+    (dict(learning_rate=lambda count: 1e-2 - 1e-2 * count),
+     "mtapply.optax.adafactor: learning_rate must be >= 0, got -0.0099"),
+])
+def test_a_value_refused_at_a_step_is_named_as_optax_names_it(kwargs, match):
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(_run(mtx.adafactor(**kwargs), 3))
+
+
 def test_whole_list_sums_past_one_call_name_the_limit():
     params = {f"p{i}": jnp.full((2,), 0.5) for i in range(1100)}
     tx = mtx.prodigy()
