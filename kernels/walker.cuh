@@ -38,6 +38,8 @@
 // Updates instead of params (for optax's contract, which returns updates):
 //   MTA_DELTA       the op's new param minus the old goes to the record's last slot (of type
 //                   last_t); the param itself is only read.
+//   MTA_DELTA_STEP  with MTA_DELTA: the op's "new param" is the step itself (a rule whose
+//                   param line was made the step: mtapply/rules/_step_update.py), stored as is.
 // Stochastic rounding (MTA_STOCHASTIC): bfloat16 params without masters are stored rounded
 // stochastically (rounding.cuh), with the op's member `rounding` giving the random bits.
 //   MTA_ZERO_PARAM  the param is not read but taken as zero, so the new "param" the op writes to
@@ -51,6 +53,9 @@
 #endif
 #ifndef MTA_DELTA
 #define MTA_DELTA 0
+#endif
+#ifndef MTA_DELTA_STEP
+#define MTA_DELTA_STEP 0
 #endif
 #ifndef MTA_ZERO_PARAM
 #define MTA_ZERO_PARAM 0
@@ -353,7 +358,7 @@ __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* con
   if constexpr ((Op::WRITTEN & 1u) != 0u) {
     acc_t update[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) update[k] = v[0][k] - before[k];
+    for (int k = 0; k < W; ++k) update[k] = MTA_DELTA_STEP ? v[0][k] : v[0][k] - before[k];
     if constexpr (W == 1) reinterpret_cast<last_t*>(param_copy)[i] = from_acc<last_t>(update[0]);
     else store_vec<last_t, W>(param_copy, i, update);
   }

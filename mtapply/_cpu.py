@@ -209,7 +209,7 @@ def _update(spec, refs: dict, i: int, arrays: dict, given: dict, dtype) -> None:
                for name, values in new.items()}
     for name, values in new.items():
         if name == "params" and spec.param_mode == "delta":
-            store(refs["updates"][i], values - arrays["params"])
+            store(refs["updates"][i], values if spec.delta_is_step else values - arrays["params"])
             continue
         if name == "params" and spec.stochastic_rounding:
             store_stochastic(refs[name][i], values, given, i)
@@ -321,7 +321,9 @@ def _run_batch(spec, batch: _Batch, args: dict, grad_scale) -> None:
         values = np.broadcast_to(values, (batch.total,))
         targets = [name]
         if name == "params" and spec.param_mode == "delta":
-            values, targets = values - arrays["params"], ["updates"]
+            if not spec.delta_is_step:
+                values = values - arrays["params"]
+            targets = ["updates"]
         elif name == "params" and spec.stochastic_rounding:
             for k, (ref, part) in enumerate(zip(batch.refs["params"], batch.slices)):
                 store_stochastic(ref, values[part], args, batch.indices[k])

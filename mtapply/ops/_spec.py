@@ -99,6 +99,7 @@ class OpSpec:
             self.arg_fields = tuple(self.arg_fields) + ("seed_lo", "seed_hi", "sr_tensor_array")
 
     param_mode: str = "inplace"  # or "delta", "zero": see with_param_mode
+    delta_is_step = False  # "delta": the op writes the step itself, not the new param
 
     def with_param_mode(self, mode: str) -> "OpSpec":
         """A copy of the op that returns updates rather than updating params in place:

@@ -33,6 +33,7 @@ from ._factored import FULL, is_factored, slot_shape
 from ._language import check_hyper, parse, parse_slots
 from ._quantized import QuantizedRule
 from ._spec import RuleSpec
+from ._step_update import keep_source
 
 
 class Rule:
@@ -49,8 +50,10 @@ class Rule:
                         dict(totals) if isinstance(totals, dict) else totals)
         parsed = parse_slots(slots)
         defaults, ranges = check_hyper(hyper, parsed)
-        self.program = parse(parsed, defaults, textwrap.dedent(update), sums,
-                             textwrap.dedent(finish or ""), ranges, scalars, totals)
+        args = (parsed, defaults, textwrap.dedent(update), sums, textwrap.dedent(finish or ""),
+                ranges, scalars, totals)
+        self.program = parse(*args)
+        keep_source(self.program, args)  # for its step variant (`_step_update`)
         self._specs: dict = {}
 
     @property

@@ -14,6 +14,7 @@ from ..ops._spec import OpSpec, number_or_device_scalar, seed_words
 from . import _cuda, _factored, _factored_cuda, _factored_passes, _numpy
 from ._factored import FULL
 from ._language import STEP, Program
+from ._step_update import step_program
 
 SUMMING_CHUNK = 8192  # elements per CUDA block for a rule with sums (see `chunk_for`)
 
@@ -37,6 +38,7 @@ class RuleSpec(OpSpec):
                              f"stochastic_rounding are for rules that update the params")
         self.program = program
         self.rule_name = name
+        self.store_first = store_first
         if program.factored:  # shaped by the engine's checks here, not by ingestion
             names = [list_name(s.name) for s in program.slots if s.form != FULL]
             self.slot_formats = {n: (SUPPORTED_DTYPES, False) for n in names}
@@ -73,6 +75,22 @@ class RuleSpec(OpSpec):
             self._members += _cuda.STOCHASTIC_WORDS
             self._defaults = (*hyper, (STEP, None))
             self._names = self._names | {"seed"}
+
+    def with_param_mode(self, mode: str):
+        """As OpSpec's; "delta" writes the step itself as the update where the rule's param
+        line is `param - x` or `param + x` (`_step_update`), not new - old."""
+        stepped = step_program(self.program) if mode == "delta" and type(self) is RuleSpec else None
+        if stepped is None:
+            return super().with_param_mode(mode)
+        spec = self.__dict__.get("_delta_step")
+        if spec is None:
+            spec = OpSpec.with_param_mode(RuleSpec(self.rule_name, stepped,
+                                                   tensor_values=self.tensor_values,
+                                                   store_first=self.store_first), mode)
+            spec.delta_is_step = True
+            spec.flags = tuple(spec.flags) + (("DELTA_STEP", True),)
+            self.__dict__["_delta_step"] = spec
+        return spec
 
     @property
     def key(self) -> tuple:
