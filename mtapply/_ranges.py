@@ -40,7 +40,8 @@ class Range:
         """The range in words; for an infinite `value` refused, "finite" said first where the
         words leave it implied (inf is >= 1, yet not allowed)."""
         if self.text:
-            if self.finite and value is not None and math.isinf(value) and "finite" not in self.text:
+            infinite = value is not None and math.isinf(value)
+            if self.finite and infinite and "finite" not in self.text:
                 return f"finite and {self.text}"
             return self.text
         parts = []

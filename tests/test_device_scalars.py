@@ -105,7 +105,8 @@ def test_the_same_value_as_a_number_is_refused(op, name, value):
     plan, tensors, good, _ = plan_of(op, np.random.default_rng(1))
     before = snapshot(tensors)
     allowed = CASES[op][0].scalar_range(name)
-    with pytest.raises(ValueError, match=re.escape(f"{name} must be {allowed.describe(value)}, got")):
+    message = f"{name} must be {allowed.describe(value)}, got"
+    with pytest.raises(ValueError, match=re.escape(message)):
         plan.step(**dict(good, **{name: value}))
     assert snapshot(tensors) == before and plan.invalid.tolist() == [0.0]
 
@@ -117,7 +118,8 @@ def test_grad_scale_out_of_range(op, value):
     before = snapshot(tensors)
     plan.step(grad_scale=device(value), **good)
     assert snapshot(tensors) == before and plan.invalid.tolist() == [1.0]
-    with pytest.raises(ValueError, match=re.escape(f"grad_scale must be {GRAD_SCALE.describe(value)}, got")):
+    message = f"grad_scale must be {GRAD_SCALE.describe(value)}, got"
+    with pytest.raises(ValueError, match=re.escape(message)):
         plan.step(grad_scale=value, **good)
 
 

@@ -48,5 +48,6 @@ def _made(program: Program) -> Program | None:
     if line.number > len(texts) or line.text not in texts[line.number - 1]:
         return None  # a finish line, not the update's
     step = ast.unparse(expr.right)
-    texts[line.number - 1] = f"param = -({step})" if isinstance(expr.op, ast.Sub) else f"param = {step}"
+    texts[line.number - 1] = (f"param = -({step})" if isinstance(expr.op, ast.Sub)
+                              else f"param = {step}")
     return parse(slots, hyper, "\n".join(texts), *rest)
