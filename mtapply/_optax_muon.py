@@ -21,10 +21,16 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def scale_by_muon(ns_coeffs=NS_COEFFICIENTS, ns_steps: int = 5, beta=0.95, eps=1e-8,
-                  mu_dtype=None, *, nesterov: bool = True,
-                  adaptive: bool = False) -> optax.GradientTransformation:
+                  mu_dtype=None, *, nesterov: bool = True, adaptive: bool = False,
+                  preconditioning: str = "frobenius",
+                  weight_dimension_numbers=None) -> optax.GradientTransformation:
     """optax.contrib.scale_by_muon (Frobenius preconditioning, 2-D leaves) with the matrices of
-    one shape orthogonalized as one batch; the same state, `MuonState(count, mu, ns_coeffs)`."""
+    one shape orthogonalized as one batch; the same state, `MuonState(count, mu, ns_coeffs)`.
+    Other preconditionings and weight_dimension_numbers are refused naming
+    optax.contrib.scale_by_muon."""
+    _refuse("scale_by_muon", "optax.contrib.scale_by_muon",
+            preconditioning=(preconditioning, "frobenius"),
+            weight_dimension_numbers=(weight_dimension_numbers, None))
     _check_coefficients(ns_coeffs, ns_steps)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 

@@ -101,3 +101,8 @@ def test_what_it_does_not_take_is_refused():
         mtx.muon(0.02, ns_steps=2.5)
     with pytest.raises(ValueError, match=r"matrices only: \['bias'\]"):
         mtx.scale_by_muon().init({"bias": jnp.ones(3)})
+    mtx.scale_by_muon(preconditioning="frobenius", weight_dimension_numbers=None)  # optax's
+    for option in (dict(preconditioning="spectral"),
+                   dict(weight_dimension_numbers=optax.contrib.MuonDimensionNumbers())):
+        with pytest.raises(NotImplementedError, match="use optax.contrib.scale_by_muon for it"):
+            mtx.scale_by_muon(**option)
