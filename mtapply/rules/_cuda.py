@@ -261,7 +261,8 @@ class _Writer:
                    if not self.first_pass and program.sums and self.passes is None else ()),
                  *((f"  static constexpr unsigned READ = {read or '0u'};",)
                    if read is not None else ()),
-                 *(_factored_cuda.members(self) if self.passes is not None else ()),
+                 *(_factored_cuda.members(self, sums_only=self.first_pass and written == "0u")
+                   if self.passes is not None else ()),
                  f"  using Args = {self.args};",
                  *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
