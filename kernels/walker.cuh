@@ -109,7 +109,7 @@ struct Launch {
   const sum_t* all_sums;
   const int* positions;
   unsigned* finished;
-  const int* jobs;        // a fused launch's jobs (see walk_fused), else null
+  const int* jobs;        // a fused launch's jobs (walk_fused), busy blocks (factored.cuh), or null
   unsigned* tickets;      // the jobs taken in a fused launch (zero between launches)
   long long n_tensors;
   long long n_nonempty;

@@ -58,6 +58,16 @@ def fused_jobs(blocks: np.ndarray, lag: int = FUSED_LAG) -> np.ndarray:
     return np.concatenate([jobs, ~jobs])[order]
 
 
+def first_blocks(numels: np.ndarray, chunk: int, counts: np.ndarray) -> np.ndarray:
+    """The indices in `chunk_map(numels, chunk)` of each tensor's first counts[i] blocks (at
+    most its blocks), in order: the blocks a pass launches over where the others would
+    have nothing to do (a factored rule's combine and matrix passes)."""
+    chunks = (np.asarray(numels, np.int64) + chunk - 1) // chunk
+    counts = np.minimum(np.asarray(counts, np.int64), chunks)
+    starts = np.repeat(np.cumsum(chunks) - chunks - (np.cumsum(counts) - counts), counts)
+    return (starts + np.arange(len(starts))).astype(np.int32)
+
+
 def chunk_bounds(blocks: np.ndarray, numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """[begin, end) element range of each block, as the walker computes it."""
     begin = blocks[:, 1].astype(np.int64) * chunk

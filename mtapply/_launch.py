@@ -132,6 +132,12 @@ class KernelLaunch:
         walk_fused) and the count of those taken."""
         self._fused = (jobs_ptr, tickets_ptr)
 
+    def set_jobs(self, jobs_ptr: int, n_blocks: int) -> None:
+        """Launches n_blocks blocks, block b taking the chunk of the group's block jobs[b]
+        (kernels/factored.cuh, MatrixBlock)."""
+        self._fused = (jobs_ptr, 0)
+        self.n_blocks = n_blocks
+
     def set_rows(self, rows_ptr: int, row_of_ptr: int, checked_rows: int = 0) -> None:
         """Per-tensor args: the device rows of distinct args (as `row_words` packs them) and
         each tensor's row; (0, 0) for the launch's own args. `checked_rows`: how many rows the

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from . import _source, _tables
-from ._blocks import group_tensors
+from ._blocks import first_blocks, group_tensors
 from ._launch import KernelLaunch
 from ._row_tables import RowTables
 from ._rows import Rows
@@ -59,6 +59,7 @@ class Launcher:
             self._attach_arrays(arrays, stream)
             if "means_array" in spec.arg_fields:
                 self._attach_means(means, stream)
+                self._attach_vector_jobs(spec, arrays["shape_array"], stream)
             self.invalid = _device_copy(np.zeros(1, np.float32), stream)  # see Plan.invalid
         self._memory.append(self.invalid)
         for k in range(len(self.groups)):
@@ -153,6 +154,22 @@ class Launcher:
         for k in range(len(self.groups)):
             for launch in self._group_launches(k):
                 launch.set_array("means_array", memory.ptr)
+
+    def _attach_vector_jobs(self, spec, words, stream: int) -> None:
+        """The blocks with work of a factored rule's combine and matrix passes, which launch
+        over those alone (`RuleSpec.vector_passes`): per tensor, its first few chunks."""
+        passes = spec.vector_passes()
+        for k, group in enumerate(self.groups):
+            if not passes:
+                break
+            busy = spec.vector_blocks(np.asarray(words)[group.indices], group.chunk)
+            jobs = first_blocks(group.numels, group.chunk, busy)
+            if not len(jobs):  # no factored tensor: one block, which returns
+                jobs = np.zeros(1, np.int32)
+            memory = _device_copy(jobs, stream)
+            self._memory.append(memory)
+            for p in passes:
+                self.launches[k][p].set_jobs(memory.ptr, len(jobs))
 
     def _attach_arrays(self, arrays: dict, stream: int) -> None:
         """Each per-tensor array (`*_array` kernel arguments), cut to each group's tensors."""

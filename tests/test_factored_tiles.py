@@ -134,4 +134,23 @@ def test_the_busy_blocks_of_the_combine_and_matrix_passes_take_each_row_once(bat
     t = tiles_of(batch, rows, cols, 1)
     for n, groups in ((batch * rows, t["col_groups"]), (batch * cols, t["row_groups"])):
         assert takes_each_once(n, busy_blocks(n, groups, blocks), blocks)
-    assert takes_each_once(batch, min(blocks, -(-batch // WARPS)), blocks)  # matrix_walk
+    assert takes_each_once(batch, matrix_blocks(batch, blocks), blocks)
+
+
+def matrix_blocks(batch, blocks):
+    """matrix_walk's blocks with work: a block a matrix where there are no more matrices than
+    blocks, else a warp a matrix."""
+    return batch if batch <= blocks else min(blocks, -(-batch // WARPS))
+
+
+@pytest.mark.parametrize("chunk", [4096, 32768, _factored_cuda.CHUNK])
+@pytest.mark.parametrize("batch, rows, cols", SHAPES + [(1, 50257, 768), (12, 768, 3072),
+                                                        (40, 30, 20), (1, 17000, 40)])
+def test_the_vector_passes_launch_over_every_block_with_work(batch, rows, cols, chunk):
+    blocks = -(-batch * rows * cols // chunk)
+    t = tiles_of(batch, rows, cols, 1)
+    busy = max(busy_blocks(batch * rows, t["col_groups"], blocks),
+               busy_blocks(batch * cols, t["row_groups"], blocks), matrix_blocks(batch, blocks))
+    shape = (batch, rows, cols) if batch > 1 else (rows, cols)
+    words, _ = _factored_cuda.shape_words([(7,), shape], 1, 1, 1)
+    assert list(_factored_cuda.vector_blocks(words, 1, 1, 1, chunk)) == [0, busy]

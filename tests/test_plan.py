@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtapply import _source
-from mtapply._blocks import RECORD_ALIGN, Group, chunk_bounds, chunk_map, group_tensors
+from mtapply._blocks import (RECORD_ALIGN, Group, chunk_bounds, chunk_map, first_blocks,
+                              group_tensors)
 
 CHUNK = _source.CHUNK_ELEMENTS
 
@@ -30,6 +31,15 @@ def coverage(numels, chunk: int) -> list[np.ndarray]:
 def test_every_element_covered_exactly_once(numels, chunk):
     for t, counts in enumerate(coverage(numels, chunk)):
         assert np.all(counts == 1), f"tensor {t} of {numels[t]} elements: coverage {counts}"
+
+
+@given(numels=numel_lists, chunk=chunks, data=st.data())
+def test_first_blocks_are_each_tensors_first_chunks_in_order(numels, chunk, data):
+    counts = data.draw(st.lists(st.integers(0, 50), min_size=len(numels), max_size=len(numels)))
+    jobs = first_blocks(np.asarray(numels, np.int64), chunk, counts)
+    want = [(t, c) for t, n in enumerate(numels) for c in range(min(counts[t], -(-n // chunk)))]
+    assert jobs.dtype == np.int32
+    assert [tuple(pair) for pair in chunk_map(numels, chunk)[jobs]] == want
 
 
 @given(numels=numel_lists, chunk=chunks)

@@ -13,6 +13,8 @@ import ast
 
 import numpy as np
 
+from .. import _source
+
 from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY, is_factored, stacked
 from ._factored_passes import numbered, passes
 from ._language import names_read
@@ -65,6 +67,32 @@ def shape_words(shapes: list, n_matrix: int, n_row: int = 0, n_col: int = 0) -> 
             offset += batch * n_matrix + factor_partials(batch, rows, cols, n_row, n_col)
         words[i, 4:] = divider_words(int(words[i, 1])) + divider_words(int(words[i, 2]))
     return words, offset
+
+
+WARPS = _source.BLOCK_THREADS // 32  # of a factored rule's blocks (RuleSpec.threads_for)
+
+
+def vector_blocks(words: np.ndarray, n_row: int, n_col: int, n_matrix: int,
+                  chunk: int) -> np.ndarray:
+    """Per tensor (its `shape_words` row), how many of its first blocks (of `chunk` elements)
+    the combine and matrix passes give work (kernels/factored.cuh: busy_blocks, matrix_walk):
+    those passes launch over these blocks only. 0 for a tensor that is not factored."""
+    busy = np.zeros(len(words), np.int64)
+    for i in np.flatnonzero(words[:, 1] > 0):
+        numel, rows, cols = (int(n) for n in words[i, :3])
+        batch, chunks = numel // (rows * cols), -(-numel // chunk)
+        tile_cols = min(-(-cols // 32) * 32, MAX_TILE_COLS)
+        row_groups, col_groups = -(-rows // (TILE // tile_cols)), -(-cols // tile_cols)
+        counts = [_busy(batch * rows, col_groups) if n_row else 0,
+                  _busy(batch * cols, row_groups) if n_col else 0,
+                  (batch if batch <= chunks else -(-batch // WARPS)) if n_matrix else 0]
+        busy[i] = min(chunks, max(counts))
+    return busy
+
+
+def _busy(n: int, groups: int) -> int:
+    """kernels/factored.cuh's busy_blocks, before its cap at the tensor's chunks."""
+    return -(-n // (WARPS if groups >= 32 else 32 * WARPS))
 
 
 def counts(program) -> tuple:
@@ -303,30 +331,39 @@ def factor_reads(program) -> set:
 
 
 class _Matrix(_Reduction):
-    """matrix(b, lane): each per-matrix mean of matrix b, summed by the warp."""
+    """matrix_sums(b, first, stride, sums): each per-matrix mean's sum over rows (columns)
+    first, first + stride, ... of matrix b; matrix_store(b, sums) stores the means of the
+    sums added over every row (column)."""
 
     def source(self) -> str:
-        return self.struct([], self._method("void matrix(long long b, int lane)",
-                                            self._body(self._means)), "matrix_walk")
+        methods = self._method("void matrix_sums(long long b, long long first, long long stride, "
+                               "acc_t (&sums)[N_MATRIX])", self._body(self._sums))
+        methods += self._method("void matrix_store(long long b, const acc_t (&sums)[N_MATRIX])",
+                                self._body(self._store))
+        return self.struct([], methods, "matrix_walk")
 
-    def _means(self) -> None:
+    def _firsts(self) -> list:
+        """(call, the matrix's count it reduces over) per mean."""
+        firsts = numbered(c for c, _ in self.passes.matrix_means)[1]
+        return [(call, "rows" if self.passes.form_of(call) == ROW else "cols") for call in firsts]
+
+    def _sums(self) -> None:
         w = self.w
-        numbers, firsts = numbered(c for c, _ in self.passes.matrix_means)
-        for k, call in enumerate(firsts):
-            form = self.passes.form_of(call)
-            count = "rows" if form == ROW else "cols"
+        for k, (call, count) in enumerate(self._firsts()):
+            form = ROW if count == "rows" else COL
             w.body += [f"{{  // {ast.unparse(call)}, over the matrix's {count}",
                        "  acc_t sum = acc_t(0);",
-                       f"  for (long long r = lane; r < {count}; r += 32) {{",
+                       f"  for (long long r = first; r < {count}; r += stride) {{",
                        "    acc_t x[N_SLOTS] = {};"]
             for s in self.program.slots:
                 if s.form == form and s.name in names_read(call.args[0]):
                     slot = w._slot(s.name)
                     w.body.append(f"    x[{slot}] = load_at<{slot}>(p_{s.name}, b * {count} + r);")
-            w.body += [f"    sum += {w.element(call.args[0])};", "  }",
-                       "  sum = warp_sum(sum);",
-                       f"  if (lane == 0) means[b * N_MATRIX + {k}] = static_cast<double>("
-                       f"sum / acc_t({count}));", "}"]
+            w.body += [f"    sum += {w.element(call.args[0])};", "  }", f"  sums[{k}] = sum;", "}"]
+
+    def _store(self) -> None:
+        self.w.body += [f"means[b * N_MATRIX + {k}] = static_cast<double>(sums[{k}] / "
+                        f"acc_t({count}));" for k, (_, count) in enumerate(self._firsts())]
 
 
 def _calls(expr) -> list:

@@ -19,6 +19,11 @@ pytestmark = pytest.mark.gpu
 # (257, 300): ragged tiles, more of them than the tensor's blocks (kernels/factored.cuh)
 SHAPES = [(64, 48), (3, 40, 50), (5,), (1, 300), (300, 1), (1024, 768), (257, 300)]
 SLOTS = ("row_var", "col_var", "variance")
+# The combine and matrix passes' cases (kernels/factored.cuh), launched over the blocks with
+# work only: rows of 33 column groups and columns of 34 row groups (a warp each), a stack of
+# more matrices than blocks (a warp a matrix) and one of fewer (a block a matrix), and a
+# matrix whose rows need more blocks than it has.
+WIDE_SHAPES = [(9, 4200), (5,), (17000, 40), (40, 30, 20), (4, 200, 300), (3000, 200)]
 
 
 def _mismatch(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float):
@@ -104,21 +109,22 @@ def _guarded(shapes, fill, guard: int = 64):
     return buffer, views
 
 
-def _rule_lists(rule, seed: int):
+def _rule_lists(rule, seed: int, params=SHAPES):
     gen = torch.Generator().manual_seed(seed)
 
     def values(shape):
         return torch.randn(shape, generator=gen).abs() + 0.1
 
-    shapes = [rule.state_shapes(s) for s in SHAPES]
-    lists = [_guarded(SHAPES, values), _guarded(SHAPES, values)]
+    shapes = [rule.state_shapes(s) for s in params]
+    lists = [_guarded(params, values), _guarded(params, values)]
     lists += [_guarded([s[name] for s in shapes], values) for name in SLOTS]
     return lists
 
 
-def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_tensors():
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
+def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_tensors(shapes):
     rule = library.adafactor()
-    lists = _rule_lists(rule, seed=2)
+    lists = _rule_lists(rule, 2, shapes)
     cpu = [[v.cpu().clone() for v in views] for _, views in lists]
     buffers = [buffer for buffer, _ in lists]
     inside = [torch.zeros_like(b, dtype=torch.bool) for b in buffers]
@@ -137,11 +143,12 @@ def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_ten
                        for i, (v, c) in enumerate(zip(views, cpu[k])) if v.numel()])
 
 
-def test_the_step_is_the_same_bits_every_run():
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
+def test_the_step_is_the_same_bits_every_run(shapes):
     rule = library.adafactor()
     results = []
     for _ in range(2):
-        lists = _rule_lists(rule, seed=3)
+        lists = _rule_lists(rule, 3, shapes)
         for step in (1, 2, 3):
             rule.step(*(views for _, views in lists), lr=1e-2, eps1=1e-30, step=step)
         results.append([buffer.cpu() for buffer, _ in lists])
