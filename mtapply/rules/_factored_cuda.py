@@ -111,7 +111,7 @@ def members(writer, sums_only: bool = False) -> list:
 
     A pass that only sums (`sums_only`) in float32 math caps its registers at 64 for four
     blocks an SM: its spills are few and its loads more (Adafactor's sums pass on an H200,
-    gpt2-124M 308 -> 281 us, t5-base 527 -> 479 us, gpt2 in bfloat16 149 -> 135 us). The
+    gpt2-124M 308 -> 281 us, t5-base 527 -> 479 us, gpt2 in bfloat16 297 -> 270 us). The
     other passes keep 80, where 64 spills more of their loop (the update 397 -> 401 us, the
     factor pass 157 -> 170 us; 48 for the sums: 308 -> 469 us), as does float64 math (64
     spills some 1 KB a thread)."""
