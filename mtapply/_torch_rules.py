@@ -322,17 +322,27 @@ class RuleBased(FusedOptimizer):
     def _make_plan(self, group, lists):
         given, rule = {"param": lists.bound, "grad": lists.grads}, self._stepping_rule(group)
         masters = {} if lists.masters is None else {"master_params": lists.masters}  # (not 8-bit)
-        factored = {s.name for s in rule.program.slots if s.form != FULL}
+        factored = tuple(s.name for s in rule.program.slots if s.form != FULL)
         return rule.plan(*(given[name] if name in given else
-                           self._factored_state(lists, name) if name in factored else
+                           self._factored_state(lists, name, factored) if name in factored else
                            lists.state(name) for name in rule.slots),
                          stochastic_rounding=self._stochastic(group), **masters)
 
-    def _factored_state(self, lists, name: str) -> list:
+    def _factored_state(self, lists, name: str, factored: tuple) -> list:
         """Each param's tensor of factored slot `name` as kept (vectors, made contiguous), or
-        an empty one where the param keeps none."""
-        return [self.state[p].get(name, torch.empty(0, device=p.device))
-                for p in lists.params]
+        an empty one where the param keeps none, of the dtype of the param's other factored
+        slots: factored and unfactored params of one dtype then share a launch (bfloat16
+        params' empty slots in float32 split them in two)."""
+        tensors = []
+        for p in lists.params:
+            state = self.state[p]
+            kept = state.get(name)
+            if kept is None:
+                like = next((state[n] for n in factored if n in state), None)
+                kept = torch.empty(0, device=p.device,
+                                   dtype=torch.float32 if like is None else like.dtype)
+            tensors.append(kept)
+        return tensors
 
     def _values(self, group) -> dict:
         hyper = self._rule_hyper(group)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import mtapply.torch as mt  # noqa: E402
-from _helpers import on_gpu_at  # noqa: E402
+from _helpers import count_launches, on_gpu_at  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +73,27 @@ def test_torch_adafactor_follows_torch_optim(weight_decay, maximize):
                     pairs.append((f"step {step + 1}: {name}[{i}] (shape {tuple(p.shape)})",
                                   opt.state[p][name], ref.state[q][name]))
         _assert_close(pairs)
+
+
+def test_bfloat16_factored_and_unfactored_params_share_each_pass_launch():
+    """Their empty slots take the dtype of the kept ones: one launch a pass for the list (five),
+    not one per kind of param; the steps stay within a bfloat16 rounding of torch's."""
+    start = [p.to(torch.bfloat16) for p in _params(4)]
+    ours = [torch.nn.Parameter(p.clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.clone()) for p in start]
+    opt, ref = mt.Adafactor(ours, lr=1e-2), torch.optim.Adafactor(theirs, lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    launches = []
+    for _ in range(4):
+        for p, q in zip(ours, theirs):
+            grad = torch.randn(p.shape, generator=gen).cuda().to(torch.bfloat16)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        launches.append(count_launches(opt.step))
+        ref.step()
+    assert launches[1:] == [5, 5, 5]
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(p.detach().float(), q.detach().float(), rtol=1e-2, atol=2e-2,
+                                   msg=lambda m, i=i: f"params[{i}] {tuple(p.shape)}: {m}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
