@@ -113,7 +113,7 @@ class KernelLaunch:
         self._params_ptr = ctypes.addressof(self._params)
         self._table = (0, 0)
         self._workspace = (0,) * 8
-        self._fused = (0, 0)  # a fused launch's jobs and tickets (walker.cuh, walk_fused)
+        self._fused = (0, 0)  # jobs and tickets: a fused launch's (walk_fused) or busy blocks
         self._rows = (0, 0)
         self._counting = (0, 0, 0)
         self._checks = (0, 0)  # rows the kernel checks, the address of the `invalid` flag

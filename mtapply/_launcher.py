@@ -159,10 +159,11 @@ class Launcher:
         """The blocks with work of a factored rule's combine and matrix passes, which launch
         over those alone (`RuleSpec.vector_passes`): per tensor, its first few chunks."""
         passes = spec.vector_passes()
+        if not passes:
+            return
         for k, group in enumerate(self.groups):
-            if not passes:
-                break
-            busy = spec.vector_blocks(np.asarray(words)[group.indices], group.chunk)
+            busy = spec.vector_blocks(np.asarray(words)[group.indices], group.chunk,
+                                      self.launches[k][passes[0]].threads)
             jobs = first_blocks(group.numels, group.chunk, busy)
             if not len(jobs):  # no factored tensor: one block, which returns
                 jobs = np.zeros(1, np.int32)

@@ -153,4 +153,4 @@ def test_the_vector_passes_launch_over_every_block_with_work(batch, rows, cols, 
                busy_blocks(batch * cols, t["row_groups"], blocks), matrix_blocks(batch, blocks))
     shape = (batch, rows, cols) if batch > 1 else (rows, cols)
     words, _ = _factored_cuda.shape_words([(7,), shape], 1, 1, 1)
-    assert list(_factored_cuda.vector_blocks(words, 1, 1, 1, chunk)) == [0, busy]
+    assert list(_factored_cuda.vector_blocks(words, 1, 1, 1, chunk, 32 * WARPS)) == [0, busy]

@@ -13,8 +13,6 @@ import ast
 
 import numpy as np
 
-from .. import _source
-
 from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY, is_factored, stacked
 from ._factored_passes import numbered, passes
 from ._language import names_read
@@ -45,12 +43,18 @@ def divider_words(d: int) -> tuple:
     return tuple(w - (1 << 64) if w >= (1 << 63) else w for w in words)  # as int64 bits
 
 
+def tile_groups(rows: int, cols: int) -> tuple:
+    """(row groups, column groups) of the factor pass's tiles of a matrix (kernels/factored.cuh,
+    tiles_of)."""
+    tile_cols = min(-(-cols // 32) * 32, MAX_TILE_COLS)
+    return -(-rows // (TILE // tile_cols)), -(-cols // tile_cols)
+
+
 def factor_partials(batch: int, rows: int, cols: int, n_row: int, n_col: int) -> int:
     """The partial sums the factor pass stores for a stack of matrices (kernels/factored.cuh,
     tiles_of): n_row per row and column group, n_col per column and row group."""
-    tile_cols = min(-(-cols // 32) * 32, MAX_TILE_COLS)
-    tile_rows = TILE // tile_cols
-    return batch * (n_row * rows * -(-cols // tile_cols) + n_col * cols * -(-rows // tile_rows))
+    row_groups, col_groups = tile_groups(rows, cols)
+    return batch * (n_row * rows * col_groups + n_col * cols * row_groups)
 
 
 def shape_words(shapes: list, n_matrix: int, n_row: int = 0, n_col: int = 0) -> tuple:
@@ -69,30 +73,30 @@ def shape_words(shapes: list, n_matrix: int, n_row: int = 0, n_col: int = 0) -> 
     return words, offset
 
 
-WARPS = _source.BLOCK_THREADS // 32  # of a factored rule's blocks (RuleSpec.threads_for)
 
 
-def vector_blocks(words: np.ndarray, n_row: int, n_col: int, n_matrix: int,
-                  chunk: int) -> np.ndarray:
-    """Per tensor (its `shape_words` row), how many of its first blocks (of `chunk` elements)
-    the combine and matrix passes give work (kernels/factored.cuh: busy_blocks, matrix_walk):
-    those passes launch over these blocks only. 0 for a tensor that is not factored."""
+def vector_blocks(words: np.ndarray, n_row: int, n_col: int, n_matrix: int, chunk: int,
+                  threads: int) -> np.ndarray:
+    """Per tensor (its `shape_words` row), how many of its first blocks (of `chunk` elements
+    and `threads` threads) the combine and matrix passes give work (kernels/factored.cuh:
+    busy_blocks, matrix_walk): those passes launch over these blocks only. 0 for a tensor
+    that is not factored."""
+    warps = threads // 32
     busy = np.zeros(len(words), np.int64)
     for i in np.flatnonzero(words[:, 1] > 0):
         numel, rows, cols = (int(n) for n in words[i, :3])
         batch, chunks = numel // (rows * cols), -(-numel // chunk)
-        tile_cols = min(-(-cols // 32) * 32, MAX_TILE_COLS)
-        row_groups, col_groups = -(-rows // (TILE // tile_cols)), -(-cols // tile_cols)
-        counts = [_busy(batch * rows, col_groups) if n_row else 0,
-                  _busy(batch * cols, row_groups) if n_col else 0,
-                  (batch if batch <= chunks else -(-batch // WARPS)) if n_matrix else 0]
+        row_groups, col_groups = tile_groups(rows, cols)
+        counts = [_busy(batch * rows, col_groups, warps) if n_row else 0,
+                  _busy(batch * cols, row_groups, warps) if n_col else 0,
+                  (batch if batch <= chunks else -(-batch // warps)) if n_matrix else 0]
         busy[i] = min(chunks, max(counts))
     return busy
 
 
-def _busy(n: int, groups: int) -> int:
+def _busy(n: int, groups: int, warps: int) -> int:
     """kernels/factored.cuh's busy_blocks, before its cap at the tensor's chunks."""
-    return -(-n // (WARPS if groups >= 32 else 32 * WARPS))
+    return -(-n // (warps if groups >= 32 else 32 * warps))
 
 
 def counts(program) -> tuple:
@@ -343,14 +347,14 @@ class _Matrix(_Reduction):
         return self.struct([], methods, "matrix_walk")
 
     def _firsts(self) -> list:
-        """(call, the matrix's count it reduces over) per mean."""
+        """(call, the form of the vector it reduces, the matrix's count of them) per mean."""
         firsts = numbered(c for c, _ in self.passes.matrix_means)[1]
-        return [(call, "rows" if self.passes.form_of(call) == ROW else "cols") for call in firsts]
+        forms = [self.passes.form_of(call) for call in firsts]
+        return [(call, form, "rows" if form == ROW else "cols") for call, form in zip(firsts, forms)]
 
     def _sums(self) -> None:
         w = self.w
-        for k, (call, count) in enumerate(self._firsts()):
-            form = ROW if count == "rows" else COL
+        for k, (call, form, count) in enumerate(self._firsts()):
             w.body += [f"{{  // {ast.unparse(call)}, over the matrix's {count}",
                        "  acc_t sum = acc_t(0);",
                        f"  for (long long r = first; r < {count}; r += stride) {{",
@@ -363,7 +367,7 @@ class _Matrix(_Reduction):
 
     def _store(self) -> None:
         self.w.body += [f"means[b * N_MATRIX + {k}] = static_cast<double>(sums[{k}] / "
-                        f"acc_t({count}));" for k, (_, count) in enumerate(self._firsts())]
+                        f"acc_t({count}));" for k, (_, _, count) in enumerate(self._firsts())]
 
 
 def _calls(expr) -> list:

@@ -220,17 +220,17 @@ class RuleSpec(OpSpec):
     def vector_passes(self) -> tuple:
         """The indices of a factored rule's combine and matrix passes, which launch over the
         blocks that `vector_blocks` gives work only (kernels/factored.cuh, MatrixBlock)."""
-        if not self.program.factored or _factored_passes.passes(self.program) is None:
+        if not self.program.factored:
             return ()
-        names = _factored_cuda.reduction_names(self.program)
+        names = _factored_cuda.reduction_names(self.program)  # (none without a CUDA kernel)
         return tuple(k for k, name in enumerate(names)
                      if name in (_factored_cuda.COMBINE, _factored_cuda.MATRIX))
 
-    def vector_blocks(self, words: np.ndarray, chunk: int) -> np.ndarray:
-        """Per tensor of these `shape_array` words, its first blocks of `chunk` elements that
-        the vector passes give work (`_factored_cuda.vector_blocks`)."""
+    def vector_blocks(self, words: np.ndarray, chunk: int, threads: int) -> np.ndarray:
+        """Per tensor of these `shape_array` words, its first blocks (of `chunk` elements and
+        `threads` threads) that the vector passes give work (`_factored_cuda.vector_blocks`)."""
         n_matrix, n_row, n_col = _factored_cuda.counts(self.program)
-        return _factored_cuda.vector_blocks(words, n_row, n_col, n_matrix, chunk)
+        return _factored_cuda.vector_blocks(words, n_row, n_col, n_matrix, chunk, threads)
 
     def _mode(self, refs: dict, i: int, param) -> bool:
         sizes: dict = {}
