@@ -304,6 +304,13 @@ __device__ __forceinline__ unsigned absent_slots(const Op& op) {
   else return 0u;
 }
 
+// The same, known at compile time where the walk is made for one form of tensor (walk_indexed).
+template <class Op, bool FACTORED>
+__device__ constexpr unsigned absent_in() {
+  if constexpr (Indexed<Op>::value) return FACTORED ? Op::FACTORED_ABSENT : 0u;
+  else return 0u;
+}
+
 // The slots the walker loads for the op: those it reads, but the param where it is taken as 0.
 template <class Op>
 __device__ constexpr unsigned loaded_slots() {
@@ -315,14 +322,14 @@ __device__ constexpr unsigned loaded_slots() {
 // each element's contributions to `acc`; an indexed op gets each element's index as an Index.
 // With master weights, `param_copy` is the 16-bit param that receives the rounded master; with
 // MTA_DELTA it is the slot that receives the update.
-template <class Op, int W, class Index, bool ROWS = false>
+template <class Op, int W, class Index, bool ROWS = false, bool FACTORED = false>
 __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                        char* param_copy, long long i,
                                        sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1],
                                        acc_t (&v)[Op::N_SLOTS][W]) {
   constexpr int N = Op::N_SLOTS;
   constexpr unsigned STORED = Op::WRITTEN & (MTA_DELTA || MTA_STOCHASTIC ? ~1u : ~0u);
-  const unsigned absent = absent_slots(op);
+  const unsigned absent = absent_in<Op, FACTORED>();
 #if MTA_DELTA
   acc_t before[W];
 #pragma unroll
@@ -339,8 +346,9 @@ __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* con
     if constexpr (Indexed<Op>::value) {
       // ROWS: the W elements lie in one row, whose index the op then takes once (from i)
       const Index row_of = static_cast<Index>(ROWS ? i : i + k);
-      if constexpr (Op::N_SUMS > 0) op(x, acc, static_cast<Index>(i + k), row_of);
-      else op(x, static_cast<Index>(i + k), row_of);
+      const Index index = static_cast<Index>(i + k);
+      if constexpr (Op::N_SUMS > 0) op.template element<FACTORED>(x, acc, index, row_of);
+      else op.template element<FACTORED>(x, index, row_of);
     } else if constexpr (Op::N_SUMS > 0) {
       op(x, acc);
     } else {
@@ -372,13 +380,13 @@ __device__ __forceinline__ void update(const Op& op, acc_t grad_scale, char* con
 }
 
 // Loads and updates W consecutive elements starting at i.
-template <class Op, int W, class Index, bool ROWS = false>
+template <class Op, int W, class Index, bool ROWS = false, bool FACTORED = false>
 __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* const (&ptr)[Op::N_SLOTS],
                                       char* param_copy, long long i,
                                       sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
   acc_t v[Op::N_SLOTS][W];
-  load_slots<0, Op::N_SLOTS, loaded_slots<Op>(), W>(ptr, i, v, absent_slots(op));
-  update<Op, W, Index, ROWS>(op, grad_scale, ptr, param_copy, i, acc, v);
+  load_slots<0, Op::N_SLOTS, loaded_slots<Op>(), W>(ptr, i, v, absent_in<Op, FACTORED>());
+  update<Op, W, Index, ROWS, FACTORED>(op, grad_scale, ptr, param_copy, i, acc, v);
 }
 
 // Sum of `value` over the block, in a fixed order (deterministic); every thread gets it.
@@ -517,7 +525,7 @@ __device__ __forceinline__ Op make_op(const Launch<typename Op::Args>& launch, c
 // share an element, so these loads read what the plain loop would.) The rest one at a time.
 // More strides in flight pay where an element costs many instructions (factored rules: 7% on
 // gpt2-124M's Adafactor step, H200) and cost registers elsewhere (Adam 4%, SGD and Lion 2-3%).
-template <class Op, class Index, bool ROWS>
+template <class Op, class Index, bool ROWS, bool FACTORED>
 __device__ __forceinline__ void walk_vectors(const Op& op, acc_t grad_scale,
                                              char* const (&ptr)[Op::N_SLOTS], char* param_copy,
                                              long long begin, long long end,
@@ -530,19 +538,22 @@ __device__ __forceinline__ void walk_vectors(const Op& op, acc_t grad_scale,
       acc_t v[U][Op::N_SLOTS][MTA_VEC];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        load_slots<0, Op::N_SLOTS, loaded_slots<Op>(), MTA_VEC>(ptr, i + u * STRIDE, v[u], absent_slots(op));
+        load_slots<0, Op::N_SLOTS, loaded_slots<Op>(), MTA_VEC>(ptr, i + u * STRIDE, v[u],
+                                                               absent_in<Op, FACTORED>());
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        update<Op, MTA_VEC, Index, ROWS>(op, grad_scale, ptr, param_copy, i + u * STRIDE, acc, v[u]);
+        update<Op, MTA_VEC, Index, ROWS, FACTORED>(op, grad_scale, ptr, param_copy, i + u * STRIDE, acc,
+                                                   v[u]);
     }
   }
-  for (; i < end; i += STRIDE) apply<Op, MTA_VEC, Index, ROWS>(op, grad_scale, ptr, param_copy, i, acc);
+  for (; i < end; i += STRIDE)
+    apply<Op, MTA_VEC, Index, ROWS, FACTORED>(op, grad_scale, ptr, param_copy, i, acc);
 }
 
 // The chunk's elements: vectors where the slots are 16-byte aligned, then the rest one by one.
 // An indexed op is given each element's index as an Index (an unsigned 32-bit word where its
 // tensor's indices fit one, which its functor divides more cheaply).
-template <class Op, class Index>
+template <class Op, class Index, bool FACTORED = false>
 __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
                                            char* const (&ptr)[Op::N_SLOTS], char* param_copy,
                                            bool aligned, const Chunk& job,
@@ -554,12 +565,29 @@ __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
     scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
     bool rows = false;
     if constexpr (Indexed<Op>::value) rows = op.whole_rows;
-    if (rows) walk_vectors<Op, Index, true>(op, grad_scale, ptr, param_copy, begin, scalar_from, acc);
-    else walk_vectors<Op, Index, false>(op, grad_scale, ptr, param_copy, begin, scalar_from, acc);
+    if (rows)
+      walk_vectors<Op, Index, true, FACTORED>(op, grad_scale, ptr, param_copy, begin, scalar_from, acc);
+    else
+      walk_vectors<Op, Index, false, FACTORED>(op, grad_scale, ptr, param_copy, begin, scalar_from, acc);
   }
 #pragma unroll 4
   for (long long i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
-    apply<Op, 1, Index>(op, grad_scale, ptr, param_copy, i, acc);
+    apply<Op, 1, Index, false, FACTORED>(op, grad_scale, ptr, param_copy, i, acc);
+}
+
+// The chunk of an indexed op, walked for the form of its tensor (FACTORED: a stack of matrices
+// whose elements read row and column state; its functor's element<FACTORED>), so that the form
+// is decided once a chunk, not at each element (the branch kept the compiler from sharing an
+// element's row among its vector's elements), and with its Index.
+template <class Op, bool FACTORED>
+__device__ __forceinline__ void walk_indexed(const Op& op, acc_t grad_scale,
+                                             char* const (&ptr)[Op::N_SLOTS], char* param_copy,
+                                             bool aligned, const Chunk& job,
+                                             sum_t (&acc)[Op::N_SUMS > 0 ? Op::N_SUMS : 1]) {
+  if (op.narrow)
+    walk_range<Op, unsigned, FACTORED>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+  else
+    walk_range<Op, long long, FACTORED>(op, grad_scale, ptr, param_copy, aligned, job, acc);
 }
 
 // Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
@@ -583,9 +611,9 @@ __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& laun
   const unsigned long long address_bits = element_pointers(job, ptr, param_copy);
   sum_t acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   const bool aligned = (address_bits & 15ull) == 0;
-  if constexpr (Indexed<Op>::value) {  // (the same branch in every thread of the block)
-    if (op.narrow) walk_range<Op, unsigned>(op, grad_scale, ptr, param_copy, aligned, job, acc);
-    else walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+  if constexpr (Indexed<Op>::value) {  // (the same branches in every thread of the block)
+    if (op.factored) walk_indexed<Op, true>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+    else walk_indexed<Op, false>(op, grad_scale, ptr, param_copy, aligned, job, acc);
   } else {
     walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
   }

@@ -147,7 +147,8 @@ def test_factored_slots_are_not_kept_in_eight_bits():
 def test_the_cuda_source_reduces_rows_and_columns_before_the_walker():
     source = mtapply.rule("f", **FACTORED).cuda_source()
     for piece in ("Factors", "factor_walk", "Combine", "combine_walk", "finish_row", "finish_col",
-                  "Matrix", "matrix_walk", "INDEXED = true", "if (factored) {", "} else {"):
+                  "Matrix", "matrix_walk", "INDEXED = true", "if constexpr (FACTORED) {",
+                  "} else {", "if (factored) element<true>"):
         assert piece in source, piece
     assert "// col_mean(rv)" in source  # the per-matrix mean, read from the workspace
 

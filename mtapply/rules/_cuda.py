@@ -248,7 +248,8 @@ class _Writer:
             read = self._mask(slot.name for slot in program.slots
                               if slot.form not in (ROW, COL) and (
                                   read is None or slot.name in program.first_pass_slots))
-            call = call.replace(") const {", ", Index index, Index row_of) const {")
+            call = call.replace("operator()(", "element(").replace(
+                ") const {", ", Index index, Index row_of) const {")
         lines = [f"struct {s} {{", f"  enum Slot {{ {enum} }};",
                  f"  static constexpr int N_SLOTS = {len(program.slots)}, N_SUMS = {counted};",
                  f"  static constexpr unsigned WRITTEN = {written};",
@@ -267,10 +268,12 @@ class _Writer:
                  *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",
                  *self.constructor(reads), "",
-                 *(("  template <class Index>  // (kernels/factored.cuh, Divider)",)
+                 *(("  template <bool FACTORED, class Index>  // (kernels/factored.cuh, Divider)",)
                    if self.passes is not None else ()),
                  f"  __device__ __forceinline__ void {call}",
-                 *(f"    {line}" for line in self.body), "  }", "};", ""]
+                 *(f"    {line}" for line in self.body), "  }",
+                 *(_factored_cuda.either_form(call) if self.passes is not None else ()),
+                 "};", ""]
         return "\n".join(lines)
 
     def constructor(self, reads: list) -> list:
@@ -286,8 +289,9 @@ class _Writer:
 
     def _run_lines(self, lines, after=None) -> None:
         """The body of these lines (then `after()`'s statements): for a factored rule, one
-        branch for factored params and one for the others, each running its mode's lines,
-        the uniform ones once, in the constructor."""
+        branch for factored params and one for the others (`if constexpr (FACTORED)`: the
+        walker makes its loop for each form, kernels/walker.cuh walk_indexed), each running its
+        mode's lines, the uniform ones once, in the constructor."""
         if self.passes is None:
             for line in lines:
                 self._line(line)
@@ -300,7 +304,7 @@ class _Writer:
                 uniform[id(line)] = self.names[line.target]
         for mode in (True, False):
             self.factored_mode = mode
-            self.body.append("if (factored) {" if mode else "} else {")
+            self.body.append("if constexpr (FACTORED) {" if mode else "} else {")
             start = len(self.body)
             if mode:
                 self.body += _factored_cuda.element_prologue(self)

@@ -125,26 +125,39 @@ def members(writer, sums_only: bool = False) -> list:
              f"  static constexpr int MIN_BLOCKS = {blocks};  // per SM: registers capped at 64 "
              f"(4), 80 (3)",
              f"  static constexpr int N_MATRIX = {_n_matrix(writer)};",
+             f"  static constexpr unsigned FACTORED_ABSENT = {_unfactored_mask(writer)};",
              "  bool factored;  // the param is a stack of matrices (batch, rows, cols)",
              "  long long rows, cols;", "  double* means;  // its per-matrix means",
              "  Divider by_rows, by_cols;  // exact quotients of indices by rows and by cols",
              "  bool narrow;  // every index fits 32 bits (the walker's Index: unsigned)",
              "  bool whole_rows;  // the walker's vectors each lie in one row (cols % MTA_VEC == 0)",
-             "  bool single;  // one matrix (a 2-D param): every element's matrix is 0",
              "  unsigned absent;  // slots the walker neither loads nor stores"]
-            + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)]
-            + [f"  acc_t single_m{k};  // a single matrix's means, read once"
-               for k in range(_n_matrix(writer))])
+            + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
+
+
+def either_form(call: str) -> list:
+    """operator(): the functor's element<FACTORED> (`call`) for its tensor's form, chosen at each
+    element (the 8-bit walk's call; the chunk walker chooses once a chunk, walk_indexed)."""
+    head = call.replace("element(", "operator()(")
+    args = ", ".join(part.split("(&")[-1].split(")")[0] if "(&" in part else part.split()[-1]
+                     for part in head[head.index("(") + 1:head.rindex(") const")].split(", "))
+    return ["  template <class Index>", f"  __device__ __forceinline__ void {head}",
+            f"    if (factored) element<true>({args});", f"    else element<false>({args});", "  }"]
 
 
 def _n_matrix(writer) -> int:
     return len(numbered(c for c, _ in writer.passes.matrix_means)[1])
 
 
+def _unfactored_mask(writer) -> str:
+    """The slots a factored param does not hold per element (its @unfactored ones)."""
+    return writer._mask(s.name for s in writer.program.slots if s.form == UNFACTORED) or "0u"
+
+
 def factored_reads(writer) -> list:
     """The constructor's reads of the tensor's shape."""
     program = writer.program
-    absent = writer._mask(s.name for s in program.slots if s.form == UNFACTORED) or "0u"
+    absent = _unfactored_mask(writer)
     return ([f"    const long long* z_shape = a.{SHAPE} + {SHAPE_WORDS} * static_cast<long long>(tensor);",
              "    const bool z_factored = z_shape[1] > 0;",
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
@@ -152,19 +165,18 @@ def factored_reads(writer) -> list:
              "    by_rows = Divider::of(z_shape + 4);", "    by_cols = Divider::of(z_shape + 7);",
              "    narrow = Divider::narrow(z_shape[0]);",
              "    whole_rows = z_factored && z_shape[2] % MTA_VEC == 0;",
-             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;",
-             "    single = z_factored && z_shape[0] == z_shape[1] * z_shape[2];"]
+             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
-               for s in _vector_slots(program)]
-            + [f"    single_m{k} = single ? acc_t(means[{k}]) : acc_t(0);"
-               for k in range(_n_matrix(writer))])
+               for s in _vector_slots(program)])
 
 
 def element_prologue(writer) -> list:
     """The first statements of a walker functor's branch for factored params: the element's
     row and column state, and its matrix's means."""
+    # (no shortcut for a single matrix: a branch between a vector's elements kept the compiler
+    # from sharing their row's quotient, matrix and means, which whole rows make equal)
     lines = ["const Index f_row = by_cols.quotient(row_of);  // the element's row in the stack",
-             "const Index f_matrix = single ? Index(0) : by_rows.quotient(f_row);  // its matrix",
+             "const Index f_matrix = by_rows.quotient(f_row);  // its matrix",
              "const Index f_col = f_matrix * static_cast<Index>(cols) + "
              "(index - f_row * static_cast<Index>(cols));  // its column"]
     for s in _vector_slots(writer.program):
@@ -175,7 +187,7 @@ def element_prologue(writer) -> list:
     for call in writer.passes.matrix_means:
         writer.mean_names[id(call[0])] = f"f_m{numbers[id(call[0])]}"
     for k, call in enumerate(firsts):
-        lines.append(f"const acc_t f_m{k} = single ? single_m{k} : "
+        lines.append(f"const acc_t f_m{k} = "
                      f"acc_t(means[static_cast<long long>(f_matrix) * N_MATRIX + {k}]);  "
                      f"// {ast.unparse(call)}")
     return lines
