@@ -78,12 +78,17 @@ __device__ __forceinline__ void store_at(char* base, long long j, acc_t value) {
   reinterpret_cast<T*>(base)[j] = from_acc<T>(value);
 }
 
-// Sum over the warp's lanes in a fixed order; every lane gets it.
-__device__ __forceinline__ acc_t warp_sum(acc_t value) {
+// Sum over each group of GROUP lanes (a power of 2 up to 32) in a fixed order; every lane of
+// the group gets it.
+template <int GROUP>
+__device__ __forceinline__ acc_t group_sum(acc_t value) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  for (int offset = GROUP / 2; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
 }
+
+__device__ __forceinline__ acc_t warp_sum(acc_t value) { return group_sum<32>(value); }
 
 // [first, last): the part of n items that block `index` of `blocks` takes.
 __device__ __forceinline__ void share(long long n, long long blocks, long long index,
@@ -94,8 +99,8 @@ __device__ __forceinline__ void share(long long n, long long blocks, long long i
 }
 
 // The values of the slots the op reads at the W elements from i, as the walker loads them (the
-// grad unscaled by AMP's scale): W = 4 as whole words (i a multiple of 4, the bases 16-byte
-// aligned), W = 1 one element.
+// grad unscaled by AMP's scale): W = 1 one element, else whole words (i a multiple of W, the
+// bases 16-byte aligned).
 template <class Op, int W>
 __device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], long long i,
                                               acc_t grad_scale, acc_t (&x)[W][Op::N_SLOTS]) {
@@ -110,14 +115,64 @@ __device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], l
   }
 }
 
+// The W elements from i of each slot the op reads, as stored: loaded as whole words (i a
+// multiple of W, the bases 16-byte aligned) and converted (the grad unscaled by AMP's scale) only
+// when summed, so that the loads a lane has in flight hold 16-bit data in half the registers.
+template <class Op, int W, int WIDEST>
+struct Stored {
+  static constexpr int N = Op::N_SLOTS, WORDS = (W * WIDEST + 15) / 16;  // 16-byte words a slot
+  uint4 words[N][WORDS];
+
+  template <int S = 0>
+  __device__ __forceinline__ void load(char* const (&ptr)[N], long long i) {
+    if constexpr (S < N) {
+      using T = typename SlotType<S>::type;
+      if constexpr ((loaded_slots<Op>() >> S) & 1u) {
+        static_assert(W * sizeof(T) % 8 == 0, "vector must be whole 8-byte words");
+        const T* at = reinterpret_cast<const T*>(ptr[S]) + i;
+        if constexpr (W * sizeof(T) == 8) {
+          const uint2 half = *reinterpret_cast<const uint2*>(at);
+          words[S][0] = make_uint4(half.x, half.y, 0u, 0u);
+        } else {
+#pragma unroll
+          for (int w = 0; w < int(W * sizeof(T) / 16); ++w) words[S][w] = reinterpret_cast<const uint4*>(at)[w];
+        }
+      }
+      load<S + 1>(ptr, i);
+    }
+  }
+
+  template <int S = 0>
+  __device__ __forceinline__ void unpack(acc_t grad_scale, acc_t (&x)[W][N]) const {
+    if constexpr (S < N) {
+      using T = typename SlotType<S>::type;
+      if constexpr ((loaded_slots<Op>() >> S) & 1u) {
+        union { uint4 w[WORDS]; T vals[W]; } u;
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) u.w[w] = words[S][w];
+#pragma unroll
+        for (int k = 0; k < W; ++k) x[k][S] = to_acc(u.vals[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) x[k][S] = acc_t(0);
+      }
+      unpack<S + 1>(grad_scale, x);
+    } else if (grad_scale != acc_t(1)) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) x[k][Op::GRAD] = x[k][Op::GRAD] / grad_scale;
+    }
+  }
+};
+
 // The factor pass's tiles: each matrix is cut into tiles of TILE_ROWS x TILE_COLS elements (a
 // tile at most TILE elements; TILE_COLS a multiple of 32 up to MAX_TILE_COLS, so that a warp
-// reads whole rows of a tile: 128 bytes of float32 where cols is a multiple of 32), taken in order (matrix, row group, column group) by the
-// tensor's blocks in turn. A tile's partial sums lie after the tensor's per-matrix means in the
-// workspace, as acc_t: per row and column group, and per column and row group (group-major, so
-// that the combine pass's threads read consecutive rows or columns).
+// reads whole rows of a tile: 512 bytes of float32 where cols is a multiple of 128), taken in
+// order (matrix, row group, column group) by the tensor's blocks in turn. A tile's partial sums
+// lie after the tensor's per-matrix means in the workspace, as acc_t: per row and column group,
+// and per column and row group (group-major, so that the combine pass's threads read
+// consecutive rows or columns).
 // mtapply/rules/_factored_cuda.py (factor_partials) reserves the same room.
-constexpr int TILE = 32768, MAX_TILE_COLS = 128, LANE_COLS = MAX_TILE_COLS / 32;
+constexpr int TILE = 32768, MAX_TILE_COLS = 128;
 
 struct Tiles {
   long long batch, rows, cols;      // the stack of matrices
@@ -144,24 +199,54 @@ __device__ Tiles tiles_of(long long rows, long long cols, long long numel, doubl
   return t;
 }
 
-// One tile: warp w takes its rows w, w + WARPS, ..., IN_FLIGHT of them at once (their loads all
-// issued before any sum), lane l its LANE_COLS columns: 4l to 4l + 3 as one vector (VEC: cols a
-// multiple of 4, the bases 16-byte aligned), else l, l + 32, .... Each row's terms are summed by
-// its warp (lanes, then warp_sum), each column's by its lane over the warp's rows and then over
-// the warps in warp order: fixed orders, the same bits every run.
+// How a warp reads a tile, by LANE: the elements each lane loads as one vector (4 or 8), or 1
+// for single elements.
+//   LANE 4: lane l takes columns 4l to 4l + 3 of one row (16 bytes of float32: cols a multiple
+//           of 4, the bases 16-byte aligned);
+//   LANE 8: lanes 0-15 take columns 8l to 8l + 7 of one row and lanes 16-31 the same of the
+//           next (16 bytes of 16-bit data a lane, as float32 has: cols a multiple of 8);
+//   LANE 1: lane l takes columns l, l + 32, l + 64, l + 96 one by one.
+// Warp w takes its row sets w, w + WARPS, ... (a set: the rows a warp reads at once), IN_FLIGHT
+// sets at a time, their loads all issued before any sum. Each row's terms are summed by its
+// lanes (then group_sum), each column's by its lane over the warp's rows and then over the warps
+// in warp order: fixed orders, the same bits every run.
 constexpr int IN_FLIGHT = 4;  // (10% faster than 2 on an H200, a few bytes spilled notwithstanding)
 
-// The tile column of lane's q-th value.
-template <bool VEC>
-__device__ __forceinline__ int lane_column(int lane, int q) {
-  return VEC ? LANE_COLS * lane + q : lane + 32 * q;
+template <int LANE>
+struct TileLanes {
+  static constexpr int ELEMENTS = LANE == 8 ? 8 : 4;               // each lane's columns a row
+  static constexpr int ROWS = LANE == 8 ? 2 : 1;                   // a warp's rows at once
+  static constexpr int PER_ROW = 32 / ROWS;                        // lanes a row
+  __device__ static int row(int lane) { return lane / PER_ROW; }   // within the warp's set
+  __device__ static int column(int lane, int q) {                  // the tile column of value q
+    return LANE == 1 ? lane + 32 * q : ELEMENTS * (lane % PER_ROW) + q;
+  }
+};
+
+// The widest element the op loads, in bytes: 16-bit data takes LANE 8, other data LANE 4.
+template <class Op, int S = 0>
+__device__ constexpr int widest_loaded() {
+  if constexpr (S >= Op::N_SLOTS) {
+    return 0;
+  } else {
+    constexpr int here =
+        ((loaded_slots<Op>() >> S) & 1u) ? static_cast<int>(sizeof(typename SlotType<S>::type)) : 0;
+    constexpr int rest = widest_loaded<Op, S + 1>();
+    return here > rest ? here : rest;
+  }
 }
 
-template <class Op, bool VEC>
+// The warps' column sums of a tile (shared memory), before they are summed in warp order.
+template <class Op>
+using ColumnParts = acc_t[WARPS][MAX_TILE_COLS][Op::N_COL > 0 ? Op::N_COL : 1];
+
+template <class Op, int LANE>
 __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
-                            char* const (&ptr)[Op::N_SLOTS], acc_t grad_scale) {
+                            char* const (&ptr)[Op::N_SLOTS], acc_t grad_scale,
+                            ColumnParts<Op>& parts) {
+  using L = TileLanes<LANE>;
   constexpr int N_COL = Op::N_COL > 0 ? Op::N_COL : 1, N_ROW = Op::N_ROW > 0 ? Op::N_ROW : 1;
-  __shared__ acc_t parts[WARPS][MAX_TILE_COLS][N_COL];
+  constexpr int SET = L::ROWS * WARPS;  // rows between a warp's sets
   const long long group = tile % t.col_groups, band = tile / t.col_groups;
   const long long matrix = band / t.row_groups, row_group = band % t.row_groups;
   const long long row0 = matrix * t.rows + row_group * t.tile_rows;  // its first stack row
@@ -170,37 +255,52 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
                                           t.rows - row_group * t.tile_rows));
   const int n_cols = static_cast<int>(min(static_cast<long long>(t.tile_cols), t.cols - col0));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  acc_t col_sums[LANE_COLS][N_COL] = {};
-  for (int r0 = warp; r0 < n_rows; r0 += IN_FLIGHT * WARPS) {  // the same trips in every lane
-    acc_t x[IN_FLIGHT][LANE_COLS][Op::N_SLOTS];
+  // the lane's row's first element, and its row sums' place, each a set further each trip
+  long long at = (row0 + warp * L::ROWS + L::row(lane)) * t.cols + col0;
+  acc_t* row_out = t.row_parts + group * t.batch * t.rows + row0;
+  const long long set_elements = SET * t.cols, row_parts_apart = t.col_groups * t.batch * t.rows;
+  acc_t col_sums[L::ELEMENTS][N_COL] = {};
+  // r0: the warp's set; the same trips in every lane
+  for (int r0 = warp * L::ROWS; r0 < n_rows; r0 += IN_FLIGHT * SET, at += IN_FLIGHT * set_elements) {
+    Stored<Op, LANE, widest_loaded<Op>()> stored[IN_FLIGHT];  // LANE > 1
+    acc_t single[IN_FLIGHT][L::ELEMENTS][Op::N_SLOTS];         // LANE 1
 #pragma unroll
     for (int f = 0; f < IN_FLIGHT; ++f) {
-      const long long at = (row0 + r0 + f * WARPS) * t.cols + col0;  // the row's first element
-      if (r0 + f * WARPS >= n_rows) continue;
-      if constexpr (VEC) {
-        const int c = lane_column<VEC>(lane, 0);
-        if (c < n_cols) load_elements<Op, LANE_COLS>(ptr, at + c, grad_scale, x[f]);
+      const int r = r0 + f * SET + L::row(lane);
+      if (r >= n_rows) continue;
+      if constexpr (LANE > 1) {
+        const int c = L::column(lane, 0);
+        if (c < n_cols) stored[f].load(ptr, at + f * set_elements + c);
       } else {
 #pragma unroll
-        for (int q = 0; q < LANE_COLS; ++q) {
-          const int c = lane_column<VEC>(lane, q);
+        for (int q = 0; q < L::ELEMENTS; ++q) {
+          const int c = L::column(lane, q);
           acc_t one[1][Op::N_SLOTS];
-          if (c < n_cols) load_elements<Op, 1>(ptr, at + c, grad_scale, one);
+          if (c < n_cols) load_elements<Op, 1>(ptr, at + f * set_elements + c, grad_scale, one);
 #pragma unroll
-          for (int s = 0; s < Op::N_SLOTS; ++s) x[f][q][s] = one[0][s];
+          for (int s = 0; s < Op::N_SLOTS; ++s) single[f][q][s] = one[0][s];
         }
       }
     }
 #pragma unroll
     for (int f = 0; f < IN_FLIGHT; ++f) {
-      const int r = r0 + f * WARPS;
-      if (r >= n_rows) continue;
+      if (r0 + f * SET >= n_rows) continue;  // (the whole warp: its set's first row)
+      const int r = r0 + f * SET + L::row(lane);
       acc_t row_sums[N_ROW] = {};
+      acc_t x[L::ELEMENTS][Op::N_SLOTS];
+      if constexpr (LANE > 1) {
+        stored[f].unpack(grad_scale, x);
+      } else {
 #pragma unroll
-      for (int q = 0; q < LANE_COLS; ++q) {
-        if (lane_column<VEC>(lane, q) >= n_cols) continue;
+        for (int q = 0; q < L::ELEMENTS; ++q)
+#pragma unroll
+          for (int s = 0; s < Op::N_SLOTS; ++s) x[q][s] = single[f][q][s];
+      }
+#pragma unroll
+      for (int q = 0; q < L::ELEMENTS; ++q) {
+        if (r >= n_rows || L::column(lane, q) >= n_cols) continue;
         acc_t row[N_ROW], col[N_COL];
-        op.terms(x[f][q], row, col);
+        op.terms(x[q], row, col);
 #pragma unroll
         for (int k = 0; k < Op::N_ROW; ++k) row_sums[k] += row[k];
 #pragma unroll
@@ -208,16 +308,22 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
       }
 #pragma unroll
       for (int k = 0; k < Op::N_ROW; ++k) {
-        const acc_t total = warp_sum(row_sums[k]);
-        if (lane == 0) t.row_parts[(k * t.col_groups + group) * t.batch * t.rows + row0 + r] = total;
+        const acc_t total = group_sum<L::PER_ROW>(row_sums[k]);
+        if (lane % L::PER_ROW == 0 && r < n_rows)
+          row_out[k * row_parts_apart + r] = total;
       }
     }
   }
   if constexpr (Op::N_COL > 0) {
 #pragma unroll
-    for (int q = 0; q < LANE_COLS; ++q)
+    for (int q = 0; q < L::ELEMENTS; ++q)
 #pragma unroll
-      for (int k = 0; k < N_COL; ++k) parts[warp][lane_column<VEC>(lane, q)][k] = col_sums[q][k];
+      for (int k = 0; k < N_COL; ++k) {
+        // the warp's rows of a column are in lanes PER_ROW apart: sum them (a + b == b + a)
+        const acc_t sum = L::ROWS == 2 ? col_sums[q][k] + __shfl_xor_sync(0xffffffffu, col_sums[q][k], 16)
+                                       : col_sums[q][k];
+        if (L::row(lane) == 0) parts[warp][L::column(lane, q)][k] = sum;
+      }
     __syncthreads();
     for (int c = threadIdx.x; c < n_cols; c += MTA_BLOCK) {
 #pragma unroll
@@ -230,6 +336,14 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
     }
     __syncthreads();  // parts is written again by the next tile
   }
+}
+
+template <class Op, int LANE>
+__device__ void factor_tiles(const Op& op, const Tiles& t, long long first, long long blocks,
+                             char* const (&ptr)[Op::N_SLOTS], acc_t grad_scale,
+                             ColumnParts<Op>& parts) {
+  for (long long tile = first; tile < t.count(); tile += blocks)
+    factor_tile<Op, LANE>(op, t, tile, ptr, grad_scale, parts);
 }
 
 // The factor pass: every tile's partial sums of the element terms (the block's tiles are its
@@ -245,12 +359,14 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   const bool aligned = (element_pointers(job, ptr, param_copy) & 15ull) == 0;
   const Tiles t = tiles_of<Op>(op.rows, op.cols, job.numel, op.means);
   const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
-  if (aligned && t.cols % LANE_COLS == 0) {  // every row's vectors aligned
-    for (long long tile = job.index; tile < t.count(); tile += blocks)
-      factor_tile<Op, true>(op, t, tile, ptr, grad_scale);
+  __shared__ ColumnParts<Op> parts;
+  constexpr bool NARROW = widest_loaded<Op>() == 2;  // 16-bit data only: 8 elements a vector
+  if (NARROW && aligned && t.cols % 8 == 0) {  // every row's vectors aligned
+    factor_tiles<Op, NARROW ? 8 : 4>(op, t, job.index, blocks, ptr, grad_scale, parts);
+  } else if (aligned && t.cols % 4 == 0) {
+    factor_tiles<Op, 4>(op, t, job.index, blocks, ptr, grad_scale, parts);
   } else {
-    for (long long tile = job.index; tile < t.count(); tile += blocks)
-      factor_tile<Op, false>(op, t, tile, ptr, grad_scale);
+    factor_tiles<Op, 1>(op, t, job.index, blocks, ptr, grad_scale, parts);
   }
 }
 

@@ -18,7 +18,7 @@ WARPS = 8  # a block of 256 threads
 
 def test_the_host_and_the_kernel_cut_the_same_tiles():
     source = KERNEL.read_text()
-    match = re.search(r"constexpr int TILE = (\d+), MAX_TILE_COLS = (\d+),", source)
+    match = re.search(r"constexpr int TILE = (\d+), MAX_TILE_COLS = (\d+);", source)
     assert match, "kernels/factored.cuh declares TILE and MAX_TILE_COLS"
     assert (int(match[1]), int(match[2])) == (_factored_cuda.TILE, _factored_cuda.MAX_TILE_COLS)
 

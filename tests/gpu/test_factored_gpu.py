@@ -117,29 +117,40 @@ def test_a_non_finite_grad_makes_torchs_nans(bad):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
-def _guarded(shapes, fill, guard: int = 64):
-    """Tensors of these shapes lying in one NaN-filled buffer, `guard` elements apart; with
-    the buffer, to check that nothing around them was written."""
+def _guarded(shapes, fill, guard: int = 64, dtype=torch.float32, align: int = 1):
+    """Tensors of these shapes lying in one NaN-filled buffer, `guard` elements apart (each
+    starting at a multiple of `align` elements); with the buffer, to check that nothing around
+    them was written."""
     sizes = [int(np.prod(s)) for s in shapes]
-    buffer = torch.full((sum(sizes) + guard * (len(sizes) + 1),), float("nan"), device="cuda")
+    room = sum(sizes) + (guard + align) * (len(sizes) + 1)
+    buffer = torch.full((room,), float("nan"), device="cuda", dtype=dtype)
     views, at = [], guard
     for shape, size in zip(shapes, sizes):
         views.append(buffer[at:at + size].view(shape))
         views[-1].copy_(fill(shape))
-        at += size + guard
+        at = -(-(at + size + guard) // align) * align
     return buffer, views
 
 
-def _rule_lists(rule, seed: int, params=SHAPES):
+def _rule_lists(rule, seed: int, params=SHAPES, **layout):
     gen = torch.Generator().manual_seed(seed)
 
     def values(shape):
         return torch.randn(shape, generator=gen).abs() + 0.1
 
     shapes = [rule.state_shapes(s) for s in params]
-    lists = [_guarded(params, values), _guarded(params, values)]
-    lists += [_guarded([s[name] for s in shapes], values) for name in SLOTS]
+    lists = [_guarded(params, values, **layout), _guarded(params, values, **layout)]
+    lists += [_guarded([s[name] for s in shapes], values, **layout) for name in SLOTS]
     return lists
+
+
+def _inside(buffer, views):
+    """Where the views lie in their buffer."""
+    inside = torch.zeros_like(buffer, dtype=torch.bool)
+    for view in views:
+        offset = (view.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+        inside[offset:offset + view.numel()] = True
+    return inside
 
 
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
@@ -147,12 +158,7 @@ def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_ten
     rule = library.adafactor()
     lists = _rule_lists(rule, 2, shapes)
     cpu = [[v.cpu().clone() for v in views] for _, views in lists]
-    buffers = [buffer for buffer, _ in lists]
-    inside = [torch.zeros_like(b, dtype=torch.bool) for b in buffers]
-    for k, (buffer, views) in enumerate(lists):
-        for view in views:
-            offset = view.data_ptr() - buffer.data_ptr()
-            inside[k][offset // 4:offset // 4 + view.numel()] = True
+    inside = [_inside(buffer, views) for buffer, views in lists]
     hyper = dict(lr=1e-2, eps1=1e-30, step=3)
     rule.step(*(views for _, views in lists), **hyper)
     rule.step(*cpu, **hyper)
@@ -162,6 +168,31 @@ def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_ten
         assert torch.isnan(guards).all(), f"{name}: an element outside its tensors was written"
         _assert_close([(f"{name}[{i}] (shape {tuple(v.shape)})", v, c)
                        for i, (v, c) in enumerate(zip(views, cpu[k])) if v.numel()])
+
+
+# 16-bit data in the factor pass (kernels/factored.cuh, factor_walk): vectors of 8 elements where
+# cols is a multiple of 8 (257 rows: the second row of a warp's last pair lies past the tile; 40
+# columns: lanes past the tile's last column; a stack), of 4 where it is 4 mod 8, single elements
+# for odd cols, and a vector's full variance
+NARROW_SHAPES = [(257, 264), (70, 40), (3, 41, 136), (33, 300), (65, 301), (6,)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_lists_follow_the_float32_step_of_their_values(dtype):
+    """Each result within one rounding to the dtype of the step taken in float32 on the CPU
+    from the same values, and nothing written around the tensors."""
+    rule = library.adafactor()
+    lists = _rule_lists(rule, 4, NARROW_SHAPES, dtype=dtype, align=8)
+    cpu = [[v.cpu().float() for v in views] for _, views in lists]
+    hyper = dict(lr=1e-2, eps1=1e-30, step=3)
+    rule.step(*(views for _, views in lists), **hyper)
+    rule.step(*cpu, **hyper)
+    rounding = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for k, (name, (buffer, views)) in enumerate(zip(("params", "grads") + SLOTS, lists)):
+        assert torch.isnan(buffer[~_inside(buffer, views)]).all(), f"{name}: a guard was written"
+        _assert_close([(f"{name}[{i}] (shape {tuple(v.shape)})", v, c.to(dtype))
+                       for i, (v, c) in enumerate(zip(views, cpu[k])) if v.numel()],
+                      rtol=rounding, atol=1e-6)
 
 
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
