@@ -672,7 +672,8 @@ def adafactor(maximize: bool = False) -> Rule:
     """torch.optim.Adafactor (Shazeer and Stern 2018, with torch's lr and eps1), per tensor at
     step t: g = grad (-grad with maximize); w = t^beta2_decay (1 - beta2_t); a factored param
     (two or more dimensions) lerps its row and column means of g^2 into row_var and col_var by
-    w, and estimates V = row_var col_var / max(mean(row_var), eps1); an unfactored one lerps
+    w, and estimates V = row_var / max(mean(row_var), eps1) col_var (the quotient a row's work,
+    not an element's); an unfactored one lerps
     g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)) (both maxima keep a NaN, as
     torch's clamps do: a NaN grad is not hidden); p = p (1 - lr
     weight_decay) - alpha / max(1, RMS(u) / d) u with alpha = max(eps2, RMS(p)) min(lr,
@@ -693,7 +694,7 @@ def adafactor(maximize: bool = False) -> Rule:
                     col_var = {_lerp("col_var", "col_mean(g2)", "w")}
                     variance = {_lerp("variance", "g2", "w")}
                     m = col_mean(row_var) if factored else 1
-                    v = row_var * col_var / where(m < eps1, eps1, m) if factored else variance
+                    v = row_var / where(m < eps1, eps1, m) * col_var if factored else variance
                     u = g * rsqrt(where(v < eps1 * eps1, eps1 * eps1, v))
                     alpha = max(eps2, sqrt(p2 / numel)) * min(lr, 1 / sqrt(step))
                     scale = alpha / max(1, sqrt(u2 / numel) / d)
@@ -706,8 +707,9 @@ def adafactor_optax(clipping: bool = True, param_scale: bool = True,
                     momentum: bool = False) -> Rule:
     """optax.adafactor (Shazeer and Stern 2018, optax's chain of links), per tensor: g2 = grad^2
     + eps; a factored param lerps its row and column means of g2 into row_var and col_var by
-    1 - decay and scales the grad by 1 / sqrt(row_var col_var / mean(row_var)), an unfactored
-    one keeps variance (g2's average), 1 / sqrt(variance). Then, each where its flag is on:
+    1 - decay and scales the grad by 1 / sqrt(row_var / mean(row_var)), then by 1 / sqrt(col_var)
+    (optax's order; the row's factor is a row's, not an element's, work), an unfactored one
+    keeps variance (g2's average), 1 / sqrt(variance). Then, each where its flag is on:
     the update divided by max(1, RMS(u) / clipping_threshold); times lr; times max(RMS(p),
     1e-3), RMS(p) of the param before the step; an ema of decay `momentum` (not debiased) taken
     as the update; plus weight_decay p. p -= the update. `decay` is the step's (optax: 1 - (t -
@@ -733,8 +735,8 @@ def adafactor_optax(clipping: bool = True, param_scale: bool = True,
                     row_var = decay * row_var + (1 - decay) * row_mean(g2)
                     col_var = decay * col_var + (1 - decay) * col_mean(g2)
                     variance = decay * variance + (1 - decay) * g2
-                    v = row_var * col_var / col_mean(row_var) if factored else variance
-                    scaled = grad * rsqrt(v)
+                    row_scale = rsqrt(row_var / col_mean(row_var)) if factored else 1
+                    scaled = grad * row_scale * rsqrt(col_var) if factored else grad * rsqrt(variance)
                     u = (lr * {scale}) * ({clipped}){ema}
                     param = param - (u + weight_decay * param)
                 """)
