@@ -216,11 +216,18 @@ class Engine:
                 + [(self.rule.plan_slots[-1], [grad_leaves[i] for i in part])])
         fresh = [] if mode == "inplace" else [
             ("updates" if mode == "delta" else "params",
-             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine])]
+             [jax.ShapeDtypeStruct(x.shape, self._update_dtype(x.dtype)) for x in mine])]
         return self._launch(aliased, fresh, read, scalars,
                             tuple(statics[i] for i in part) if statics else (),
                             layouts and {name: l.part(part) for name, l in layouts.items()},
                             mode, part[0])
+
+    def _update_dtype(self, param_dtype):
+        """The updates' dtype for params of `param_dtype`: optax's, which promotes the params'
+        (the grads') with a state slot's own dtype (mu_dtype and the like: bfloat16 params
+        with float32 moments give float32 updates)."""
+        return jnp.result_type(param_dtype, *(d for d in self.rule.slot_dtypes.values()
+                                              if d is not None))
 
     def _scalars(self, count, grads, extra, dtype) -> list:
         """The call's one-element operands (float32, or float64 for float64 params under

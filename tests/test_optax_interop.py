@@ -210,6 +210,27 @@ def test_state_dtype_options_follow_optax_and_stay_across_updates(name, dtype, f
                                    rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "tree"])
+@pytest.mark.parametrize("name", list(DTYPED))
+def test_16_bit_params_with_float32_state_get_optaxs_updates_dtype(name, flat):
+    """bfloat16 params with a float32 state slot: the updates take the dtype optax's do (the
+    promotion of both, float32), not the params', and their values optax's."""
+    ours, theirs, field, option = DTYPED[name]
+    rng = np.random.default_rng(8)
+    params, grads_seq = _tree(rng, dtype=jnp.bfloat16), [_tree(rng, 0.3, jnp.bfloat16)
+                                                         for _ in range(3)]
+    txs = ours(1e-2, **{option: "float32"}, flat_state=flat), theirs(1e-2, **{option: "float32"})
+    states = [tx.init(params) for tx in txs]
+    for grads in grads_seq:
+        got, want = ((tx.update(grads, state, params)) for tx, state in zip(txs, states))
+        (got, states[0]), (want, states[1]) = got, want
+        assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                       rtol=2e-2, atol=1e-4)
+        params = optax.apply_updates(params, want)
+
+
 def test_mu_dtype_with_params_of_two_dtypes_converts_both_ways():
     rng = np.random.default_rng(7)
     params = {"a": jnp.asarray(rng.standard_normal(5), jnp.float32),

@@ -313,6 +313,28 @@ def test_mu_dtype_keeps_the_moment_in_its_dtype(gpu, form, dtype, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale)
 
 
+@pytest.mark.parametrize("rule,option", [("adamw", "mu_dtype"), ("sgd", "accumulator_dtype")])
+@pytest.mark.parametrize("form", FORMS[1:])
+def test_bfloat16_params_with_float32_state_give_float32_updates(gpu, rule, form, option,
+                                                                  monkeypatch):
+    """bfloat16 params with a float32 moment: the updates are float32 as optax's (the kernels
+    write them as float32, new param minus old, or the step itself), the FFI path equal to the
+    buffer callback's bit for bit."""
+    rng = np.random.default_rng(10)
+    params = _tree(rng, gpu, jnp.bfloat16)
+    grads = _tree(rng, gpu, jnp.bfloat16)
+    results = []
+    for mechanism in ("ffi", "buffer"):
+        monkeypatch.setenv("MTAPPLY_OPTAX_CALLBACK", mechanism)
+        tx = _make(rule, form, **{option: jnp.float32})
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        results.append(updates)
+    assert {x.dtype for x in jax.tree.leaves(results[0])} == {jnp.dtype(jnp.float32)}
+    for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert any(np.abs(np.asarray(x)).max(initial=0) > 0 for x in jax.tree.leaves(results[0]))
+
+
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-state", "tree-state"])
 def test_vmap_of_an_update_steps_each_member(gpu, flat):
     """An ensemble under jax.vmap: the FFI call runs once per member (vmap_method sequential)."""
