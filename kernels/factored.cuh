@@ -98,21 +98,17 @@ __device__ __forceinline__ void share(long long n, long long blocks, long long i
   last = min(first + each, n);
 }
 
-// The values of the slots the op reads at the W elements from i, as the walker loads them (the
-// grad unscaled by AMP's scale): W = 1 one element, else whole words (i a multiple of W, the
-// bases 16-byte aligned).
-template <class Op, int W>
-__device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], long long i,
-                                              acc_t grad_scale, acc_t (&x)[W][Op::N_SLOTS]) {
+// The values of the slots the op reads at element i, as the walker loads them (the grad
+// unscaled by AMP's scale).
+template <class Op>
+__device__ __forceinline__ void load_element(char* const (&ptr)[Op::N_SLOTS], long long i,
+                                             acc_t grad_scale, acc_t (&x)[Op::N_SLOTS]) {
   constexpr int N = Op::N_SLOTS;
-  acc_t v[N][W];
-  load_slots<0, N, loaded_slots<Op>(), W>(ptr, i, v);
+  acc_t v[N][1];
+  load_slots<0, N, loaded_slots<Op>(), 1>(ptr, i, v);
 #pragma unroll
-  for (int k = 0; k < W; ++k) {
-#pragma unroll
-    for (int s = 0; s < N; ++s) x[k][s] = v[s][k];
-    if (grad_scale != acc_t(1)) x[k][Op::GRAD] = x[k][Op::GRAD] / grad_scale;
-  }
+  for (int s = 0; s < N; ++s) x[s] = v[s][0];
+  if (grad_scale != acc_t(1)) x[Op::GRAD] = x[Op::GRAD] / grad_scale;
 }
 
 // The W elements from i of each slot the op reads, as stored: loaded as whole words (i a
@@ -120,7 +116,8 @@ __device__ __forceinline__ void load_elements(char* const (&ptr)[Op::N_SLOTS], l
 // when summed, so that the loads a lane has in flight hold 16-bit data in half the registers.
 template <class Op, int W, int WIDEST>
 struct Stored {
-  static constexpr int N = Op::N_SLOTS, WORDS = (W * WIDEST + 15) / 16;  // 16-byte words a slot
+  static constexpr int N = Op::N_SLOTS;
+  static constexpr int WORDS = W * WIDEST > 16 ? (W * WIDEST + 15) / 16 : 1;  // each slot's
   uint4 words[N][WORDS];
 
   template <int S = 0>
@@ -166,7 +163,8 @@ struct Stored {
 
 // The factor pass's tiles: each matrix is cut into tiles of TILE_ROWS x TILE_COLS elements (a
 // tile at most TILE elements; TILE_COLS a multiple of 32 up to MAX_TILE_COLS, so that a warp
-// reads whole rows of a tile: 512 bytes of float32 where cols is a multiple of 128), taken in
+// reads whole rows of a tile: 512 bytes of float32, or two rows of 256 bytes of 16-bit data,
+// where cols is a multiple of 128), taken in
 // order (matrix, row group, column group) by the tensor's blocks in turn. A tile's partial sums
 // lie after the tensor's per-matrix means in the workspace, as acc_t: per row and column group,
 // and per column and row group (group-major, so that the combine pass's threads read
@@ -262,8 +260,10 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
   acc_t col_sums[L::ELEMENTS][N_COL] = {};
   // r0: the warp's set; the same trips in every lane
   for (int r0 = warp * L::ROWS; r0 < n_rows; r0 += IN_FLIGHT * SET, at += IN_FLIGHT * set_elements) {
-    Stored<Op, LANE, widest_loaded<Op>()> stored[IN_FLIGHT];  // LANE > 1
-    acc_t single[IN_FLIGHT][L::ELEMENTS][Op::N_SLOTS];         // LANE 1
+    // the sets' loads: vectors held as stored (LANE > 1), or single elements' values (LANE 1);
+    // the form not taken is never written and takes no registers
+    Stored<Op, LANE, widest_loaded<Op>()> stored[IN_FLIGHT];
+    acc_t single[IN_FLIGHT][L::ELEMENTS][Op::N_SLOTS];
 #pragma unroll
     for (int f = 0; f < IN_FLIGHT; ++f) {
       const int r = r0 + f * SET + L::row(lane);
@@ -275,10 +275,10 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
 #pragma unroll
         for (int q = 0; q < L::ELEMENTS; ++q) {
           const int c = L::column(lane, q);
-          acc_t one[1][Op::N_SLOTS];
-          if (c < n_cols) load_elements<Op, 1>(ptr, at + f * set_elements + c, grad_scale, one);
+          acc_t one[Op::N_SLOTS];  // (copied whole: the registers the compiler lays out best)
+          if (c < n_cols) load_element<Op>(ptr, at + f * set_elements + c, grad_scale, one);
 #pragma unroll
-          for (int s = 0; s < Op::N_SLOTS; ++s) single[f][q][s] = one[0][s];
+          for (int s = 0; s < Op::N_SLOTS; ++s) single[f][q][s] = one[s];
         }
       }
     }
@@ -319,9 +319,9 @@ __device__ void factor_tile(const Op& op, const Tiles& t, long long tile,
     for (int q = 0; q < L::ELEMENTS; ++q)
 #pragma unroll
       for (int k = 0; k < N_COL; ++k) {
-        // the warp's rows of a column are in lanes PER_ROW apart: sum them (a + b == b + a)
-        const acc_t sum = L::ROWS == 2 ? col_sums[q][k] + __shfl_xor_sync(0xffffffffu, col_sums[q][k], 16)
-                                       : col_sums[q][k];
+        acc_t sum = col_sums[q][k];
+        // the warp's two rows of a column are 16 lanes apart: sum them (a + b == b + a)
+        if constexpr (L::ROWS == 2) sum += __shfl_xor_sync(0xffffffffu, sum, 16);
         if (L::row(lane) == 0) parts[warp][L::column(lane, q)][k] = sum;
       }
     __syncthreads();
@@ -360,10 +360,13 @@ __device__ void factor_walk(const Launch<typename Op::Args>& launch) {
   const Tiles t = tiles_of<Op>(op.rows, op.cols, job.numel, op.means);
   const long long blocks = (job.numel + MTA_CHUNK - 1) / MTA_CHUNK;
   __shared__ ColumnParts<Op> parts;
-  constexpr bool NARROW = widest_loaded<Op>() == 2;  // 16-bit data only: 8 elements a vector
-  if (NARROW && aligned && t.cols % 8 == 0) {  // every row's vectors aligned
-    factor_tiles<Op, NARROW ? 8 : 4>(op, t, job.index, blocks, ptr, grad_scale, parts);
-  } else if (aligned && t.cols % 4 == 0) {
+  if constexpr (widest_loaded<Op>() == 2) {  // 16-bit data only: 8 elements a vector
+    if (aligned && t.cols % 8 == 0) {  // every row's vectors aligned
+      factor_tiles<Op, 8>(op, t, job.index, blocks, ptr, grad_scale, parts);
+      return;
+    }
+  }
+  if (aligned && t.cols % 4 == 0) {
     factor_tiles<Op, 4>(op, t, job.index, blocks, ptr, grad_scale, parts);
   } else {
     factor_tiles<Op, 1>(op, t, job.index, blocks, ptr, grad_scale, parts);

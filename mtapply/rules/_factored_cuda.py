@@ -157,7 +157,6 @@ def _unfactored_mask(writer) -> str:
 def factored_reads(writer) -> list:
     """The constructor's reads of the tensor's shape."""
     program = writer.program
-    absent = _unfactored_mask(writer)
     return ([f"    const long long* z_shape = a.{SHAPE} + {SHAPE_WORDS} * static_cast<long long>(tensor);",
              "    const bool z_factored = z_shape[1] > 0;",
              "    const double h_numel = static_cast<double>(z_shape[0]);  (void)h_numel;",
@@ -165,7 +164,7 @@ def factored_reads(writer) -> list:
              "    by_rows = Divider::of(z_shape + 4);", "    by_cols = Divider::of(z_shape + 7);",
              "    narrow = Divider::narrow(z_shape[0]);",
              "    whole_rows = z_factored && z_shape[2] % MTA_VEC == 0;",
-             f"    means = a.{MEANS} + z_shape[3];", f"    absent = z_factored ? {absent} : 0u;"]
+             f"    means = a.{MEANS} + z_shape[3];", "    absent = z_factored ? FACTORED_ABSENT : 0u;"]
             + [f"    p_{s.name} = reinterpret_cast<char*>(job.addresses[{writer._slot(s.name)}]);"
                for s in _vector_slots(program)])
 

@@ -672,8 +672,8 @@ def adafactor(maximize: bool = False) -> Rule:
     """torch.optim.Adafactor (Shazeer and Stern 2018, with torch's lr and eps1), per tensor at
     step t: g = grad (-grad with maximize); w = t^beta2_decay (1 - beta2_t); a factored param
     (two or more dimensions) lerps its row and column means of g^2 into row_var and col_var by
-    w, and estimates V = row_var / max(mean(row_var), eps1) col_var (the quotient a row's work,
-    not an element's); an unfactored one lerps
+    w, and estimates V = row_var / max(mean(row_var), eps1) col_var (torch's product
+    reassociated, so that the quotient is a row's work, not an element's); an unfactored one lerps
     g^2 into variance, V = variance; u = g / sqrt(max(V, eps1^2)) (both maxima keep a NaN, as
     torch's clamps do: a NaN grad is not hidden); p = p (1 - lr
     weight_decay) - alpha / max(1, RMS(u) / d) u with alpha = max(eps2, RMS(p)) min(lr,
