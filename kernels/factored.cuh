@@ -199,8 +199,9 @@ __device__ Tiles tiles_of(long long rows, long long cols, long long numel, doubl
 
 // How a warp reads a tile, by LANE: the elements each lane loads as one vector (4 or 8), or 1
 // for single elements.
-//   LANE 4: lane l takes columns 4l to 4l + 3 of one row (16 bytes of float32: cols a multiple
-//           of 4, the bases 16-byte aligned);
+//   LANE 4: lane l takes columns 4l to 4l + 3 of one row (16 bytes of float32, 32 of float64,
+//           8 of 16-bit data where cols is not a multiple of 8: cols a multiple of 4, the
+//           bases 16-byte aligned);
 //   LANE 8: lanes 0-15 take columns 8l to 8l + 7 of one row and lanes 16-31 the same of the
 //           next (16 bytes of 16-bit data a lane, as float32 has: cols a multiple of 8);
 //   LANE 1: lane l takes columns l, l + 32, l + 64, l + 96 one by one.
