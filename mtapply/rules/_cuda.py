@@ -272,7 +272,8 @@ class _Writer:
                    if self.passes is not None else ()),
                  f"  __device__ __forceinline__ void {call}",
                  *(f"    {line}" for line in self.body), "  }",
-                 *(_factored_cuda.either_form(call) if self.passes is not None else ()),
+                 *(_factored_cuda.either_form(call, "x, sums" if self.first_pass else "x")
+                   if self.passes is not None else ()),
                  "};", ""]
         return "\n".join(lines)
 

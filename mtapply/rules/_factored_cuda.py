@@ -135,12 +135,12 @@ def members(writer, sums_only: bool = False) -> list:
             + [f"  char* p_{s.name};" for s in _vector_slots(writer.program)])
 
 
-def either_form(call: str) -> list:
-    """operator(): the functor's element<FACTORED> (`call`) for its tensor's form, chosen at each
-    element (the 8-bit walk's call; the chunk walker chooses once a chunk, walk_indexed)."""
+def either_form(call: str, values: str) -> list:
+    """operator(): the functor's element<FACTORED> (`call`, taking `values` and then the
+    element's index and row) for its tensor's form, chosen at each element (the 8-bit walk's
+    call; the chunk walker chooses once a chunk, walk_indexed)."""
     head = call.replace("element(", "operator()(")
-    args = ", ".join(part.split("(&")[-1].split(")")[0] if "(&" in part else part.split()[-1]
-                     for part in head[head.index("(") + 1:head.rindex(") const")].split(", "))
+    args = f"{values}, index, row_of"
     return ["  template <class Index>", f"  __device__ __forceinline__ void {head}",
             f"    if (factored) element<true>({args});", f"    else element<false>({args});", "  }"]
 
