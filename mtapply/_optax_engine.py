@@ -132,8 +132,10 @@ class Engine:
         carried = self._carried_in(state, _carried_dtype(like_params))
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
-        # A leaf without elements has no step: it stays out of the calls and goes through as is.
-        firsts = [x if x.size == 0 else None for x in leaves]
+        # A leaf without elements has no step: it stays out of the calls and goes through as is
+        # (as an update, in the updates' dtype).
+        firsts = [None if x.size else x if mode == "inplace" else
+                  x.astype(self._update_dtype(x.dtype)) for x in leaves]
         per_leaf = {name: [values[i] if x.size == 0 else None for i, x in enumerate(leaves)]
                     for name, values in slots.items()} if not layouts else {}
         for part in self._parts(statics, [i for i, x in enumerate(leaves) if x.size], mode):

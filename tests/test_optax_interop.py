@@ -219,6 +219,8 @@ def test_16_bit_params_with_float32_state_get_optaxs_updates_dtype(name, flat):
     rng = np.random.default_rng(8)
     params, grads_seq = _tree(rng, dtype=jnp.bfloat16), [_tree(rng, 0.3, jnp.bfloat16)
                                                          for _ in range(3)]
+    empty = jnp.zeros((0, 3), jnp.bfloat16)  # a leaf without elements: its update's dtype too
+    params, grads_seq = {**params, "empty": empty}, [{**g, "empty": empty} for g in grads_seq]
     txs = ours(1e-2, **{option: "float32"}, flat_state=flat), theirs(1e-2, **{option: "float32"})
     states = [tx.init(params) for tx in txs]
     for grads in grads_seq:
