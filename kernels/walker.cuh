@@ -564,7 +564,7 @@ __device__ __forceinline__ void walk_range(const Op& op, acc_t grad_scale,
   if (aligned) {
     scalar_from = begin + (end - begin) / MTA_VEC * MTA_VEC;
     bool rows = false;
-    if constexpr (Indexed<Op>::value) rows = op.whole_rows;
+    if constexpr (Indexed<Op>::value && FACTORED) rows = op.whole_rows;  // (none unfactored)
     if (rows)
       walk_vectors<Op, Index, true, FACTORED>(op, grad_scale, ptr, param_copy, begin, scalar_from, acc);
     else
