@@ -174,25 +174,44 @@ def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_ten
 # cols is a multiple of 8 (257 rows: the second row of a warp's last pair lies past the tile; 40
 # columns: lanes past the tile's last column; a stack), of 4 where it is 4 mod 8, single elements
 # for odd cols, and a vector's full variance
-NARROW_SHAPES = [(257, 264), (70, 40), (3, 41, 136), (33, 300), (65, 301), (6,)]
+# (700, 88): tiles of 96 columns and 341 rows, an odd count of two-row sets
+NARROW_SHAPES = [(257, 264), (70, 40), (3, 41, 136), (33, 300), (65, 301), (700, 88), (6,)]
 
 
+@pytest.mark.parametrize("align", [8, 1], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_lists_follow_the_float32_step_of_their_values(dtype):
+def test_16_bit_lists_follow_the_float32_step_of_their_values(dtype, align):
     """Each result within one rounding to the dtype of the step taken in float32 on the CPU
-    from the same values, and nothing written around the tensors."""
+    from the same values (AMP's grad scale of 4 divided out where the values are loaded), and
+    nothing written around the tensors; unaligned tensors take the single-element reads."""
     rule = library.adafactor()
-    lists = _rule_lists(rule, 4, NARROW_SHAPES, dtype=dtype, align=8)
+    lists = _rule_lists(rule, 4, NARROW_SHAPES, dtype=dtype, align=align)
     cpu = [[v.cpu().float() for v in views] for _, views in lists]
+    for grad in cpu[1]:
+        grad /= 4.0  # the CPU step takes the unscaled grads (powers of 2: exact)
     hyper = dict(lr=1e-2, eps1=1e-30, step=3)
-    rule.step(*(views for _, views in lists), **hyper)
+    rule.step(*(views for _, views in lists), grad_scale=4.0, **hyper)
     rule.step(*cpu, **hyper)
+    for grad in cpu[1]:
+        grad *= 4.0  # the grads as given, which the step leaves as they are
     rounding = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     for k, (name, (buffer, views)) in enumerate(zip(("params", "grads") + SLOTS, lists)):
         assert torch.isnan(buffer[~_inside(buffer, views)]).all(), f"{name}: a guard was written"
         _assert_close([(f"{name}[{i}] (shape {tuple(v.shape)})", v, c.to(dtype))
                        for i, (v, c) in enumerate(zip(views, cpu[k])) if v.numel()],
                       rtol=rounding, atol=1e-6)
+
+
+def test_16_bit_steps_are_the_same_bits_every_run():
+    rule = library.adafactor()
+    results = []
+    for _ in range(2):
+        lists = _rule_lists(rule, 5, NARROW_SHAPES, dtype=torch.bfloat16, align=8)
+        for step in (1, 2, 3):
+            rule.step(*(views for _, views in lists), lr=1e-2, eps1=1e-30, step=step)
+        results.append([buffer.cpu() for buffer, _ in lists])
+    for k, (first, second) in enumerate(zip(*results)):
+        assert torch.equal(first.float().nan_to_num(7.0), second.float().nan_to_num(7.0)), k
 
 
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
