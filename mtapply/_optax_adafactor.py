@@ -337,8 +337,11 @@ def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, 
     inner = rule.state_type(rms_state.count, *(treedef.unflatten(s) for s in slots))
     moved = [treedef.unflatten([_to_rule(x, l) for x, l in zip(xs, layouts)])
              for xs in (leaves, treedef.flatten_up_to(grads))]
+    # optax's learning-rate link counts for itself (scale_by_schedule's state)
+    schedule = next((s for s in state if isinstance(s, optax.ScaleByScheduleState)), None)
     with rule.decay_flags(flags):
-        updates, inner = engine.apply(moved[0], moved[1], inner, mode=mode)
+        updates, inner = engine.apply(moved[0], moved[1], inner, mode=mode,
+                                      schedule_count=schedule and schedule.count)
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)

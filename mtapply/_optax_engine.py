@@ -107,9 +107,11 @@ class Engine:
             dtypes[field] = dtype
         return {field: by_dtype[dtypes[field]] for field in self.rule.slots}
 
-    def apply(self, params, grads, state, mode: str = "inplace"):
+    def apply(self, params, grads, state, mode: str = "inplace", schedule_count=None):
         """(new params, new state) after one step, or (updates, new state) in the "delta" and
         "zero" modes (in "zero" params may be None); traceable, and traced by the callers.
+        `schedule_count`: the count a learning-rate schedule takes, where a chain's state
+        keeps its own (else the state's).
 
         The tree is stepped a thousand leaves or so per call (see the module docstring), the
         flat state's buffers passing through the calls in turn."""
@@ -128,7 +130,8 @@ class Engine:
                  for name, field in zip(state_names, self.rule.slots)}
         statics = self.rule.statics(grads if params is None else params, treedef) if leaves else ()
         extra, scalar_state = self.rule.per_step(self.learning_rate, state.count, state)
-        scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params))
+        scalars = self._scalars(state.count, grads, extra, _scalar_dtype(like_params),
+                                state.count if schedule_count is None else schedule_count)
         carried = self._carried_in(state, _carried_dtype(like_params))
         step = functools.partial(self._step_part, leaves, treedef.flatten_up_to(grads), scalars,
                                  statics, layouts, mode)
@@ -231,11 +234,13 @@ class Engine:
         return jnp.result_type(param_dtype, *(d for d in self.rule.slot_dtypes.values()
                                               if d is not None))
 
-    def _scalars(self, count, grads, extra, dtype) -> list:
+    def _scalars(self, count, grads, extra, dtype, schedule_count) -> list:
         """The call's one-element operands (float32, or float64 for float64 params under
-        jax_enable_x64): lr, the step, the grads' global norm where the rule takes it, the
-        rule's per-step scalars, then its dynamic hyperparameters."""
-        scalars = [self._learning_rate(count, dtype), (count + 1).astype(dtype).reshape(1)]
+        jax_enable_x64): lr (the schedule's at `schedule_count`), the step, the grads' global
+        norm where the rule takes it, the rule's per-step scalars, then its dynamic
+        hyperparameters."""
+        scalars = [self._learning_rate(schedule_count, dtype),
+                   (count + 1).astype(dtype).reshape(1)]
         if self.rule.global_norm:
             scalars.append(_global_norm(grads).astype(dtype).reshape(1))
         scalars += [jnp.asarray(x, dtype).reshape(1) for x in extra]

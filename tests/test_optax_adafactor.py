@@ -349,6 +349,28 @@ def test_follows_optax_adafactor_in_float64():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_a_schedule_takes_the_count_of_optax_s_schedule_link():
+    """optax's learning-rate link keeps its own count (scale_by_schedule's state): where a
+    state's counts differ (a restored or edited chain), the schedule reads that one, the
+    second-moment decay the factored link's."""
+    schedule = optax.linear_schedule(0.05, 0.001, 10)
+    params = _params()
+    txs = mtx.adafactor(schedule), optax.adafactor(schedule)
+
+    def moved(state):
+        return tuple(link._replace(count=jnp.asarray(7, jnp.int32))
+                     if isinstance(link, optax.ScaleByScheduleState) else link for link in state)
+
+    results = []
+    for tx in txs:
+        state = moved(tx.init(params))
+        for step in range(2):
+            updates, state = tx.update(_grads(params, step), state, params)
+        results.append((updates, state))
+    _close(*(updates for updates, _ in results), 1e-5, 1e-7)
+    _close(*(state for _, state in results), 1e-5, 1e-7)
+
+
 def test_swapped_in_for_optax_adafactor_it_still_starts_from_optax_s_own_state(monkeypatch):
     """A program may put mtapply's adafactor in optax's place, as a drop-in; its init must not
     then call itself."""
