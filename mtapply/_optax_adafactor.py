@@ -72,8 +72,8 @@ def _number(option: str, value):
 def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, decay_offset=0,
               multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
               dtype_momentum=jnp.float32, weight_decay_rate=None, eps=1e-30, factored=True,
-              weight_decay_mask=None, *, state_bits=None,
-              min_8bit_size=None) -> optax.GradientTransformation:
+              weight_decay_mask=None, *, state_bits=None, min_8bit_size=None,
+              flat_state=False) -> optax.GradientTransformation:
     """optax.adafactor on the rule `mtapply.rules.library.adafactor_optax`: optax's arguments,
     defaults and state (its chain's tuple, `FactoredState` first), one call per update.
 
@@ -88,12 +88,20 @@ def adafactor(learning_rate=None, min_dim_size_to_factor=128, decay_rate=0.8, de
 
     state_bits=8 keeps the momentum (which needs `momentum`) in 8 bits, params under
     min_8bit_size elements (4096) in float32: the state's EmaState becomes an
-    EightBitEmaState (see the module docstring); the factored moments stay optax's."""
+    EightBitEmaState (see the module docstring); the factored moments stay optax's.
+
+    flat_state=True keeps the state as `fused_adafactor` does (the rule's slots, one buffer
+    per dtype; not with state_bits=8, whose state stays optax's): a jitted update then passes
+    a few arrays of state rather than three per param, which JAX dispatches a few
+    microseconds apiece. `fused_adafactor(...).tree_state(state, params)` with the same
+    options gives optax's state of the same values, and its `flat_state` the reverse."""
+    if not isinstance(flat_state, (bool, np.bool_)):
+        raise TypeError(f"mtapply.optax.adafactor: flat_state must be a bool, got {flat_state!r}")
     init, run, _, _ = _adafactor_step(learning_rate, min_dim_size_to_factor, decay_rate,
                                       decay_offset, multiply_by_parameter_scale,
                                       clipping_threshold, momentum, dtype_momentum,
                                       weight_decay_rate, eps, factored, weight_decay_mask,
-                                      state_bits, min_8bit_size)
+                                      state_bits, min_8bit_size, flat=bool(flat_state))
 
     def step(grads, state, params):
         if params is None:

@@ -34,9 +34,11 @@ class _FlatSteps:
 
     def run(self, params, grads, state, mode: str):
         if not isinstance(state, self.rule.state_type):
-            raise ValueError(f"mtapply.optax.fused_adafactor steps its own flat state, not "
+            raise ValueError(f"mtapply.optax.fused_adafactor (and adafactor with "
+                             f"flat_state=True) steps its own flat state, not "
                              f"{type(state).__name__}: make it with init(params), or from "
-                             f"optax.adafactor's state with flat_state(state, params)")
+                             f"optax.adafactor's state with fused_adafactor's "
+                             f"flat_state(state, params)")
         leaves, treedef = jax.tree.flatten(params)
         flags = (None if self.mask is None else
                  _mask_leaves(self.mask, params, treedef, "weight_decay_mask"))

@@ -52,7 +52,7 @@ def test_jax_rows_step_alike(monkeypatch):
         [jax.device_put(t.cpu().numpy(), jax.devices("cpu")[0]) for t in tensors]
         for tensors in lists])
     results = {}
-    for name in ("optax-adafactor", "mtapply-optax", "mtapply-optax-fused"):
+    for name in ("optax-adafactor", "mtapply-optax", "mtapply-optax-flat", "mtapply-optax-fused"):
         data = adafactor.make_data(SHAPES, torch.device("cpu"), seed=0)
         stepper = adafactor.COMPETITORS[name].build(data)  # one step taken, as the first call's
         for _ in range(2):
@@ -61,6 +61,6 @@ def test_jax_rows_step_alike(monkeypatch):
         results[name] = [np.asarray(p) for p in stepper.keep_alive[0].params]
     start = adafactor.make_data(SHAPES, torch.device("cpu"), seed=0).params[0].numpy()
     assert not np.array_equal(results["optax-adafactor"][0], start)
-    for name in ("mtapply-optax", "mtapply-optax-fused"):
+    for name in ("mtapply-optax", "mtapply-optax-flat", "mtapply-optax-fused"):
         for got, want in zip(results[name], results["optax-adafactor"]):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -158,6 +158,31 @@ def test_fused_adafactor_keeps_each_slot_in_one_buffer_per_dtype():
         opt.flat_state(optax.adafactor(0.01).init(params), params)
 
 
+@pytest.mark.parametrize("options", CASES[1:4], ids=IDS[1:4])
+def test_the_transformation_with_flat_state_follows_optax(options):
+    """adafactor(flat_state=True): the updates optax's, the state fused_adafactor's (a few
+    buffers), whose optax form holds optax's values."""
+    params = _params()
+    want, want_state = _run(optax.adafactor(**options), params, steps=20)
+    got, state = _run(mtx.adafactor(**options, flat_state=True), params, steps=20)
+    _close(got, want, 1e-5, 1e-6)
+    assert len(jax.tree.leaves(state)) == 1 + 3 + ("momentum" in options)
+    _close(mtx.fused_adafactor(**options).tree_state(state, got), want_state, 1e-5, 1e-6)
+
+
+def test_the_transformation_s_flat_state_is_its_own():
+    params = _params()
+    tx = mtx.adafactor(0.01, flat_state=True)
+    optax_state = optax.adafactor(0.01).init(params)
+    with pytest.raises(ValueError, match="flat_state=True"):
+        tx.update(_grads(params, 0), optax_state, params)
+    with pytest.raises(TypeError, match="flat_state must be a bool"):
+        mtx.adafactor(0.01, flat_state="yes")
+    # 8-bit momentum keeps optax's chain state, flat_state or not
+    eight = mtx.adafactor(0.01, momentum=0.9, state_bits=8, flat_state=True).init(params)
+    assert any(isinstance(link, mtx.EightBitEmaState) for link in eight)
+
+
 def test_fused_adafactor_of_one_param_keeps_its_slots_as_a_tree():
     params = {"matrix": _params()["matrix"]}
     opt = mtx.fused_adafactor(learning_rate=0.01)

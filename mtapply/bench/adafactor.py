@@ -88,13 +88,13 @@ def optax_jit(data: AdafactorData) -> Stepper:
     return stepper
 
 
-def mtapply_optax(data: AdafactorData, fused: bool) -> Stepper:
-    """mtapply.optax.adafactor (or its fused step) under jax.jit: on a GPU its factored rule's
-    kernels in the XLA FFI call."""
+def mtapply_optax(data: AdafactorData, fused: bool, flat_state: bool = False) -> Stepper:
+    """mtapply.optax.adafactor (its state optax's, or flat) or its fused step under jax.jit:
+    on a GPU its factored rule's kernels in the XLA FFI call."""
     import mtapply.optax as mtx
 
     params, grads = jax_lists(data.lists())
-    optimizer = (mtx.fused_adafactor if fused else mtx.adafactor)(LR)
+    optimizer = mtx.fused_adafactor(LR) if fused else mtx.adafactor(LR, flat_state=flat_state)
     step = fused_step(optimizer) if fused else transformation_step(optimizer)
     loop = JaxLoop(step, params, optax_state(optimizer, params), grads)
     stepper = loop.stepper()
@@ -111,6 +111,9 @@ COMPETITORS = {
     "optax-adafactor": Competitor(optax_jit, "optax.adafactor under jax.jit, donated"),
     "mtapply-optax": Competitor(lambda data: mtapply_optax(data, fused=False),
                                 "mtapply.optax.adafactor under jax.jit, donated"),
+    "mtapply-optax-flat": Competitor(
+        lambda data: mtapply_optax(data, fused=False, flat_state=True),
+        "mtapply.optax.adafactor(flat_state=True) under jax.jit, donated"),
     "mtapply-optax-fused": Competitor(lambda data: mtapply_optax(data, fused=True),
                                       "mtapply.optax.fused_adafactor(...).step under jax.jit"),
 }

@@ -499,13 +499,14 @@ def _adafactor_run(opt, through_step, params, grads_seq) -> tuple:
     return p, s, jitted.lower(p, s, grads_seq[0])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["transformation", "fused"])
+@pytest.mark.parametrize("fused", [False, "flat", True],
+                         ids=["transformation", "transformation-flat-state", "fused"])
 @pytest.mark.parametrize("options", [{}, {"momentum": 0.9, "weight_decay_rate": 0.01}],
                          ids=["defaults", "momentum-decay"])
 def test_adafactor_steps_through_the_ffi_call_as_optax(gpu, fused, options, monkeypatch):
-    """mtapply.optax.adafactor under jit: one mtapply_step whose factored kernels take each
-    param's rows and columns (matrices, a stack, leaves too small to factor, vectors), and
-    optax.adafactor's params and state after 20 steps."""
+    """mtapply.optax.adafactor under jit (its state optax's, or flat): one mtapply_step whose
+    factored kernels take each param's rows and columns (matrices, a stack, leaves too small
+    to factor, vectors), and optax.adafactor's params and state after 20 steps."""
     monkeypatch.delenv("MTAPPLY_OPTAX_CALLBACK", raising=False)
     rng = np.random.default_rng(9)
 
@@ -518,13 +519,14 @@ def test_adafactor_steps_through_the_ffi_call_as_optax(gpu, fused, options, monk
     def run(opt, through_step):
         return _adafactor_run(opt, through_step, params, grads_seq)
 
-    mine = (mtx.fused_adafactor if fused else mtx.adafactor)(learning_rate=0.01, **options)
-    got, got_state, lowered = run(mine, fused)
+    mine = (mtx.fused_adafactor(learning_rate=0.01, **options) if fused is True else
+            mtx.adafactor(learning_rate=0.01, **options, flat_state=fused == "flat"))
+    got, got_state, lowered = run(mine, fused is True)
     targets = _custom_calls(lowered)
     assert targets.count("mtapply_step") == 1 and not [t for t in targets if "callback" in t]
     if fused:  # its flat state (a few buffers) as optax's
         assert len(jax.tree.leaves(got_state)) <= 5
-        got_state = mine.tree_state(got_state, got)
+        got_state = mtx.fused_adafactor(learning_rate=0.01, **options).tree_state(got_state, got)
     want, want_state, _ = run(optax.adafactor(learning_rate=0.01, **options), False)
     pairs = list(zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state))))
     assert len(pairs) == len(jax.tree.leaves((want, want_state)))
