@@ -271,7 +271,9 @@ class _AdafactorRule(UserRule):
         del self.hyper["decay"]  # a step argument, computed per step
         self._tracing = threading.local()
         # (the fused form's flat state: its vectors are not shaped like the params)
-        self.state_type.converted_by = "mtapply.optax.fused_adafactor"
+        self.state_type.converted_by = ("mtapply.optax.fused_adafactor (or adafactor with "
+                                        "flat_state=True, whose state a fused_adafactor of "
+                                        "the same options converts)")
 
     def slot_structs(self, field: str, structs: list) -> list:
         """Each param's slot `field` in a flat state (`Engine`), the params given with their

@@ -176,6 +176,8 @@ def test_the_transformation_s_flat_state_is_its_own():
     optax_state = optax.adafactor(0.01).init(params)
     with pytest.raises(ValueError, match="flat_state=True"):
         tx.update(_grads(params, 0), optax_state, params)
+    with pytest.raises(ValueError, match="a fused_adafactor of the same options"):
+        mtx.tree_state(tx.init(params), params)
     with pytest.raises(TypeError, match="flat_state must be a bool"):
         mtx.adafactor(0.01, flat_state="yes")
     # 8-bit momentum keeps optax's chain state, flat_state or not
