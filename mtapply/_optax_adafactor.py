@@ -351,7 +351,7 @@ def _update(engine: Engine, rule: _AdafactorRule, factored: bool, min_dim: int, 
     schedule = next((s for s in state if isinstance(s, optax.ScaleByScheduleState)), None)
     with rule.decay_flags(flags):
         updates, inner = engine.apply(moved[0], moved[1], inner, mode=mode,
-                                      schedule_count=schedule and schedule.count)
+                                      schedule_count=None if schedule is None else schedule.count)
     updates = treedef.unflatten([_from_rule(u, l) for u, l in
                                  zip(treedef.flatten_up_to(updates), layouts)])
     return updates, _new_state(state, inner, treedef, layouts, v_rows, v_cols, vs)
