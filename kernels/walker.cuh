@@ -29,7 +29,9 @@
 // where its member `narrow` says every index of the tensor fits one, else a long long): the
 // vector's first element where its member `whole_rows` says every vector lies in one row, else
 // the element's own. Its member `absent` gives the slots that its tensor does not hold per
-// element, which the walker neither loads nor stores.
+// element, which the walker neither loads nor stores. An indexed sums pass may set
+// PRODUCT_SUMS: its products_hold(chunk, acc) says where its tensor's sums are taken already
+// (mtapply/rules/_factored_sums.py), having added them to acc, and the chunk is not walked.
 //
 // Master weights (MTA_MASTER): the record's last slot holds an fp32 copy of each 16-bit param.
 // The op then sees the master as its param (slot 0), and where it writes slot 0 the walker stores
@@ -79,6 +81,8 @@ template <class A, class B> struct Same { static constexpr bool value = false; }
 template <class A> struct Same<A, A> { static constexpr bool value = true; };
 template <class Op, class = void> struct LastFirst { static constexpr bool value = false; };
 template <class Op> struct LastFirst<Op, decltype(void(Op::LAST_FIRST))> { static constexpr bool value = Op::LAST_FIRST; };
+template <class Op, class = void> struct ProductSums { static constexpr bool value = false; };
+template <class Op> struct ProductSums<Op, decltype(void(Op::PRODUCT_SUMS))> { static constexpr bool value = Op::PRODUCT_SUMS; };
 
 // A per-launch scalar given as a number, or (ptr non-null) as a float in device memory: a
 // tensor lr, a device step count, GradScaler's scale; read in double, as the host would.
@@ -612,8 +616,15 @@ __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& laun
   sum_t acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   const bool aligned = (address_bits & 15ull) == 0;
   if constexpr (Indexed<Op>::value) {  // (the same branches in every thread of the block)
-    if (op.factored) walk_indexed<Op, true>(op, grad_scale, ptr, param_copy, aligned, job, acc);
-    else walk_indexed<Op, false>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+    // a sums pass whose tensor's sums its factor and matrix passes took (their product forms)
+    bool taken = false;
+    if constexpr (ProductSums<Op>::value) taken = op.factored && op.products_hold(job.index, acc);
+    if (taken) {
+    } else if (op.factored) {
+      walk_indexed<Op, true>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+    } else {
+      walk_indexed<Op, false>(op, grad_scale, ptr, param_copy, aligned, job, acc);
+    }
   } else {
     walk_range<Op, long long>(op, grad_scale, ptr, param_copy, aligned, job, acc);
   }

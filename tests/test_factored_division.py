@@ -109,8 +109,9 @@ def test_the_magic_numbers_fit_their_words(d):
 def test_a_param_that_is_not_factored_divides_by_one():
     words, _ = _factored_cuda.shape_words([(5,), (3, 4)], 1, 1, 1)
     assert words.shape[1] == _factored_cuda.SHAPE_WORDS
-    assert tuple(words[0, 4:7]) == tuple(words[0, 7:]) == _factored_cuda.divider_words(1)
-    assert tuple(words[1, 4:]) == _factored_cuda.divider_words(3) + _factored_cuda.divider_words(4)
+    assert tuple(words[0, 4:7]) == tuple(words[0, 7:10]) == _factored_cuda.divider_words(1)
+    assert tuple(words[1, 4:10]) == (_factored_cuda.divider_words(3)
+                                     + _factored_cuda.divider_words(4))
 
 
 def test_every_index_of_a_small_tensor_finds_its_row_column_and_matrix():

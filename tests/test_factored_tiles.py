@@ -118,7 +118,10 @@ def share(n, blocks, index):
 
 
 def busy_blocks(n, groups, blocks):
-    each = WARPS if groups >= 32 else WARPS * 32
+    """A warp a row for many groups, unless the blocks have too few warps (kernels/factored.cuh,
+    by_warps)."""
+    warps = groups >= 32 and (groups >= 64 or n <= WARPS * blocks)
+    each = WARPS if warps else WARPS * 32
     return min(blocks, -(-n // each))
 
 
@@ -154,3 +157,52 @@ def test_the_vector_passes_launch_over_every_block_with_work(batch, rows, cols, 
     shape = (batch, rows, cols) if batch > 1 else (rows, cols)
     words, _ = _factored_cuda.shape_words([(7,), shape], 1, 1, 1)
     assert list(_factored_cuda.vector_blocks(words, 1, 1, 1, chunk, 32 * WARPS)) == [0, busy]
+
+
+def test_the_host_and_the_kernel_cut_the_same_whole_row_tiles():
+    source = KERNEL.read_text()
+    match = re.search(r"constexpr int ROW_TILE = (\d+), ROW_VECTORS = (\d+);", source)
+    assert match, "kernels/factored.cuh declares ROW_TILE and ROW_VECTORS"
+    assert int(match[1]) == _factored_cuda.ROW_TILE
+    # a block's threads take a row of at most 4 elements x ROW_VECTORS each
+    assert int(match[2]) == _factored_cuda.ROW_VECTORS
+    assert _factored_cuda.MAX_ROW_COLS == 4 * 32 * WARPS * int(match[2])
+
+
+def row_share(vectors, threads=32 * WARPS, most=3):
+    """kernels/factored.cuh's row_share: vectors a thread takes a row (0: none fits)."""
+    best, idle = 0, threads
+    for q in range(-(-vectors // threads), most + 1):
+        if vectors % q or (vectors // q) % 32:
+            continue
+        if threads % (vectors // q) < idle:
+            best, idle = q, threads % (vectors // q)
+    return best
+
+
+@pytest.mark.parametrize("cols", range(4, 2 * _factored_cuda.MAX_ROW_COLS, 4))
+def test_the_host_takes_whole_only_the_rows_that_fit_a_block(cols):
+    """Rows of whole warps of threads, at most 3 vectors of 4 each (gpt2's 768, 2304, 3072);
+    not 1408 = 4 x 32 x 11 columns (no share fits)."""
+    q = row_share(cols // 4) if cols % 128 == 0 else 0
+    assert _factored_cuda.rowwise(cols, 2) == bool(q)
+    if q:
+        assert (cols // 4 // q) % 32 == 0 and cols // 4 // q <= 32 * WARPS
+    assert not _factored_cuda.rowwise(cols, 0)
+
+
+@pytest.mark.parametrize("shape, whole", [((100, 768), True), ((3, 50, 256), True),
+                                          ((17, 3200), False), ((64, 48), False),
+                                          ((9, 100), False)])
+def test_whole_rows_are_for_product_sums_and_rows_that_fit(shape, whole):
+    words, total = _factored_cuda.shape_words([shape], 1, 1, 1, n_products=2)
+    assert bool(words[0, 10]) == whole
+    batch, rows, cols = (1,) * (3 - len(shape)) + shape
+    groups = (-(-rows // -(-_factored_cuda.ROW_TILE // cols)), 1) if whole else None
+    if whole:
+        assert _factored_cuda.tile_groups(rows, cols, True) == groups
+        # per matrix: its mean, 2 products and a check word; rows' sums, and per column and
+        # row group its column sum and 2 products
+        assert total == batch * (1 + 3) + batch * (rows + 3 * cols * groups[0])
+    words, _ = _factored_cuda.shape_words([shape], 1, 1, 1)  # no product sums: never
+    assert words[0, 10] == 0

@@ -264,6 +264,8 @@ class _Writer:
                    if read is not None else ()),
                  *(_factored_cuda.members(self, sums_only=self.first_pass and written == "0u")
                    if self.passes is not None else ()),
+                 *(_factored_cuda.products_hold(self)
+                   if self.first_pass and self.passes is not None else ()),
                  f"  using Args = {self.args};",
                  *(self._finish_totals() if self.first_pass and program.totals else ()),
                  *(f"  {ctype} {name};" for ctype, name in self.members), "",

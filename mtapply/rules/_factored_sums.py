@@ -75,11 +75,14 @@ class ProductSum:
     positive: tuple  # Factors (power 1) that must be positive and finite
     clamps: tuple  # Clamps
 
-    def part(self, varies: str, factors: tuple | None = None) -> str:
-        """The rule text of the product of the factors that vary as `varies` ("1" if none)."""
-        texts = [f.text() for f in (self.factors if factors is None else factors)
-                 if f.varies == varies]
-        return " * ".join(texts) or "1"
+    def part(self, varies: str) -> str:
+        """The rule text of the product of its factors that vary as `varies` ("1" if none)."""
+        return product_text(self.factors, varies)
+
+
+def product_text(factors, varies: str) -> str:
+    """The rule text of the product of `factors` that vary as `varies` ("1" if none)."""
+    return " * ".join(f.text() for f in factors if f.varies == varies) or "1"
 
 
 @dataclass(frozen=True)
@@ -247,3 +250,17 @@ def _clamps(node) -> list:
     if op in (ast.Gt, ast.GtE) and same(args[1], left) and same(args[2], right):
         return [(right, left)]
     return []
+
+
+def checked(program: Program, text: str):
+    """The expression node of rule text `text` (a part or a factor of a product sum), its kinds
+    recorded in the program, made once per text and kept with the program (the kinds are held
+    by node id)."""
+    made = program.__dict__.setdefault("_product_nodes", {})
+    if text not in made:
+        node = ast.parse(text, mode="eval").body
+        checker = _Checker(program)
+        checker.where, checker.text = f"product part {text!r}", text
+        checker.expr(node)
+        made[text] = node
+    return made[text]

@@ -215,7 +215,8 @@ class RuleSpec(OpSpec):
         factored = [self._mode(refs, i, p) for i, p in enumerate(params)]
         return _factored_cuda.shape_words(
             [p.shape if mode else (p.numel,) for p, mode in zip(params, factored)],
-            *_factored_cuda.counts(self.program))
+            *_factored_cuda.counts(self.program),
+            n_products=len(_factored_cuda.product_sums(self.program)))
 
     def vector_passes(self) -> tuple:
         """The indices of a factored rule's combine and matrix passes, which launch over the
@@ -230,7 +231,8 @@ class RuleSpec(OpSpec):
         """Per tensor of these `shape_array` words, its first blocks (of `chunk` elements and
         `threads` threads) that the vector passes give work (`_factored_cuda.vector_blocks`)."""
         n_matrix, n_row, n_col = _factored_cuda.counts(self.program)
-        return _factored_cuda.vector_blocks(words, n_row, n_col, n_matrix, chunk, threads)
+        return _factored_cuda.vector_blocks(words, n_row, n_col, n_matrix, chunk, threads,
+                                            len(_factored_cuda.product_sums(self.program)))
 
     def _mode(self, refs: dict, i: int, param) -> bool:
         sizes: dict = {}

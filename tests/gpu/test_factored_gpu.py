@@ -24,6 +24,13 @@ SLOTS = ("row_var", "col_var", "variance")
 # more matrices than blocks (a warp a matrix) and one of fewer (a block a matrix), and a
 # matrix whose rows need more blocks than it has.
 WIDE_SHAPES = [(9, 4200), (5,), (17000, 40), (40, 30, 20), (4, 200, 300), (3000, 200)]
+# Whole-row tiles, which take the sums' product forms (kernels/factored.cuh, factor_rows): rows
+# of one vector a thread (768: 192 threads a row, 64 idle; 128 and 384: several rows a trip),
+# of two and three (1152, 3072), ragged tiles (100 rows of 42-row tiles), a stack, one row;
+# beside matrices of too many columns (3200), of columns no whole warps share (1408 = 4 x 32 x
+# 11) and of columns no multiple of 128.
+ROW_SHAPES = [(100, 768), (3, 50, 256), (1, 3072), (70, 1152), (600, 128), (33, 384),
+              (17, 3200), (64, 48), (5,), (2, 1024), (9, 1408)]
 
 
 def _mismatch(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float):
@@ -153,7 +160,7 @@ def _inside(buffer, views):
     return inside
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES, ROW_SHAPES], ids=["shapes", "wide", "rows"])
 def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_tensors(shapes):
     rule = library.adafactor()
     lists = _rule_lists(rule, 2, shapes)
@@ -168,6 +175,64 @@ def test_the_rule_step_matches_its_numpy_step_and_writes_nothing_outside_its_ten
         assert torch.isnan(guards).all(), f"{name}: an element outside its tensors was written"
         _assert_close([(f"{name}[{i}] (shape {tuple(v.shape)})", v, c)
                        for i, (v, c) in enumerate(zip(views, cpu[k])) if v.numel()])
+
+
+@pytest.mark.parametrize("case", ["clamp", "zero-rows", "nan"])
+def test_sums_whose_product_forms_fail_are_taken_over_the_elements(case):
+    """Where a product form's checks fail in a matrix (torch's clamp v >= eps1^2 bites in some
+    rows; rows of zero state and grads; a NaN grad), the sums pass takes that tensor's sums over
+    its elements: the step is still the NumPy step's."""
+    rule = library.adafactor()
+    lists = _rule_lists(rule, 5, ROW_SHAPES)
+    params, grads, row_var, col_var, _ = (views for _, views in lists)
+    eps1 = 1e-30
+    if case == "clamp":  # the first 10 rows of (100, 768): v far below eps1^2 = 1e-6
+        eps1 = 1e-3
+        grads[0][:10].mul_(1e-5)
+        row_var[0][:10].mul_(1e-10)
+    elif case == "zero-rows":  # (eps1^2 above float32's smallest: v is clamped, not 0)
+        eps1 = 1e-3
+        grads[0][3:5].zero_()
+        row_var[0][3:5].zero_()
+    else:
+        grads[3][7, 11] = float("nan")
+    cpu = [[v.cpu().clone() for v in views] for _, views in lists]
+    hyper = dict(lr=1e-2, eps1=eps1, step=3)
+    rule.step(*(views for _, views in lists), **hyper)
+    rule.step(*cpu, **hyper)
+    for k, (name, (_, views)) in enumerate(zip(("params", "grads") + SLOTS, lists)):
+        for i, (v, c) in enumerate(zip(views, cpu[k])):
+            if not v.numel():
+                continue
+            if case == "nan" and i == 3:
+                assert torch.equal(v.cpu().isnan(), c.isnan()), f"{name}[{i}]"
+                v, c = v.cpu().nan_to_num(7.0), c.nan_to_num(7.0)
+            _assert_close([(f"{name}[{i}] (shape {tuple(v.shape)})", v, c)])
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_optax_rule_takes_its_sums_from_whole_rows(momentum):
+    """optax's form (clipping by RMS(u), the param scale): its two sums' product forms over
+    whole rows, against the NumPy step."""
+    rule = library.adafactor_optax(momentum=momentum)
+    shapes = ROW_SHAPES
+    gen = torch.Generator().manual_seed(9)
+    def start(name, shape):  # (the average starts at 0, as a step's state does)
+        if name in ("param", "grad"):
+            return torch.randn(shape, generator=gen)
+        if name == "ema":
+            return torch.zeros(rule.state_shapes(shape)[name])
+        return torch.randn(rule.state_shapes(shape)[name], generator=gen).abs() + 0.1
+
+    values = [[start(name, s) for s in shapes] for name in
+              ("param", "grad", "row_var", "col_var", "variance") + (("ema",) if momentum else ())]
+    gpu = [[v.cuda() for v in vs] for vs in values]
+    hyper = dict(lr=1e-2, decay=0.8, **({"momentum": 0.9} if momentum else {}))
+    for step in (1, 2):
+        rule.step(*gpu, step=step, **hyper)
+        rule.step(*values, step=step, **hyper)
+    for k, (g, c) in enumerate(zip(gpu, values)):
+        _assert_close([(f"slot {k}[{i}]", a, b) for i, (a, b) in enumerate(zip(g, c)) if a.numel()])
 
 
 # 16-bit data in the factor pass (kernels/factored.cuh, factor_walk): vectors of 8 elements where
@@ -214,7 +279,7 @@ def test_16_bit_steps_are_the_same_bits_every_run():
         assert torch.equal(first.float().nan_to_num(7.0), second.float().nan_to_num(7.0)), k
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES], ids=["shapes", "wide"])
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE_SHAPES, ROW_SHAPES], ids=["shapes", "wide", "rows"])
 def test_the_step_is_the_same_bits_every_run(shapes):
     rule = library.adafactor()
     results = []
