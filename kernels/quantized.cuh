@@ -296,8 +296,13 @@ struct Quantized {
     int local = threadIdx.x / 32;
     if constexpr (SUMS) {
       sum_t acc[SUMS ? Op::N_SUMS : 1] = {};
-      for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
-      for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
+      // (a tensor whose sums its factor and matrix passes took: kernels/walker.cuh, walk_chunk)
+      bool taken = false;
+      if constexpr (ProductSums<Op>::value) taken = op.factored && op.products_hold(job.index, acc);
+      if (!taken) {
+        for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
+        for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
+      }
       finish_sums<Op>(launch, acc, blockIdx.x, job.tensor, job.index, job.numel);
     } else {
       for (; local < whole; local += WARPS) update_block<true, Index>(maps, scales, op, grad_scale, job, local);

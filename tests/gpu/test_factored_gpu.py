@@ -295,8 +295,10 @@ def test_the_step_is_the_same_bits_every_run(shapes):
 
 # 8-bit momentum beside factored slots (min_dim_size 128, threshold 1000): factored matrices
 # (a stack, a ragged one whose last quantization block is cut), a matrix below min_dim_size
-# that keeps a full variance, a long vector, and a short one that keeps float32 state
-EIGHT_SHAPES = [(300, 260), (3, 130, 140), (257, 300), (100, 120), (5000,), (7,)]
+# that keeps a full variance, a long vector, a short one that keeps float32 state, and a
+# matrix of whole-row tiles (384 columns: its sums from the factor pass, the 8-bit walk's sums
+# pass skipping it)
+EIGHT_SHAPES = [(300, 260), (3, 130, 140), (257, 300), (100, 120), (5000,), (7,), (260, 384)]
 EIGHT_HYPER = dict(lr=1e-2, decay=0.5, momentum=0.9, weight_decay=0.01)
 
 
@@ -351,8 +353,9 @@ def test_8_bit_momentum_beside_factored_slots_follows_the_numpy_step(offset):
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(np.float32) for s in EIGHT_SHAPES]
     host = (params, _eight_bit_state(rule, params, rng))
-    assert [c.dtype for c in host[1][3]] == [np.uint8] * 5 + [np.float32]
-    assert [c.size for c in host[1][2]] == [0, 0, 0, 12000, 5000, 7]  # full variance: unfactored
+    assert [c.dtype for c in host[1][3]] == [np.uint8] * 5 + [np.float32, np.uint8]
+    # full variance: unfactored
+    assert [c.size for c in host[1][2]] == [0, 0, 0, 12000, 5000, 7, 0]
     # each step from equal inputs: a code on a midpoint may round either way, and a block's
     # scale would carry it into later steps
     for t in range(1, 4):
