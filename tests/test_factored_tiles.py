@@ -206,3 +206,99 @@ def test_whole_rows_are_for_product_sums_and_rows_that_fit(shape, whole):
         assert total == batch * (1 + 3) + batch * (rows + 3 * cols * groups[0])
     words, _ = _factored_cuda.shape_words([shape], 1, 1, 1)  # no product sums: never
     assert words[0, 10] == 0
+
+
+def factor_rows(t, tile, batch, rows, cols, terms, n_row, n_col, products, factor, parts,
+                written):
+    """factor_rows' stores (kernels/factored.cuh), thread by thread: `products` holds each
+    product's element values and whether it has column factors; `factor(j, row_sum)` a row's
+    value R_j."""
+    threads, vectors = 32 * WARPS, cols // 4
+    share = row_share(vectors)
+    per_row = vectors // share
+    at_once = threads // per_row
+    matrix, row_group = tile // t["row_groups"], tile % t["row_groups"]
+    row0 = matrix * rows + row_group * t["tile_rows"]
+    n_rows = min(t["tile_rows"], rows - row_group * t["tile_rows"])
+    flat = terms.reshape(batch * rows, cols)
+    first = row_group * batch * cols + matrix * cols
+    apart = t["row_groups"] * batch * cols
+    sums = {}  # (thread, q, e) -> [column sums..., product sums...]
+    totals = np.zeros(len(products))
+    for r0 in range(0, n_rows, at_once):
+        for thread in range(threads):
+            sub, v0 = divmod(thread, per_row)
+            r = r0 + sub
+            if sub >= at_once or r >= n_rows:
+                continue
+            j = row0 + r
+            if v0 == 0:  # the row's sums, once
+                for k in range(n_row):
+                    at = k * batch * rows + j
+                    parts[at] = flat[j].sum()
+                    written[at] += 1
+            for q in range(share):
+                for e in range(4):
+                    c = 4 * (v0 + q * per_row) + e
+                    mine = sums.setdefault((thread, q, e), np.zeros(n_col + len(products)))
+                    mine[:n_col] += flat[j, c]
+                    for k, (values, columns) in enumerate(products):
+                        share_of = values.reshape(batch * rows, cols)[j, c] * factor(j, flat[j].sum())
+                        if columns:
+                            mine[n_col + k] += share_of
+                        else:
+                            totals[k] += share_of
+    outputs = [t["col_parts"] + k * apart for k in range(n_col)] + [
+        t["col_parts"] + n_col * apart + k * apart for k in range(len(products))]
+    for k, (_, columns) in enumerate(products):
+        if not columns:
+            for c in range(cols):
+                at = outputs[n_col + k] + first + c
+                parts[at] = totals[k] if c == 0 else 0.0
+                written[at] += 1
+    for thread in range(per_row):  # a trip's row 0 adds its rows' sums in order
+        for q in range(share):
+            for e in range(4):
+                c = 4 * (thread + q * per_row) + e
+                total = sum(sums.get((s * per_row + thread, q, e), 0.0)
+                            for s in range(at_once))
+                for k in range(n_col + len(products)):
+                    if k >= n_col and not products[k - n_col][1]:
+                        continue
+                    at = outputs[k] + first + c
+                    parts[at] = total[k] if not np.isscalar(total) else 0.0
+                    written[at] += 1
+
+
+@pytest.mark.parametrize("batch, rows, cols", [(1, 100, 768), (3, 50, 256), (1, 1, 3072),
+                                               (1, 70, 1152), (1, 600, 128), (2, 33, 384),
+                                               (1, 300, 2304)])
+def test_whole_row_tiles_store_each_partial_once_and_combine_to_the_sums(batch, rows, cols):
+    """Two products (one summed per column, one without column factors, as Adafactor's u^2
+    and p^2): every reserved value written once; the combine pass's totals are the row and
+    column sums, and each product's sum over the rows of E R per column (or in all)."""
+    n_row, n_col = 1, 1
+    room = _factored_cuda.factor_partials(batch, rows, cols, n_row, n_col, 2)
+    parts, written = np.zeros(room), np.zeros(room, np.int64)
+    rng = np.random.default_rng(rows + cols)
+    terms = rng.random((batch, rows, cols))
+    products = [(rng.random((batch, rows, cols)), True), (rng.random((batch, rows, cols)), False)]
+    factor = lambda j, row_sum: 1.0 / (1.0 + row_sum) + j % 3  # noqa: E731
+    row_groups, _ = _factored_cuda.tile_groups(rows, cols, True)
+    tile_rows = -(-_factored_cuda.ROW_TILE // cols)
+    t = dict(row_groups=row_groups, col_groups=1, tile_rows=tile_rows,
+             col_parts=n_row * batch * rows)
+    for tile in range(batch * row_groups):
+        factor_rows(t, tile, batch, rows, cols, terms, n_row, n_col, products, factor, parts,
+                    written)
+    assert np.all(written == 1)  # every reserved value, each once
+    apart = row_groups * batch * cols
+    by_group = parts[t["col_parts"]:].reshape(n_col + 2, row_groups, batch * cols).sum(axis=1)
+    np.testing.assert_allclose(parts[:batch * rows], terms.sum(axis=2).ravel())
+    np.testing.assert_allclose(by_group[0], terms.sum(axis=1).ravel())
+    r = np.array([factor(j, s) for j, s in enumerate(terms.reshape(-1, cols).sum(axis=1))])
+    weighted = [(v.reshape(-1, cols) * r[:, None]) for v, _ in products]
+    np.testing.assert_allclose(by_group[1], weighted[0].reshape(batch, rows, cols)
+                               .sum(axis=1).ravel())
+    np.testing.assert_allclose(by_group[2].sum(), weighted[1].sum())
+    assert apart * (n_col + 2) + t["col_parts"] == room
