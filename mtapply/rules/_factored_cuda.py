@@ -358,11 +358,12 @@ class _Factors(_Reduction):
 
     With product sums the factor pass runs at two blocks an SM (128 registers): its whole-row
     tiles keep a thread's columns' sums and the next row's loads in registers, which at 80
-    spill (gpt2-124M in float32 on an H200, factor pass 622 -> 341 us)."""
+    spill (gpt2-124M in float32 on an H200, factor pass 628 -> 341 us)."""
 
     def source(self) -> str:
         p, w = self.passes, self.w
-        if product_sums(self.program):
+        self.products = product_sums(self.program)
+        if self.products:
             self.min_blocks = "2"
         self.rows = numbered(p.row_means)
         self.cols = numbered(p.col_means)
@@ -375,7 +376,6 @@ class _Factors(_Reduction):
                 methods += self._method(
                     f"void finish_{name}(long long j, const acc_t (&mean)[{len(firsts)}])",
                     self._body(lambda form=form, numbers=numbers: self._finish(form, numbers)))
-        self.products = product_sums(self.program)
         if self.products:
             methods += self._method("void row_load(long long j, acc_t (&x)[N_SLOTS])",
                                     self._body(lambda: self._loads(ROW)))
@@ -384,7 +384,7 @@ class _Factors(_Reduction):
                 f"acc_t (&factor)[N_PRODUCTS])", self._body(self._row_factors))
             methods += self._method(
                 "void product_elements(const acc_t (&x)[N_SLOTS], acc_t (&out)[N_PRODUCTS])",
-                self._body(self._products))
+                self._body(self._product_elements))
             methods += self._method(
                 f"void finish_col_factors(long long j, const acc_t (&mean)[{max(n_col, 1)}], "
                 f"acc_t (&factor)[N_PRODUCTS])", ["(void)mean;", *self._body(self._col_factors)])
@@ -411,20 +411,21 @@ class _Factors(_Reduction):
         row's lines, as finish_row has them: the combine pass stores it), and each product
         sum's row value."""
         self._lines(ROW, self.rows[0])
-        for k, total in enumerate(self.products):
-            self.w.body.append(f"factor[{k}] = {self.w.element(checked(self.program, total.part(ROWS)))};"
-                               f"  // {total.name}")
+        self._factors(ROWS)
 
     def _col_factors(self) -> None:
         """finish_col's work (column j's new state, stored), then each product sum's column
         value of that state."""
         self._finish(COL, self.cols[0])
-        w = self.w
-        for k, total in enumerate(self.products):
-            w.body.append(f"factor[{k}] = {w.element(checked(self.program, total.part(COLS)))};"
-                          f"  // {total.name}")
+        self._factors(COLS)
 
-    def _products(self) -> None:
+    def _factors(self, varies: str) -> None:
+        """factor[k]: product sum k's row (column) value, of the state in x."""
+        for k, total in enumerate(self.products):
+            value = self.w.element(checked(self.program, total.part(varies)))
+            self.w.body.append(f"factor[{k}] = {value};  // {total.name}")
+
+    def _product_elements(self) -> None:
         """Each product sum's element value."""
         for k, total in enumerate(self.products):
             e = self.w.element(checked(self.program, total.part(ELEMENT)))
@@ -528,7 +529,8 @@ class _Matrix(_Reduction):
         self.n_means = n_means
         statics = [f"  static constexpr int N_REDUCED = {n_reduced}, "
                    f"N_MINS = {max(2 * len(self.clamps), 1)};",
-                   "  static constexpr int N_ROW = {}, N_COL = {};".format(*counts(self.program)[1:])]
+                   "  static constexpr int N_ROW = {}, N_COL = {};".format(
+                       *counts(self.program)[1:])]
         methods = self._method("void matrix_sums(long long b, long long first, long long stride, "
                                "const Tiles& t, acc_t (&sums)[N_REDUCED], acc_t (&mins)[N_MINS])",
                                ["(void)t;", *self._body(self._sums)])
@@ -546,7 +548,8 @@ class _Matrix(_Reduction):
     def _loads(self, form: str, names: set, count: str, at: str) -> list:
         """x's slots of `form` that `names` holds, at `at` of matrix b's `count` of them."""
         w = self.w
-        return [f"    x[{w._slot(s.name)}] = load_at<{w._slot(s.name)}>(p_{s.name}, b * {count} + {at});"
+        return [f"    x[{w._slot(s.name)}] = load_at<{w._slot(s.name)}>(p_{s.name}, "
+                f"b * {count} + {at});"
                 for s in self.program.slots if s.form == form and s.name in names]
 
     def _sums(self) -> None:
@@ -584,10 +587,12 @@ class _Matrix(_Reduction):
                   "    acc_t x[N_SLOTS] = {};", *self._loads(form, names, count, "r")]
         for node in positive:
             lines.append(f"    {{ const acc_t v = {w.element(node)};  // {ast.unparse(node)} > 0")
-            lines.append(f"      {fails} += (isfinite(v) && v > acc_t(0)) ? acc_t(0) : acc_t(1); }}")
+            lines.append(f"      {fails} += (isfinite(v) && v > acc_t(0)) ? acc_t(0) : "
+                         f"acc_t(1); }}")
         side = 0 if form == ROW else 1
         for i, node in enumerate(clamps):
-            lines.append(f"    mins[{2 * i + side}] = fmin(mins[{2 * i + side}], {w.element(node)});")
+            at = 2 * i + side
+            lines.append(f"    mins[{at}] = fmin(mins[{at}], {w.element(node)});")
         for k, total in enumerate(self.products if form == COL else ()):
             lines.append(f"    sums[{n + k}] += t.prod_parts[{k} * t.row_groups * t.batch * t.cols"
                          f" + b * t.cols + r];  // {total.name}: C_j S_j / rows")
@@ -613,7 +618,8 @@ class _Matrix(_Reduction):
                     v = self._with_means(f.expr, keys)
                     holds.append(f"(isfinite({v}) && {v} > acc_t(0))")
         for i, clamp in enumerate(self.clamps):
-            m = self._with_means(checked(self.program, product_text(clamp.factors, PER_MATRIX)), keys)
+            part = checked(self.program, product_text(clamp.factors, PER_MATRIX))
+            m = self._with_means(part, keys)
             bound = self._with_means(clamp.bound, keys)
             holds.append(f"{m} * mins[{2 * i}] * mins[{2 * i + 1}] >= {bound}")
         w.body.append(f"means[b * MATRIX_WORDS + {n + n_products}] = "
