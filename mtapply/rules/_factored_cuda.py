@@ -22,10 +22,9 @@ import numpy as np
 
 from ._factored import COL, FULL, ROW, UNFACTORED, UNFACTORED_ONLY, is_factored, stacked
 from . import _factored_sums
-from ._factored_passes import numbered, passes
+from ._factored_passes import mean_calls, mean_key, numbered, passes
 from ._factored_sums import COLS, ELEMENT, ROWS, checked, product_text
 from ._factored_sums import MATRIX as PER_MATRIX
-from ._language import MEANS as MEAN_FUNCTIONS
 from ._language import names_read
 
 SHAPE, MEANS = "shape_array", "means_array"  # the argument words (host and C++ names)
@@ -156,24 +155,15 @@ def product_sums(program) -> tuple:
     found = _factored_sums.product_sums(program).sums
     if made is None or not found or not made.row_means:
         return ()
-    taken = {_mean_key(c) for c, _ in made.matrix_means}
+    taken = {mean_key(c) for c, _ in made.matrix_means}
     for total in found:
         for f in total.factors + total.positive:
-            if any(_mean_key(n) not in taken for n in _mean_calls_in(f.expr)):
+            if any(mean_key(n) not in taken for n in mean_calls(f.expr)):
                 return ()
         for clamp in total.clamps:
-            if any(_mean_key(n) not in taken for n in _mean_calls_in(clamp.bound)):
+            if any(mean_key(n) not in taken for n in mean_calls(clamp.bound)):
                 return ()
     return found
-
-
-def _mean_calls_in(node) -> list:
-    return [n for n in ast.walk(node)
-            if isinstance(n, ast.Call) and getattr(n.func, "id", None) in MEAN_FUNCTIONS]
-
-
-def _mean_key(call) -> tuple:
-    return call.func.id, ast.dump(call.args[0])
 
 
 def _vector_slots(program) -> list:
@@ -606,7 +596,7 @@ class _Matrix(_Reduction):
                        f"means[b * MATRIX_WORDS + {k}] = static_cast<double>(f_m{k});"]
         if not self.products:
             return
-        keys = {_mean_key(call): f"f_m{k}" for k, (call, _, _) in enumerate(firsts)}
+        keys = {mean_key(call): f"f_m{k}" for k, (call, _, _) in enumerate(firsts)}
         n, n_products = len(firsts), len(self.products)
         holds = [f"sums[{n + n_products}] == acc_t(0)"]
         for k, total in enumerate(self.products):
@@ -627,8 +617,8 @@ class _Matrix(_Reduction):
 
     def _with_means(self, node, keys: dict) -> str:
         """acc_t code of a per-matrix value, its means the ones just computed."""
-        for call in _mean_calls_in(node):
-            self.w.mean_names[id(call)] = keys[_mean_key(call)]
+        for call in mean_calls(node):
+            self.w.mean_names[id(call)] = keys[mean_key(call)]
         return self.w.element(node)
 
 

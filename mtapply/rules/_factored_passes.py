@@ -36,9 +36,15 @@ class Unsupported(Exception):
     """Why a factored rule has no CUDA kernel."""
 
 
-def _means(expr) -> list:
+def mean_calls(expr) -> list:
+    """The row_mean and col_mean calls in `expr`."""
     return [n for n in ast.walk(expr)
             if isinstance(n, ast.Call) and getattr(n.func, "id", None) in MEANS]
+
+
+def mean_key(call) -> tuple:
+    """What makes two mean calls one mean: the function and its argument's text."""
+    return call.func.id, ast.dump(call.args[0])
 
 
 def _outside_means(expr):
@@ -89,7 +95,7 @@ def _analyse(program: Program) -> Passes:
             (row_means if form == ROW else col_means).extend(means)
             vector_lines[k] = form
         else:
-            for call in _means(line.expr):
+            for call in mean_calls(line.expr):
                 matrix_means.append((call, _matrix_mean(program, call, slots, assigned, limit,
                                                         where)))
             _check_reads(line.expr, slots, assigned, where)
@@ -118,13 +124,13 @@ def _vector_line(program: Program, line, form: str, slots: dict, where: str) -> 
             raise Unsupported(f"{where}: a @{form} line reads numbers, @{form} slots and "
                               f"{_FORM_MEAN[form]}() of element values on a GPU, not "
                               f"{node.id!r}")
-    means = _means(line.expr)
+    means = mean_calls(line.expr)
     for call in means:
         arg = call.args[0]
         if call.func.id != _FORM_MEAN[form] or program.kind(arg).axes != frozenset("rc"):
             raise Unsupported(f"{where}: a @{form} line takes {_FORM_MEAN[form]}() of element "
                               f"values on a GPU")
-        if _means(arg):
+        if mean_calls(arg):
             raise Unsupported(f"{where}: a mean of a mean")
         for node in ast.walk(arg):
             if isinstance(node, ast.Name) and node.id in slots and slots[node.id].form != "full":
@@ -170,7 +176,7 @@ def numbered(calls) -> tuple:
     one mean of the same text share a sum."""
     numbers, firsts = {}, {}
     for call in calls:
-        key = (call.func.id, ast.dump(call.args[0]))
+        key = mean_key(call)
         if key not in firsts:
             firsts[key] = call
         numbers[id(call)] = list(firsts).index(key)

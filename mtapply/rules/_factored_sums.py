@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ._factored import FULL, UNFACTORED_ONLY
-from ._language import MEANS, Program, _Checker
+from ._factored_passes import mean_calls
+from ._language import Program, _Checker, names_read
 
 ELEMENT, ROWS, COLS, MATRIX = "element", "row", "col", "matrix"  # where a factor varies
 _AXES = {frozenset("rc"): ELEMENT, frozenset("r"): ROWS, frozenset("c"): COLS,
@@ -174,10 +175,9 @@ class _Splitter:
         if kind.uniform:
             return MATRIX
         varies = _AXES[kind.axes]
-        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        names = names_read(node)
         forms = {s.form for s in self.program.slots if s.name in names}
-        means = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) in MEANS
-                    for n in ast.walk(node))
+        means = bool(mean_calls(node))
         if varies == MATRIX or (varies == ELEMENT and forms <= {FULL} and not means):
             return varies
         if varies in (ROWS, COLS) and not means:
