@@ -78,14 +78,9 @@ __device__ __forceinline__ void store_at(char* base, long long j, acc_t value) {
   reinterpret_cast<T*>(base)[j] = from_acc<T>(value);
 }
 
-// Sum over each group of GROUP lanes (a power of 2 up to 32) in a fixed order; every lane of
-// the group gets it.
 template <int GROUP>
 __device__ __forceinline__ acc_t group_sum(acc_t value) {
-#pragma unroll
-  for (int offset = GROUP / 2; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
+  return group_reduce<GROUP>(value, Plus{});
 }
 
 __device__ __forceinline__ acc_t warp_sum(acc_t value) { return group_sum<32>(value); }
@@ -724,28 +719,6 @@ __device__ __forceinline__ acc_t infinity() {
   return acc_t(__longlong_as_double(0x7ff0000000000000ll));
 }
 
-// The minimum over each group of GROUP lanes (fmin: a NaN is dropped, so a check that must
-// see one counts it apart); every lane of the group gets it.
-template <int GROUP>
-__device__ __forceinline__ acc_t group_min(acc_t value) {
-#pragma unroll
-  for (int offset = GROUP / 2; offset > 0; offset /= 2)
-    value = fmin(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
-__device__ __forceinline__ acc_t block_min(acc_t value) {
-  __shared__ acc_t warp_mins[WARPS];
-  __syncthreads();  // warp_mins may still be read by the previous call
-  value = group_min<32>(value);
-  if (threadIdx.x % 32 == 0) warp_mins[threadIdx.x / 32] = value;
-  __syncthreads();
-  acc_t least = warp_mins[0];
-#pragma unroll
-  for (int w = 1; w < WARPS; ++w) least = fmin(least, warp_mins[w]);
-  return least;
-}
-
 // The means over each matrix's rows or columns (the op's matrix_sums over a part of them,
 // added in a fixed order: the same bits every run; its matrix_store), and with product sums
 // each one's sum over the columns and the minima its checks take. A tensor of no more
@@ -773,7 +746,7 @@ __device__ void matrix_walk(const Launch<typename Op::Args>& launch) {
 #pragma unroll
     for (int k = 0; k < Op::N_REDUCED; ++k) sums[k] = block_sum(sums[k]);
 #pragma unroll
-    for (int k = 0; k < Op::N_MINS; ++k) mins[k] = block_min(mins[k]);
+    for (int k = 0; k < Op::N_MINS; ++k) mins[k] = block_reduce(mins[k], Least{});
     if (threadIdx.x == 0) op.matrix_store(job.index, sums, mins);
     return;
   }
@@ -785,7 +758,7 @@ __device__ void matrix_walk(const Launch<typename Op::Args>& launch) {
 #pragma unroll
     for (int k = 0; k < Op::N_REDUCED; ++k) sums[k] = warp_sum(sums[k]);
 #pragma unroll
-    for (int k = 0; k < Op::N_MINS; ++k) mins[k] = group_min<32>(mins[k]);
+    for (int k = 0; k < Op::N_MINS; ++k) mins[k] = group_reduce<32>(mins[k], Least{});
     if (lane == 0) op.matrix_store(b, sums, mins);
   }
 }

@@ -393,20 +393,41 @@ __device__ __forceinline__ void apply(const Op& op, acc_t grad_scale, char* cons
   update<Op, W, Index, ROWS, FACTORED>(op, grad_scale, ptr, param_copy, i, acc, v);
 }
 
-// Sum of `value` over the block, in a fixed order (deterministic); every thread gets it.
-template <class T>
-__device__ __forceinline__ T block_sum(T value) {
-  __shared__ T warp_sums[MTA_BLOCK / 32];
-  __syncthreads();  // warp_sums may still be read by the previous call
+// The operations the reductions below combine with: a sum, and a minimum (fmin: a NaN is
+// dropped, so a check that must see one counts it apart).
+struct Plus {
+  template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct Least {
+  template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return fmin(a, b); }
+};
+
+// `value` combined over each group of GROUP lanes (a power of 2 up to 32) in a fixed order;
+// every lane of the group gets it.
+template <int GROUP, class Combine = Plus, class T>
+__device__ __forceinline__ T group_reduce(T value, Combine combine = {}) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = value;
+  for (int offset = GROUP / 2; offset > 0; offset /= 2)
+    value = combine(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// `value` combined over the block in a fixed order (deterministic); every thread gets it.
+template <class Combine = Plus, class T>
+__device__ __forceinline__ T block_reduce(T value, Combine combine = {}) {
+  __shared__ T warp_values[MTA_BLOCK / 32];
+  __syncthreads();  // warp_values may still be read by the previous call
+  value = group_reduce<32>(value, combine);
+  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = value;
   __syncthreads();
-  T total = 0;
+  T total = warp_values[0];
 #pragma unroll
-  for (int w = 0; w < MTA_BLOCK / 32; ++w) total += warp_sums[w];
+  for (int w = 1; w < MTA_BLOCK / 32; ++w) total = combine(total, warp_values[w]);
   return total;
 }
+
+template <class T>
+__device__ __forceinline__ T block_sum(T value) { return block_reduce(value, Plus{}); }
 
 // Writes this block's sums; the last block of the tensor to finish adds all of the tensor's
 // block sums in block order (so the result does not depend on timing) into sums[tensor].
@@ -620,6 +641,7 @@ __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& laun
     bool taken = false;
     if constexpr (ProductSums<Op>::value) taken = op.factored && op.products_hold(job.index, acc);
     if (taken) {
+      // nothing to walk: acc holds the tensor's sums
     } else if (op.factored) {
       walk_indexed<Op, true>(op, grad_scale, ptr, param_copy, aligned, job, acc);
     } else {
