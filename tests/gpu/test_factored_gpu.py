@@ -239,8 +239,10 @@ def test_optax_rule_takes_its_sums_from_whole_rows(momentum):
 # cols is a multiple of 8 (257 rows: the second row of a warp's last pair lies past the tile; 40
 # columns: lanes past the tile's last column; a stack), of 4 where it is 4 mod 8, single elements
 # for odd cols, and a vector's full variance
-# (700, 88): tiles of 96 columns and 341 rows, an odd count of two-row sets
-NARROW_SHAPES = [(257, 264), (70, 40), (3, 41, 136), (33, 300), (65, 301), (700, 88), (6,)]
+# (700, 88): tiles of 96 columns and 341 rows, an odd count of two-row sets; (40, 256): whole-row
+# tiles, whose sums the factor pass takes from the unscaled values
+NARROW_SHAPES = [(257, 264), (70, 40), (3, 41, 136), (33, 300), (65, 301), (700, 88), (40, 256),
+                 (6,)]
 
 
 @pytest.mark.parametrize("align", [8, 1], ids=["aligned", "unaligned"])
