@@ -362,6 +362,16 @@ __device__ void factor_tiles(const Op& op, const Tiles& t, long long first, long
     factor_tile<Op, LANE>(op, t, tile, ptr, grad_scale, parts);
 }
 
+// The pointers of the slots of MASK moved on by n elements of each slot's type.
+template <unsigned MASK, int N, int S = 0>
+__device__ __forceinline__ void advance(char* (&p)[N], long long n) {
+  if constexpr (S < N) {
+    using T = typename SlotType<S>::type;
+    if constexpr ((MASK >> S) & 1u) p[S] += n * static_cast<long long>(sizeof(T));
+    advance<MASK, N, S + 1>(p, n);
+  }
+}
+
 // Whole-row tiles (a `rowwise` tensor's): the block's threads share each row, per_row of them
 // (whole warps) taking `share` of its vectors of 4 (thread v0 the vectors v0, v0 + per_row,
 // ...), MTA_BLOCK / per_row rows a trip. A trip: each row's terms summed by its warps (shared
@@ -438,12 +448,19 @@ __device__ void factor_rows(const Op& op, const Tiles& t, long long tile,
   // finishes (that trip's products wait for its rows' sums, one __syncthreads away)
   Vector stored[Q];
   acc_t state[N] = {};
+  // the thread's first vector of the row it loads next, a slot's pointer moved on a trip at a
+  // time (not each load's address from its index: some 30 instructions fewer a trip)
+  char* next[N];
+#pragma unroll
+  for (int s = 0; s < N; ++s) next[s] = ptr[s];
+  advance<MASK>(next, (row0 + sub) * t.cols + 4 * v0);
   auto load = [&](int r) {
     if (sub >= at_once || r >= n_rows) return;
     if constexpr (VEC) {
 #pragma unroll
       for (int q = 0; q < Q; ++q)
-        if (q < share) stored[q].load(ptr, (row0 + r) * t.cols + 4 * (v0 + q * per_row));
+        if (q < share) stored[q].load(next, 4 * q * per_row);
+      advance<MASK>(next, static_cast<long long>(at_once) * t.cols);
     }
     op.row_load(row0 + r, state);
   };
@@ -491,8 +508,10 @@ __device__ void factor_rows(const Op& op, const Tiles& t, long long tile,
       acc_t mean[NR];
 #pragma unroll
       for (int k = 0; k < Op::N_ROW; ++k) {
-        acc_t total = acc_t(0);
-        for (int w = 0; w < row_warps; ++w) total += parts.rows[parity][sub * row_warps + w][k];
+        acc_t total = acc_t(0);  // (unrolled over every warp a row may have: no loop to run)
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+          if (w < row_warps) total += parts.rows[parity][sub * row_warps + w][k];
         if (v0 == 0) t.row_parts[k * t.batch * t.rows + row0 + r] = total;  // (one column group)
         mean[k] = total / acc_t(t.cols);
       }
