@@ -13,6 +13,8 @@ copied in: edit them through the group. They pickle and deep-copy as plain lists
 """
 from __future__ import annotations
 
+from ._tracking import SetsThroughSetitem, notes_edits
+
 ANY = "*"  # noted for changes that are not one key set: a group added, a key deleted, ...
 PARAMS = "params"  # noted when a group's params list is set or edited in place
 
@@ -53,6 +55,9 @@ class TrackedParams(list):
         super().__init__(params)
         self.changes = changes
 
+    def _changed(self) -> None:
+        self.changes.note(PARAMS)
+
     def __reduce__(self):
         return list, (list(self),)
 
@@ -66,14 +71,14 @@ class TrackedOption(list):
         super().__init__(values)
         self.changes, self.key = changes, key
 
-    def note(self) -> None:
+    def _changed(self) -> None:
         self.changes.note(self.key)
 
     def __reduce__(self):
         return list, (list(self),)
 
 
-class TrackedGroup(dict):
+class TrackedGroup(SetsThroughSetitem, dict):
     """A param group noting each key set in it; its "params" is a `TrackedParams`."""
 
     __slots__ = ("changes",)
@@ -109,53 +114,18 @@ class TrackedGroup(dict):
         self.changes.note(key)
         self.changes.note(ANY)
 
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def update(self, *args, **kwargs) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
+    def _changed(self) -> None:
+        self.changes.note(ANY)
 
     def __reduce__(self):
         return dict, (dict(self),)
 
 
-def _noting(name: str, method):
-    """`method`, noting `name` in the object's changes before it runs."""
-    def changed(self, *args, **kwargs):
-        self.changes.note(name)
-        return method(self, *args, **kwargs)
-
-    changed.__name__ = method.__name__
-    return changed
-
-
-for _name in ("__delitem__", "clear", "pop", "popitem"):
-    setattr(TrackedGroup, _name, _noting(ANY, getattr(dict, _name)))
+notes_edits(TrackedGroup, dict, ("__delitem__", "clear", "pop", "popitem"))
 _LIST_EDITS = ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
                "pop", "remove", "clear", "sort", "reverse")
-for _name in _LIST_EDITS:
-    setattr(TrackedParams, _name, _noting(PARAMS, getattr(list, _name)))
-
-
-def _noting_key(method):
-    """`method` of a TrackedOption, noting the option's key before it runs."""
-    def changed(self, *args, **kwargs):
-        self.note()
-        return method(self, *args, **kwargs)
-
-    changed.__name__ = method.__name__
-    return changed
-
-
-for _name in _LIST_EDITS:
-    setattr(TrackedOption, _name, _noting_key(getattr(list, _name)))
+notes_edits(TrackedParams, list, _LIST_EDITS)
+notes_edits(TrackedOption, list, _LIST_EDITS)
 
 
 class TrackedGroups(list):
@@ -194,12 +164,15 @@ class TrackedGroups(list):
         super().__setitem__(index, list(map(self._tracked, value)) if isinstance(index, slice)
                             else self._tracked(value))
 
+    def _changed(self) -> None:
+        self.changes.note(ANY)
+
     def __reduce__(self):
         return list, (list(self),)
 
 
-for _name in ("__delitem__", "__imul__", "pop", "remove", "clear", "sort", "reverse"):
-    setattr(TrackedGroups, _name, _noting(ANY, getattr(list, _name)))
+notes_edits(TrackedGroups, list, ("__delitem__", "__imul__", "pop", "remove", "clear", "sort",
+                                  "reverse"))
 
 
 def tracked(groups: list, changes: GroupChanges) -> TrackedGroups:

@@ -32,6 +32,7 @@ from collections import OrderedDict, defaultdict
 import torch
 from torch.optim.optimizer import required
 
+from ._tracking import SetsThroughSetitem, notes_edits
 from .adam8bit import THRESHOLD
 
 # flags torch.optim added to its param groups over time, with the values its __setstate__ gives
@@ -87,11 +88,14 @@ class TrackedEntry(dict):
         super().__init__(entry)
         self.changes = changes
 
+    def _changed(self) -> None:
+        self.changes.note()
+
     def __reduce__(self):
         return dict, (dict(self),)
 
 
-class TrackedState(defaultdict):
+class TrackedState(SetsThroughSetitem, defaultdict):
     """`optimizer.state`: a `defaultdict(dict)` whose param entries are `TrackedEntry` dicts,
     noting every edit of itself or of an entry in `changes`."""
 
@@ -118,18 +122,8 @@ class TrackedState(defaultdict):
         self.changes.note()
         dict.__setitem__(self, key, self._entry(value))
 
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def update(self, *args, **kwargs) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
+    def _changed(self) -> None:
+        self.changes.note()
 
     def copy(self) -> defaultdict:
         return defaultdict(dict, {k: dict(v) if isinstance(v, dict) else v
@@ -144,20 +138,9 @@ class TrackedState(defaultdict):
         return f"defaultdict({dict!r}, {dict.__repr__(self)})"
 
 
-def _noting(method):
-    def changed(self, *args, **kwargs):
-        self.changes.note()
-        return method(self, *args, **kwargs)
-
-    changed.__name__ = method.__name__
-    return changed
-
-
-for _name in ("__setitem__", "__delitem__", "clear", "pop", "popitem", "setdefault", "update",
-              "__ior__"):
-    setattr(TrackedEntry, _name, _noting(getattr(dict, _name)))
-for _name in ("__delitem__", "clear", "pop", "popitem"):
-    setattr(TrackedState, _name, _noting(getattr(dict, _name)))
+notes_edits(TrackedEntry, dict, ("__setitem__", "__delitem__", "clear", "pop", "popitem",
+                                "setdefault", "update", "__ior__"))
+notes_edits(TrackedState, dict, ("__delitem__", "clear", "pop", "popitem"))
 
 
 def check_state_bits(state_bits, min_8bit_size) -> None:
