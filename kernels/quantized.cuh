@@ -296,10 +296,7 @@ struct Quantized {
     int local = threadIdx.x / 32;
     if constexpr (SUMS) {
       sum_t acc[SUMS ? Op::N_SUMS : 1] = {};
-      // (a tensor whose sums its factor and matrix passes took: kernels/walker.cuh, walk_chunk)
-      bool taken = false;
-      if constexpr (ProductSums<Op>::value) taken = op.factored && op.products_hold(job.index, acc);
-      if (!taken) {
+      if (!sums_taken(op, job, acc)) {
         for (; local < whole; local += WARPS) sum_block<true, Index>(maps, scales, op, grad_scale, job, local, acc);
         for (; local < blocks; local += WARPS) sum_block<false, Index>(maps, scales, op, grad_scale, job, local, acc);
       }

@@ -622,6 +622,14 @@ __device__ __forceinline__ void walk_indexed(const Op& op, acc_t grad_scale,
 // lets the compiler overlap the loads of several strides); a warp's chunk ends within its first
 // stride. The scalar loop (a tail, or a chunk not 16-byte aligned) strides by the block.
 // Passes that sum over a block (block_sum) and ops that walk by themselves get whole blocks.
+// Whether a sums pass's tensor has its sums already, taken by its factor and matrix passes in
+// their product forms (then in acc): its elements are not walked.
+template <class Op, class Acc>
+__device__ __forceinline__ bool sums_taken(const Op& op, const Chunk& job, Acc& acc) {
+  if constexpr (ProductSums<Op>::value) return op.factored && op.products_hold(job.index, acc);
+  return false;
+}
+
 template <class Op>
 __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& launch, const Chunk& job,
                                            long long slot, bool fused = false) {
@@ -637,10 +645,7 @@ __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& laun
   sum_t acc[Op::N_SUMS > 0 ? Op::N_SUMS : 1] = {};
   const bool aligned = (address_bits & 15ull) == 0;
   if constexpr (Indexed<Op>::value) {  // (the same branches in every thread of the block)
-    // a sums pass whose tensor's sums its factor and matrix passes took (their product forms)
-    bool taken = false;
-    if constexpr (ProductSums<Op>::value) taken = op.factored && op.products_hold(job.index, acc);
-    if (taken) {
+    if (sums_taken(op, job, acc)) {
       // nothing to walk: acc holds the tensor's sums
     } else if (op.factored) {
       walk_indexed<Op, true>(op, grad_scale, ptr, param_copy, aligned, job, acc);
