@@ -43,6 +43,16 @@ class Adafactor(RuleBased):
         dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
         return float(torch.finfo(dtype).eps)
 
+    def _check_entry(self, group, param, entry, where) -> None:
+        super()._check_entry(group, param, entry, where)
+        for name, shape in _state_shapes(param.shape).items():
+            value = entry.get(name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                raise ValueError(f"{where()} holds {name!r} of shape {tuple(value.shape)}, but a "
+                                 f"param of shape {tuple(param.shape)} keeps it as {shape}: load "
+                                 f"a state saved for a param of this shape, or give the param an "
+                                 f"empty state (optimizer.state[p] = {{}}) to start it afresh")
+
     def _check_group(self, index: int, group) -> None:
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
@@ -59,3 +69,12 @@ class Adafactor(RuleBased):
                     raise RuntimeError(f"Adafactor does not support complex parameters: param "
                                        f"{i} of param group {g} is {p.dtype}")
         return super()._prepare_group(index, group)
+
+
+def _state_shapes(shape) -> dict:
+    """torch.optim.Adafactor's state shapes for a param of `shape`: the row and column
+    vectors of a factored one (two or more dimensions), else a full variance."""
+    shape = tuple(shape)
+    if len(shape) >= 2:
+        return {"row_var": shape[:-1] + (1,), "col_var": shape[:-2] + (1, shape[-1])}
+    return {"variance": shape}

@@ -5,6 +5,7 @@ arguments refused before anything changes."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from hypothesis import given
@@ -181,17 +182,41 @@ def test_a_bad_group_option_is_refused_before_any_param_changes():
     assert not torch.equal(params[0], before[0])
 
 
-def test_a_loaded_state_of_the_wrong_shape_is_refused_before_any_param_changes():
-    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(2, 5))]
+WRONG_SHAPES = [  # (param shape, state name, a wrong shape): of other sizes, and of the same
+    ("2,5", "row_var", (5, 1)), ("2,5", "row_var", (1, 2)), ("2,5", "row_var", (2,)),
+    ("2,5", "col_var", (5, 1)), ("2,5", "col_var", (5,)), ("3,2,5", "col_var", (1, 3, 5)),
+    ("6", "variance", (6, 1)), ("6", "variance", (3, 2)),
+]
+
+
+def _stepped(shape):
+    params = [torch.nn.Parameter(torch.randn(3, 4)),
+              torch.nn.Parameter(torch.randn([int(n) for n in shape.split(",")]))]
     opt = mt.Adafactor(params)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("shape, name, wrong", WRONG_SHAPES)
+def test_a_loaded_state_of_the_wrong_shape_is_refused_naming_it(shape, name, wrong):
+    params, opt = _stepped(shape)
     saved = opt.state_dict()
-    saved["state"][1]["row_var"] = torch.zeros(5, 1)
-    opt.load_state_dict(saved)
+    kept = opt.state[params[1]][name].clone()
+    saved["state"][1][name] = torch.zeros(wrong)
+    with pytest.raises(ValueError, match=rf"state of param 1 holds '{name}' of shape "
+                                         rf"{re.escape(str(wrong))}, but a param of shape"):
+        opt.load_state_dict(saved)
+    assert torch.equal(opt.state[params[1]][name], kept)  # the state as it was
+
+
+@pytest.mark.parametrize("shape, name, wrong", WRONG_SHAPES)
+def test_a_state_set_to_the_wrong_shape_is_refused_before_any_param_changes(shape, name, wrong):
+    params, opt = _stepped(shape)
+    opt.state[params[1]][name] = torch.zeros(wrong)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match=r"params\[1\] has shape \(2, 5\).*row_vars\[1\] "):
+    with pytest.raises(ValueError, match=rf"holds '{name}' of shape {re.escape(str(wrong))}"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
