@@ -2,11 +2,15 @@
 second moment is factored (row and column vectors) for params of two or more dimensions."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._torch_checks import check_adafactor_args
 from ._torch_rules import RuleBased
 from .rules import library
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class Adafactor(RuleBased):
@@ -32,9 +36,9 @@ class Adafactor(RuleBased):
 
     def _rule_hyper(self, group) -> dict:
         eps1, eps2 = group["eps"]
-        return dict(lr=group["lr"], beta2_decay=group["beta2_decay"],
+        return dict(lr=_finite(group["lr"]), beta2_decay=group["beta2_decay"],
                     eps1=self._machine_epsilon(group) if eps1 is None else eps1, eps2=eps2,
-                    d=group["d"], weight_decay=group["weight_decay"])
+                    d=_finite(group["d"]), weight_decay=group["weight_decay"])
 
     @staticmethod
     def _machine_epsilon(group) -> float:
@@ -78,3 +82,10 @@ def _state_shapes(shape) -> dict:
     if len(shape) >= 2:
         return {"row_var": shape[:-1] + (1,), "col_var": shape[:-2] + (1, shape[-1])}
     return {"variance": shape}
+
+
+def _finite(value):
+    """+inf, which torch.optim.Adafactor takes as lr (the relative step min(lr, 1 / sqrt(t)) is
+    then 1 / sqrt(t)) and as d (no clipping: RMS(u) / d is 0), as the largest float32: the
+    same steps for any finite update, with the kernels' hyperparameters finite float32s."""
+    return _FLOAT32_MAX if not isinstance(value, torch.Tensor) and value == math.inf else value

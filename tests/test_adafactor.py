@@ -5,6 +5,7 @@ arguments refused before anything changes."""
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -56,6 +57,8 @@ def _assert_same(ref, ref_opt, ours, our_opt, rtol, atol):
     dict(lr=0.05, weight_decay=0.1),
     dict(lr=0.2, maximize=True, d=1.5, beta2_decay=-0.5),
     dict(eps=(1e-20, 1e-2), weight_decay=0.01),
+    dict(d=math.inf),  # no clipping
+    dict(lr=math.inf, d=2.0),  # the relative step 1 / sqrt(t)
 ])
 def test_float64_matches_torch_to_1e_10_over_50_steps(options):
     ref, ref_opt, ours, our_opt = _pair(SHAPES, torch.float64, **options)
