@@ -237,7 +237,9 @@ class _Batch:
         self.shards = {k: _Shard(p) for k, p in enumerate(params) if is_dtensor(p)}
         rows, cols = params[0].shape
         like = dict(device=params[0].device, dtype=torch.bfloat16)
-        self.updates = torch.empty((len(params), rows, cols), **like)
+        # zeros, not empty: the CPU backend reads the momentum rule's `direction` slot before
+        # writing it, and uninitialised bfloat16 bits would warn there as NaNs (made once)
+        self.updates = torch.zeros((len(params), rows, cols), **like)
         self.other = torch.empty_like(self.updates)
         self.side = min(rows, cols)
         # G and G', slices of the `_Grams` of the batch's side (`_Grams.join`, at its first step)
@@ -403,7 +405,7 @@ class _Shard:
         self.mesh, self.placements = param.device_mesh, param.placements
         self.shape, self.stride = param.shape, param.stride()
         local = param.to_local()
-        self.direction = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
+        self.direction = torch.zeros(local.shape, dtype=torch.bfloat16, device=local.device)
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                               param.placements)
         self.part = tuple(slice(o, o + n) for o, n in zip(offset, shape))

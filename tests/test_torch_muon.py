@@ -3,6 +3,7 @@
 checkpoints both ways; a bad group refused before any group moves; on a GPU, no host sync."""
 import copy
 import pickle
+import warnings
 
 import pytest
 
@@ -501,3 +502,19 @@ def test_each_matrix_is_divided_by_its_norm_as_torch_optim_muon_divides_it(devic
         want = x / x.norm().clamp(min=1e-7)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert out[-2].isnan().all()
+
+
+def test_float64_params_step_without_numpys_warnings_whatever_the_freed_memory_held():
+    # the batch's bfloat16 buffers are made where NaN bits were just freed: the CPU backend
+    # reads them before the momentum pass writes them, and NumPy warned on casting NaNs
+    for _ in range(5):
+        junk = torch.full((4, 129, 37), float("nan"), dtype=torch.bfloat16)
+        del junk
+        params = [torch.nn.Parameter(torch.randn(129, 37, dtype=torch.float64)) for _ in range(4)]
+        opt = mt.Muon(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in params)
