@@ -124,7 +124,11 @@ class Storage:
             check_eight_bit_slots(p, names, entry, where)
 
     def loaded(self, p, value):
-        """A saved state tensor (not `step`) in this storage's dtype, on the param's device."""
+        """A saved state tensor (not `step`) in this storage's dtype, on the param's device,
+        laid out as the param (torch.optim.Muon's buffers lie as their first grads did)."""
         if self.bits == 8 or not value.is_floating_point():
             return value.to(device=p.device)  # codes, scales and small float32 state as saved
-        return value.to(device=p.device, dtype=self.dtype(p))
+        value = value.to(device=p.device, dtype=self.dtype(p))
+        if value.shape == p.shape and value.stride() != p.stride():
+            value = torch.empty_like(p, dtype=value.dtype).copy_(value)
+        return value

@@ -156,7 +156,7 @@ class Muon(torch.optim.Optimizer):
             if muon and not p.is_contiguous():
                 raise ValueError(f"{where} has strides {p.stride()}: Muon steps row-major "
                                  f"matrices (its update batches are); make it contiguous")
-            _check_like(p, p.grad, f"{where}'s grad")
+            _check_like(p, p.grad, f"{where}'s grad", strides=not p.is_contiguous())
             if p in self.state:
                 self._storage.check(p, self.state[p], muon, lambda where=where: where)
         lr = group["lr"]
@@ -180,7 +180,7 @@ class Muon(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         rule = self._storage.adamw_rule()
         rule.step(*self._storage.arguments(rule, params, self.state,
-                                           {"param": params, "grad": [p.grad for p in params]}),
+                                           {"param": params, "grad": _grads(params)}),
                   lr=_lr_value(group["lr"]), step=steps[0] if len(set(steps)) == 1 else steps,
                   beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                   weight_decay=float(group["weight_decay"]))
@@ -189,7 +189,7 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             self._storage.make(p, self.state[p], muon=True)
         batches = self._batches_of(group, params)
-        given = {"param": params, "grad": [p.grad for p in params],
+        given = {"param": params, "grad": _grads(params),
                  "direction": [batch.direction(k) for batch, k in batches]}
         rule = self._storage.momentum_rule(group["nesterov"])
         rule.step(*self._storage.arguments(rule, params, self.state, given),
@@ -418,17 +418,26 @@ class _Shard:
                                   shape=self.shape, stride=self.stride).full_tensor()
 
 
-def _check_like(param, tensor, what: str) -> None:
+def _check_like(param, tensor, what: str, strides: bool = True) -> None:
     """That `tensor` (a grad, a state) lies as its param does: what the kernels pair element
-    by element (checked before any group steps, so that a refusal writes nothing)."""
+    by element (checked before any group steps, so that a refusal writes nothing). The grad of
+    a contiguous param may have other strides (`strides=False`): it steps through a contiguous
+    copy (`_grads`)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} is a {type(tensor).__name__}, not a tensor")
-    if (tensor.shape, tensor.dtype, tensor.device, tensor.stride()) != (
-            param.shape, param.dtype, param.device, param.stride()):
+    if (tensor.shape, tensor.dtype, tensor.device) != (param.shape, param.dtype, param.device) \
+            or (strides and tensor.stride() != param.stride()):
         raise ValueError(f"{what} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} "
                          f"with strides {tensor.stride()}, but the param is "
                          f"{tuple(param.shape)} {param.dtype} on {param.device} with strides "
                          f"{param.stride()}: give it the param's shape, dtype, device and layout")
+
+
+def _grads(params: list) -> list:
+    """The params' grads, each laid out as its param: a contiguous param's grad of other
+    strides (a transposed one, as torch.optim.Muon takes it) as a contiguous copy, made on the
+    caller's stream."""
+    return [p.grad if p.grad.stride() == p.stride() else p.grad.contiguous() for p in params]
 
 
 def _lr_ratio(adjust_lr_fn, shape) -> float:
