@@ -283,6 +283,7 @@ class StateKeeping:
         """Raises where a param's non-empty state lacks what the optimizer keeps, or holds a
         tensor of the wrong kind. `where()`: how to name the entry in a message."""
         self._check_master(param, entry, where)
+        _check_step(entry.get("step"), where)
         names = self._required_state(group, param)
         for name in names:
             if name not in entry:
@@ -419,6 +420,19 @@ class StateKeeping:
         if isinstance(value, (list, tuple)):
             return type(value)(self._loaded(param, v, group) for v in value)
         return value
+
+
+def _check_step(step, where) -> None:
+    """A step count held on the host (a number, or a CPU tensor: read without a sync) is a
+    whole number >= 0; one on a GPU is checked by the kernels, which then write nothing."""
+    if isinstance(step, torch.Tensor):
+        if step.device.type != "cpu" or step.numel() != 1 or step.is_complex():
+            return
+        step = step.item()
+    if isinstance(step, (int, float)) and not (step >= 0 and float(step).is_integer()):
+        raise ValueError(f"{where()} holds 'step' {step!r}: a step count is a whole number >= 0; "
+                         f"load a state saved by the optimizer, or give the param an empty state "
+                         f"(optimizer.state[p] = {{}}) to start it afresh")
 
 
 @functools.cache

@@ -382,6 +382,28 @@ def test_an_incomplete_state_is_refused_before_anything_changes(name):
     _assert_same(params, kept, exact=True)
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("SGD")])  # (no step)
+@pytest.mark.parametrize("bad", [2.5, -1.0, float("nan")])
+def test_a_step_count_that_is_not_a_whole_number_is_refused_before_anything_changes(name, bad):
+    params = _params()
+    opt = _make(name, params)
+    _run(params, opt, 0, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["step"] = torch.tensor(bad)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"the loaded state of param 0 holds 'step' .*whole"):
+        opt.load_state_dict(saved)
+    torch.testing.assert_close(opt.state_dict(), before, equal_nan=True)
+    # the same count put in by hand is refused by the step, before any write (on the CPU the
+    # kernels' own check would skip that param alone, and its count would stay as it is)
+    kept = [p.detach().clone() for p in params]
+    opt.state[params[0]]["step"] = torch.tensor(bad)
+    _set_grads(params, 2, opt)
+    with pytest.raises(ValueError, match=r"param 0.* holds 'step' .*whole number >= 0"):
+        opt.step()
+    _assert_same(params, kept, exact=True)
+
+
 @pytest.mark.parametrize("source,target", [("Adam8bit", "Adam"), ("AdamW8bit", "AdamW"),
                                            ("Adam", "Adam8bit"), ("AdamW", "AdamW8bit")])
 def test_8bit_and_float_moments_are_not_mixed(source, target):
