@@ -153,10 +153,12 @@ class Muon(torch.optim.Optimizer):
             if p.is_complex():  # as torch.optim.Muon: at the step
                 raise RuntimeError("Muon does not support complex parameters")
             where = f"param group {index}: param {i}"
-            if muon and not p.is_contiguous():
+            if muon and not (p.is_contiguous() or _transposed(p)):
                 raise ValueError(f"{where} has strides {p.stride()}: Muon steps row-major "
-                                 f"matrices (its update batches are); make it contiguous")
-            _check_like(p, p.grad, f"{where}'s grad", strides=not p.is_contiguous())
+                                 f"matrices and their transposes (its update batches are "
+                                 f"row-major); make it contiguous")
+            _check_like(p, p.grad, f"{where}'s grad",
+                        strides=not (p.is_contiguous() or _transposed(p)))
             if p in self.state:
                 self._storage.check(p, self.state[p], muon, lambda where=where: where)
         lr = group["lr"]
@@ -208,11 +210,13 @@ class Muon(torch.optim.Optimizer):
 
     def _batches_of(self, group, params: list) -> list:
         """(batch, index in it) of each param: params of one device, dtype and shape share a
-        batch, kept while the group's params of that shape stay the same."""
+        batch, kept while the group's params of that shape stay the same. A transposed matrix
+        (column-major) steps as its row-major transpose, in the batch of that shape: the
+        Newton-Schulz of a transpose is the transpose of the Newton-Schulz."""
         index = next(i for i, g in enumerate(self.param_groups) if g is group)
         members: dict = {}
         for p in params:
-            members.setdefault((p.device, p.dtype, tuple(p.shape)), []).append(p)
+            members.setdefault((p.device, p.dtype, _row_major_shape(p)), []).append(p)
         where = {}
         for key, same in members.items():
             batch = self._batches.get((index, *key))
@@ -235,7 +239,8 @@ class _Batch:
     def __init__(self, params: list):
         self.ids = tuple(map(id, params))
         self.shards = {k: _Shard(p) for k, p in enumerate(params) if is_dtensor(p)}
-        rows, cols = params[0].shape
+        rows, cols = _row_major_shape(params[0])
+        self.transposed = {k for k, p in enumerate(params) if _transposed(p)}
         like = dict(device=params[0].device, dtype=torch.bfloat16)
         # zeros, not empty: the CPU backend reads the momentum rule's `direction` slot before
         # writing it, and uninitialised bfloat16 bits would warn there as NaNs (made once)
@@ -263,7 +268,9 @@ class _Batch:
     def direction(self, k: int):
         """Where the momentum pass writes matrix k's update: its shard's buffer, or the batch."""
         shard = self.shards.get(k)
-        return self.views[k] if shard is None else shard.direction
+        if shard is not None:
+            return shard.direction
+        return self.views[k].t() if k in self.transposed else self.views[k]
 
     def gather(self) -> None:
         """Each sharded matrix's update, whole, into the batch."""
@@ -273,7 +280,9 @@ class _Batch:
     def update(self, results: list, k: int):
         """Matrix k's orthogonalized update, or a sharded param's part of it."""
         shard = self.shards.get(k)
-        return results[k] if shard is None else results[k][shard.part].contiguous()
+        if shard is not None:
+            return results[k][shard.part].contiguous()
+        return results[k].t() if k in self.transposed else results[k]
 
     def _lt_update(self):
         """On CUDA, the X update by cuBLASLt, whose C is not its output (no copy of C into the
@@ -421,8 +430,8 @@ class _Shard:
 def _check_like(param, tensor, what: str, strides: bool = True) -> None:
     """That `tensor` (a grad, a state) lies as its param does: what the kernels pair element
     by element (checked before any group steps, so that a refusal writes nothing). The grad of
-    a contiguous param may have other strides (`strides=False`): it steps through a contiguous
-    copy (`_grads`)."""
+    a row-major or transposed param may have other strides (`strides=False`): it steps through
+    a copy laid out as the param (`_grads`)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} is a {type(tensor).__name__}, not a tensor")
     if (tensor.shape, tensor.dtype, tensor.device) != (param.shape, param.dtype, param.device) \
@@ -433,11 +442,23 @@ def _check_like(param, tensor, what: str, strides: bool = True) -> None:
                          f"{param.stride()}: give it the param's shape, dtype, device and layout")
 
 
+def _transposed(p) -> bool:
+    """Whether matrix `p` is laid out as a row-major matrix's transpose (column-major), and
+    not also row-major (a row or a column, whose strides may read either way)."""
+    return p.ndim == 2 and not is_dtensor(p) and not p.is_contiguous() and p.t().is_contiguous()
+
+
+def _row_major_shape(p) -> tuple:
+    """The shape of the row-major matrix in `p`'s memory: its own, or its transpose's."""
+    return tuple(p.shape[::-1]) if _transposed(p) else tuple(p.shape)
+
+
 def _grads(params: list) -> list:
-    """The params' grads, each laid out as its param: a contiguous param's grad of other
-    strides (a transposed one, as torch.optim.Muon takes it) as a contiguous copy, made on the
-    caller's stream."""
-    return [p.grad if p.grad.stride() == p.stride() else p.grad.contiguous() for p in params]
+    """The params' grads, each laid out as its param: a row-major or transposed param's grad
+    of other strides (as torch.optim.Muon takes it) as a copy in the param's layout, made on
+    the caller's stream."""
+    return [p.grad if p.grad.stride() == p.stride() else torch.empty_like(p).copy_(p.grad)
+            for p in params]
 
 
 def _lr_ratio(adjust_lr_fn, shape) -> float:

@@ -319,9 +319,9 @@ def test_sharded_matrices_step_as_whole_ones(state_bits):
 
 
 def test_what_the_kernels_would_refuse_is_refused_before_any_group_moves():
-    """A transposed (column-major) matrix, a state set to another layout: refused at the
-    step's checks, before the AdamW group ahead of them moves (a grad of another layout steps
-    through a copy: test_grads_of_other_strides_step_as_torch_optim_muon_steps_them)."""
+    """A strided (not dense) matrix, a state set to another layout: refused at the step's
+    checks, before the AdamW group ahead of them moves (a transposed matrix, or a grad of
+    another layout, steps: test_transposed_matrices_step_as_torch_optim_muon_steps_them)."""
     def fresh():
         bias, matrix = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(6, 4))
         opt = mt.Muon([{"params": [bias], "use_muon": False}, {"params": [matrix]}], lr=0.02)
@@ -329,9 +329,9 @@ def test_what_the_kernels_would_refuse_is_refused_before_any_group_moves():
         return opt, bias, matrix
 
     opt, bias, matrix = fresh()
-    transposed = torch.nn.Parameter(torch.randn(4, 6).t())
-    transposed.grad = torch.randn(4, 6).t()
-    opt.add_param_group({"params": [transposed]})
+    strided = torch.nn.Parameter(torch.randn(6, 8)[:, ::2])
+    strided.grad = torch.randn(6, 8)[:, ::2]
+    opt.add_param_group({"params": [strided]})
     before = bias.detach().clone()
     with pytest.raises(ValueError, match="param group 2: param 0 has strides .* contiguous"):
         opt.step()
@@ -534,10 +534,79 @@ def test_grads_of_other_strides_step_as_torch_optim_muon_steps_them(device):
         torch.testing.assert_close(ours.state[p]["momentum_buffer"],
                                    theirs.state[q]["momentum_buffer"], rtol=1e-6, atol=1e-6)
     loaded = mt.Muon(a, lr=0.02)
-    loaded.load_state_dict(theirs.state_dict())
+    loaded.load_state_dict(copy.deepcopy(theirs.state_dict()))  # (a load shares the tensors)
     for p, q in zip(a, b):
         p.grad = torch.ones_like(p).t().contiguous().t()
         q.grad = p.grad.clone()
     loaded.step()
     theirs.step()
     _assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_transposed_matrices_step_as_torch_optim_muon_steps_them(device, adjust_lr_fn):
+    # column-major (transposed) matrices, tall and wide, beside row-major ones of their
+    # transposes' shapes (one batch each), their grads laid out as the params or not
+    def made():
+        g = torch.Generator().manual_seed(7)
+        shapes = [(32, 64), (64, 32), (48, 16)]
+        rows = [torch.randn(s, generator=g) for s in shapes]
+        cols = [torch.randn(s, generator=g).t() for s in shapes]
+        return [torch.nn.Parameter(x.to(device)) for x in rows + cols]
+
+    a, b = made(), made()
+    assert [p.is_contiguous() for p in a] == [True] * 3 + [False] * 3
+    ours = mt.Muon(a, lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    theirs = torch.optim.Muon(b, lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    for t in range(6):
+        g = torch.Generator().manual_seed(300 + t)
+        for p, q in zip(a, b):
+            grad = torch.randn(p.shape, generator=g).to(device)
+            if t % 2:
+                grad = torch.empty_like(p).copy_(grad)  # the param's layout
+            p.grad, q.grad = grad.clone(), grad
+        ours.step()
+        theirs.step()
+    _assert_close(a, b)
+    assert [p.stride() for p in a] == [q.stride() for q in b]
+    for p, q in zip(a, b):
+        torch.testing.assert_close(ours.state[p]["momentum_buffer"],
+                                   theirs.state[q]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+    twin = made()
+    loaded = mt.Muon(twin, lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    loaded.load_state_dict(copy.deepcopy(theirs.state_dict()))  # (a load shares the tensors)
+    g = torch.Generator().manual_seed(400)
+    for p, q, r in zip(twin, b, a):
+        with torch.no_grad():
+            p.copy_(q)
+            r.copy_(q)
+        p.grad = torch.randn(p.shape, generator=g).to(device)
+        q.grad, r.grad = p.grad.clone(), p.grad.clone()
+    loaded.step()
+    theirs.step()
+    ours.step()
+    _assert_close(twin, b)
+    _assert_close(a, twin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
+def test_a_transposed_matrix_steps_bit_for_bit_as_its_row_major_transpose(device, state_bits):
+    # the same memory, the same batch and the same passes (match_rms_adamw's lr does not
+    # depend on which side is the longer)
+    g = torch.Generator().manual_seed(11)
+    made = [torch.randn(64, 96, generator=g).to(device) for _ in range(2)]
+    column_major = [torch.nn.Parameter(x.t()) for x in made]  # (96, 64), strides (1, 96)
+    row_major = [torch.nn.Parameter(x.clone()) for x in made]  # (64, 96)
+    options = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", state_bits=state_bits,
+                   min_8bit_size=16)
+    ours, twin = mt.Muon(column_major, **options), mt.Muon(row_major, **options)
+    for t in range(3):
+        for p, q in zip(column_major, row_major):
+            q.grad = torch.randn(q.shape, generator=g).to(device)
+            p.grad = q.grad.t()
+        ours.step()
+        twin.step()
+    for p, q in zip(column_major, row_major):
+        assert torch.equal(p.t(), q)
