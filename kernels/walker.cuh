@@ -615,13 +615,6 @@ __device__ __forceinline__ void walk_indexed(const Op& op, acc_t grad_scale,
     walk_range<Op, long long, FACTORED>(op, grad_scale, ptr, param_copy, aligned, job, acc);
 }
 
-// Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
-// or one warp where the host found every chunk of the launch no longer than a warp's vectors
-// (mtapply._source.block_threads): 2,000 blocks over 100-element tensors then fit on the GPU at
-// once instead of taking four waves. The vector loop keeps MTA_BLOCK as its stride (a constant
-// lets the compiler overlap the loads of several strides); a warp's chunk ends within its first
-// stride. The scalar loop (a tail, or a chunk not 16-byte aligned) strides by the block.
-// Passes that sum over a block (block_sum) and ops that walk by themselves get whole blocks.
 // Whether a sums pass's tensor has its sums already, taken by its factor and matrix passes in
 // their product forms (then in acc): its elements are not walked.
 template <class Op, class Acc>
@@ -630,6 +623,13 @@ __device__ __forceinline__ bool sums_taken(const Op& op, const Chunk& job, Acc& 
   return false;
 }
 
+// Applies the op's functor to every element of the block's chunk. A block is MTA_BLOCK threads,
+// or one warp where the host found every chunk of the launch no longer than a warp's vectors
+// (mtapply._source.block_threads): 2,000 blocks over 100-element tensors then fit on the GPU at
+// once instead of taking four waves. The vector loop keeps MTA_BLOCK as its stride (a constant
+// lets the compiler overlap the loads of several strides); a warp's chunk ends within its first
+// stride. The scalar loop (a tail, or a chunk not 16-byte aligned) strides by the block.
+// Passes that sum over a block (block_sum) and ops that walk by themselves get whole blocks.
 template <class Op>
 __device__ __forceinline__ void walk_chunk(const Launch<typename Op::Args>& launch, const Chunk& job,
                                            long long slot, bool fused = false) {
