@@ -153,12 +153,12 @@ class Muon(torch.optim.Optimizer):
             if p.is_complex():  # as torch.optim.Muon: at the step
                 raise RuntimeError("Muon does not support complex parameters")
             where = f"param group {index}: param {i}"
-            if muon and not (p.is_contiguous() or _transposed(p)):
+            laid_out = p.is_contiguous() or _transposed(p)  # row-major, or its transpose
+            if muon and not laid_out:
                 raise ValueError(f"{where} has strides {p.stride()}: Muon steps row-major "
                                  f"matrices and their transposes (its update batches are "
                                  f"row-major); make it contiguous")
-            _check_like(p, p.grad, f"{where}'s grad",
-                        strides=not (p.is_contiguous() or _transposed(p)))
+            _check_like(p, p.grad, f"{where}'s grad", strides=not laid_out)
             if p in self.state:
                 self._storage.check(p, self.state[p], muon, lambda where=where: where)
         lr = group["lr"]
