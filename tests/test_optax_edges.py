@@ -107,7 +107,7 @@ def test_signatures_and_defaults_are_optaxs():
     (lambda: mtx.lion(1e-3, b2=1.5), r"mtapply.optax.lion: b2 must be \[0, 1\), got 1.5"),
     (lambda: mtx.adan(1e-3, b3=2.0), r"mtapply.optax.adan: b3 must be \[0, 1\), got 2.0"),
     (lambda: mtx.prodigy(betas=(0.9, 1.5)), r"mtapply.optax.prodigy: betas\[1\] must be"),
-    (lambda: mtx.muon(1e-2, preconditioning="spectral"), "use optax.contrib.muon for it"),
+    (lambda: mtx.muon(1e-2, preconditioning="polar"), "preconditioning=.polar. is not one of"),
 ])
 def test_refusals_name_optaxs_arguments_and_functions(make, match):
     with pytest.raises((ValueError, NotImplementedError), match=match):

@@ -1,7 +1,8 @@
 """mtapply.optax.muon against optax.contrib.muon: the same results (to float32 rounding), the
-same state leaf for leaf (checkpoints move both ways), every option it takes, under jit and
+same state leaf for leaf (checkpoints move both ways), every option (preconditionings, preset
+and per-step coefficients, dimension numbers for leaves of more axes), under jit and
 optax.inject_hyperparams; the matrices of one shape take one batched product per
-Newton-Schulz term; what it does not take is refused naming optax.contrib.muon."""
+Newton-Schulz term, whatever leaves they come from; bad options are refused by name."""
 import numpy as np
 import pytest
 
@@ -89,20 +90,135 @@ def test_ns_steps_through_inject_hyperparams():
     _assert_close(ours[0], theirs[0])
 
 
+def _compare(options, shapes=None, steps=4, seed=4, device="cpu", rtol=2e-5, atol=2e-6):
+    """mtapply.optax.muon and optax.contrib.muon over the same steps: the same params and
+    state, leaf for leaf."""
+    rng = np.random.default_rng(seed)
+    shapes = shapes or SHAPES
+
+    def tree(scale):
+        return jax.device_put({k: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
+                               for k, s in shapes.items()}, jax.devices(device)[0])
+
+    params, grads_seq = tree(0.1), [tree(1.0) for _ in range(steps)]
+    with jax.default_matmul_precision("float32"):
+        ours = _run(mtx.muon(0.02, **options), params, grads_seq)
+        theirs = _run(optax.contrib.muon(0.02, **options), params, grads_seq)
+    assert jax.tree.structure(ours[1]) == jax.tree.structure(theirs[1])
+    _assert_close(ours, theirs, rtol, atol)
+    for key in params:
+        assert not np.allclose(np.asarray(ours[0][key]), np.asarray(params[key])), key
+    return ours
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preconditioning", ["spectral", "aol", "schatten"])
+def test_every_preconditioning_steps_as_optax_contrib_muon(preconditioning, device):
+    """Spectral divides each matrix by its largest singular value; AOL and Schatten rescale
+    X and X X^T within the first iteration (per row, or by the Frobenius norm of X X^T)."""
+    _compare(dict(preconditioning=preconditioning), device=device)
+
+
+@pytest.mark.parametrize("options", [
+    dict(ns_coeffs="dion"), dict(ns_coeffs="standard", ns_steps=3),
+    dict(ns_coeffs=((3.0, -3.2, 1.2), (2.9, -3.1, 1.2)), ns_steps=4),
+    dict(ns_coeffs="dion", ns_steps=8, preconditioning="aol")],
+    ids=["dion", "standard", "two rows", "dion aol"])
+def test_named_and_per_step_coefficients_step_as_optax_contrib_muon(options):
+    """A preset's name, or one row of coefficients a step (as many steps as rows, whatever
+    ns_steps above them)."""
+    _compare(options)
+
+
+DIMENSION_SHAPES = {"qkv": (16, 3, 8), "heads": (4, 8, 24), "conv": (3, 3, 2, 16),
+                    "w": (32, 16), "bias": (16,), "plain": (8, 24)}
+DIMENSIONS = {"qkv": ((0,), (1, 2)), "heads": (1, 2), "conv": ((0, 1, 2), -1), "w": (0, 1),
+              "bias": None, "plain": None}
+
+
+def _dimension_numbers(spec=DIMENSIONS):
+    numbers = optax.contrib.MuonDimensionNumbers
+    return {k: None if v is None else numbers(*v) for k, v in spec.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [{}, dict(consistent_rms=0.2, weight_decay=0.1),
+                                     dict(preconditioning="aol", nesterov=False)],
+                         ids=["defaults", "consistent_rms", "aol"])
+def test_dimension_numbers_step_as_optax_contrib_muon(options, device):
+    """Leaves of 3 and 4 axes as the matrices their dimension numbers make (batch axes apart,
+    several reduction or output axes joined, negative axes from the end), scaled by their fans;
+    a leaf given None steps with AdamW."""
+    if not hasattr(optax.contrib, "MuonDimensionNumbers"):
+        pytest.skip("MuonDimensionNumbers needs a newer optax")
+    ours = _compare(dict(muon_weight_dimension_numbers=_dimension_numbers(), **options),
+                    DIMENSION_SHAPES, device=device)
+    muon_state, adam_state = (ours[1].inner_states[label].inner_state for label in
+                              ("muon", "adam"))
+    muon_leaves = {k for k, v in muon_state[0].mu.items() if not isinstance(
+        v, optax.MaskedNode)}
+    assert muon_leaves == {"qkv", "heads", "conv", "w"}
+
+
+def test_dimension_numbers_made_by_a_callable_or_one_for_every_leaf():
+    """A callable of the params, and one MuonDimensionNumbers standing for every leaf."""
+    if not hasattr(optax.contrib, "MuonDimensionNumbers"):
+        pytest.skip("MuonDimensionNumbers needs a newer optax")
+    numbers = optax.contrib.MuonDimensionNumbers
+
+    def by_rank(params):
+        return jax.tree.map(lambda x: numbers((x.ndim - 2,), (x.ndim - 1,)) if x.ndim >= 2
+                            else None, params)
+
+    _compare(dict(muon_weight_dimension_numbers=by_rank), DIMENSION_SHAPES)
+    _compare(dict(muon_weight_dimension_numbers=numbers(-1, 0)),
+             {"a": (4, 6, 12), "b": (12, 4)})
+
+
+def test_matrices_of_one_shape_share_one_product_whatever_their_leaves():
+    """A (4, 32, 64) leaf's 4 matrices (axis 0 a batch) and two (32, 64) matrices: one batch of
+    6, so 3 products an iteration."""
+    if not hasattr(optax.contrib, "MuonDimensionNumbers"):
+        pytest.skip("MuonDimensionNumbers needs a newer optax")
+    numbers = optax.contrib.MuonDimensionNumbers
+    tree = {"stack": jnp.ones((4, 32, 64)), "a": jnp.ones((32, 64)), "b": jnp.ones((64, 32))}
+    tx = mtx.scale_by_muon(ns_steps=5, weight_dimension_numbers={
+        "stack": numbers(1, 2), "a": numbers(0, 1), "b": numbers(1, 0)})
+    jaxpr = jax.make_jaxpr(tx.update)(tree, tx.init(tree))
+    assert str(jaxpr).count("dot_general") == 3 * 5
+
+
+def test_ns_steps_through_inject_hyperparams_with_a_first_step_rescaling():
+    rng = np.random.default_rng(5)
+    params, grads_seq = _tree(rng, "cpu", 0.1), [_tree(rng, "cpu") for _ in range(2)]
+    with jax.default_matmul_precision("float32"):
+        ours, theirs = (_run(optax.inject_hyperparams(muon)(
+            learning_rate=0.02, ns_steps=3, preconditioning="schatten"), params, grads_seq)
+            for muon in (mtx.muon, optax.contrib.muon))
+    _assert_close(ours[0], theirs[0])
+
+
 def test_what_it_does_not_take_is_refused():
-    with pytest.raises(NotImplementedError, match="preconditioning='spectral'.*optax.contrib.muon"):
-        mtx.muon(0.02, preconditioning="spectral")
-    for coefficients in ("dion", ((3.0, -4.0, 2.0), (3.0, -4.0, 2.0))):
-        with pytest.raises(NotImplementedError, match="use optax.contrib.muon"):
-            mtx.muon(0.02, ns_coeffs=coefficients)
-    with pytest.raises(NotImplementedError, match="muon_weight_dimension_numbers"):
-        mtx.muon(0.02, muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers())
+    with pytest.raises(ValueError, match="preconditioning='newton' is not one of frobenius"):
+        mtx.muon(0.02, preconditioning="newton")
+    with pytest.raises(ValueError, match="ns_coeffs='polar' is not a preset name"):
+        mtx.muon(0.02, ns_coeffs="polar")
+    with pytest.raises(ValueError, match="ns_coeffs has 5 rows.*more than ns_steps=3"):
+        mtx.muon(0.02, ns_coeffs="dion", ns_steps=3)
+    with pytest.raises(ValueError, match=r"shape \(3,\) or \(n, 3\); got shape \(2,\)"):
+        mtx.muon(0.02, ns_coeffs=(3.0, -4.0))
     with pytest.raises(ValueError, match="ns_steps must be a whole number"):
         mtx.muon(0.02, ns_steps=2.5)
-    with pytest.raises(ValueError, match=r"matrices only: \['bias'\]"):
+    with pytest.raises(ValueError, match=r"\['bias'\] has shape \(3,\): without dimension "
+                                         r"numbers Muon takes matrices only"):
         mtx.scale_by_muon().init({"bias": jnp.ones(3)})
-    mtx.scale_by_muon(preconditioning="frobenius", weight_dimension_numbers=None)  # optax's
-    for option in (dict(preconditioning="spectral"),
-                   dict(weight_dimension_numbers=optax.contrib.MuonDimensionNumbers())):
-        with pytest.raises(NotImplementedError, match="use optax.contrib.scale_by_muon for it"):
-            mtx.scale_by_muon(**option)
+    if hasattr(optax.contrib, "MuonDimensionNumbers"):
+        numbers = optax.contrib.MuonDimensionNumbers
+        with pytest.raises(ValueError, match=r"\['w'\]: its dimension numbers .* name an axis "
+                                             r"twice"):
+            mtx.scale_by_muon(weight_dimension_numbers={"w": numbers(0, -3)}).init(
+                {"w": jnp.ones((2, 3, 4))})
+        with pytest.raises(ValueError, match=r"\['b'\] has shape \(5,\): Muon's leaves have "
+                                             r"2 or more axes"):
+            mtx.muon(0.02, muon_weight_dimension_numbers=numbers()).init(
+                {"a": jnp.ones((2, 3)), "b": jnp.ones(5)})
