@@ -28,6 +28,9 @@ class Axes(NamedTuple):
     output: tuple
 
 
+MATRIX = Axes((), (0,), (1,))  # a 2-D leaf's default: rows, then columns
+
+
 class _Held:
     """A leaf's dimension numbers (or None) held as one pytree leaf."""
     __slots__ = ("value",)
@@ -68,7 +71,7 @@ def _axes(leaf, dims, where: str) -> Axes:
             raise ValueError(f"{where} has shape {np.shape(leaf)}: without dimension numbers "
                              f"Muon takes matrices only (give it MuonDimensionNumbers, or leave "
                              f"it to AdamW)")
-        return Axes((), (0,), (1,))
+        return MATRIX
     if ndim < 2:
         raise ValueError(f"{where} has shape {np.shape(leaf)}: Muon's leaves have 2 or more "
                          f"axes")

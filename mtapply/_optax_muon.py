@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonState
 
-from ._muon_dimensions import as_matrices, fans, from_matrices, leaf_axes, leaf_specs
+from ._muon_dimensions import MATRIX, as_matrices, fans, from_matrices, leaf_axes, leaf_specs
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # optax.contrib.muon's named coefficients: Dion's are one row a step
@@ -51,6 +51,11 @@ def scale_by_muon(ns_coeffs=NS_COEFFICIENTS, ns_steps: int = 5, beta=0.95, eps=1
     def update(updates, state, params=None):
         del params
         axes = leaf_axes(weight_dimension_numbers, updates, "mtapply.optax.scale_by_muon")
+        # optax orthogonalizes a 2-D leaf as it lies, whatever its dimension numbers (which
+        # still give its fans to scale_by_shape): for a square leaf whose numbers swap its
+        # axes, AOL's row rescaling tells (a non-square one is taken on its wide side anyway)
+        axes = [MATRIX if len(leaf.shape) == 2 else leaf_axis
+                for leaf, leaf_axis in zip(jax.tree.leaves(updates), axes)]
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count = optax.safe_increment(state.count)
         if nesterov:

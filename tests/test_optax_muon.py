@@ -131,9 +131,11 @@ def test_named_and_per_step_coefficients_step_as_optax_contrib_muon(options):
 
 
 DIMENSION_SHAPES = {"qkv": (16, 3, 8), "heads": (4, 8, 24), "conv": (3, 3, 2, 16),
-                    "w": (32, 16), "bias": (16,), "plain": (8, 24)}
+                    "w": (32, 16), "wt": (16, 16), "bias": (16,), "plain": (8, 24)}
+# "wt": a square leaf whose numbers swap its axes, orthogonalized as it lies (as optax does; AOL's
+# row rescaling tells), scaled by the fans its numbers give
 DIMENSIONS = {"qkv": ((0,), (1, 2)), "heads": (1, 2), "conv": ((0, 1, 2), -1), "w": (0, 1),
-              "bias": None, "plain": None}
+              "wt": (1, 0), "bias": None, "plain": None}
 
 
 def _dimension_numbers(spec=DIMENSIONS):
@@ -148,7 +150,7 @@ def _dimension_numbers(spec=DIMENSIONS):
 def test_dimension_numbers_step_as_optax_contrib_muon(options, device):
     """Leaves of 3 and 4 axes as the matrices their dimension numbers make (batch axes apart,
     several reduction or output axes joined, negative axes from the end), scaled by their fans;
-    a leaf given None steps with AdamW."""
+    a 2-D leaf whose numbers swap its axes; a leaf given None steps with AdamW."""
     if not hasattr(optax.contrib, "MuonDimensionNumbers"):
         pytest.skip("MuonDimensionNumbers needs a newer optax")
     ours = _compare(dict(muon_weight_dimension_numbers=_dimension_numbers(), **options),
@@ -157,7 +159,7 @@ def test_dimension_numbers_step_as_optax_contrib_muon(options, device):
                               ("muon", "adam"))
     muon_leaves = {k for k, v in muon_state[0].mu.items() if not isinstance(
         v, optax.MaskedNode)}
-    assert muon_leaves == {"qkv", "heads", "conv", "w"}
+    assert muon_leaves == {"qkv", "heads", "conv", "w", "wt"}
 
 
 def test_dimension_numbers_made_by_a_callable_or_one_for_every_leaf():
@@ -176,14 +178,16 @@ def test_dimension_numbers_made_by_a_callable_or_one_for_every_leaf():
 
 
 def test_matrices_of_one_shape_share_one_product_whatever_their_leaves():
-    """A (4, 32, 64) leaf's 4 matrices (axis 0 a batch) and two (32, 64) matrices: one batch of
-    6, so 3 products an iteration."""
+    """A (4, 32, 64) leaf's 4 matrices (axis 0 a batch), a (32, 64) matrix and the 2 matrices
+    of a (2, 64, 32) leaf whose numbers swap its last two axes: one batch of 7, so 3 products
+    an iteration."""
     if not hasattr(optax.contrib, "MuonDimensionNumbers"):
         pytest.skip("MuonDimensionNumbers needs a newer optax")
     numbers = optax.contrib.MuonDimensionNumbers
-    tree = {"stack": jnp.ones((4, 32, 64)), "a": jnp.ones((32, 64)), "b": jnp.ones((64, 32))}
+    tree = {"stack": jnp.ones((4, 32, 64)), "a": jnp.ones((32, 64)),
+            "b": jnp.ones((2, 64, 32))}
     tx = mtx.scale_by_muon(ns_steps=5, weight_dimension_numbers={
-        "stack": numbers(1, 2), "a": numbers(0, 1), "b": numbers(1, 0)})
+        "stack": numbers(1, 2), "a": numbers(0, 1), "b": numbers(2, 1)})
     jaxpr = jax.make_jaxpr(tx.update)(tree, tx.init(tree))
     assert str(jaxpr).count("dot_general") == 3 * 5
 
