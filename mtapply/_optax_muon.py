@@ -141,7 +141,8 @@ def _rescaled(x, a, preconditioning: str) -> tuple:
     if preconditioning == "aol":
         s = jax.lax.rsqrt(jnp.maximum(jnp.abs(a).sum(axis=-1), RESCALING_FLOOR))[..., None]
         return x * s, a * s * jnp.swapaxes(s, 1, 2)
-    a = x @ jnp.swapaxes(x, 1, 2)
+    if jnp.iscomplexobj(x):
+        a = x @ jnp.swapaxes(x, 1, 2)
     s = jax.lax.rsqrt(jnp.maximum(jnp.linalg.norm(a, axis=(1, 2)), RESCALING_FLOOR))
     s = s[:, None, None]
     return x * s, a * s ** 2
