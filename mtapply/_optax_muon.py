@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonState
 
@@ -228,6 +229,13 @@ def _coefficients(coefficients, steps):
     if len(shape) not in (1, 2) or shape[-1] != 3:
         raise ValueError(f"mtapply.optax.muon: ns_coeffs must be (a, b, c) or one such row a "
                          f"step, shape (3,) or (n, 3); got shape {shape}")
+    try:
+        finite = np.isfinite(np.asarray(coefficients, np.float64)).all()
+    except jax.errors.TracerArrayConversionError:  # traced: checked by no one, as in optax
+        finite = True
+    if not finite:
+        raise ValueError(f"mtapply.optax.muon: ns_coeffs={coefficients!r} holds a non-finite "
+                         f"value, which would make every update NaN: give finite numbers")
     if len(shape) == 2 and isinstance(steps, int) and shape[0] > steps:
         raise ValueError(f"mtapply.optax.muon: ns_coeffs has {shape[0]} rows, one a step, "
                          f"more than ns_steps={steps}: give at most ns_steps rows (they are "

@@ -213,6 +213,9 @@ def test_what_it_does_not_take_is_refused():
         mtx.muon(0.02, ns_coeffs=(3.0, -4.0))
     with pytest.raises(ValueError, match="ns_steps must be a whole number"):
         mtx.muon(0.02, ns_steps=2.5)
+    for coefficients in ((3.0, float("nan"), 2.0), ((3.0, -4.0, 2.0), (float("inf"), -4.0, 2.0))):
+        with pytest.raises(ValueError, match="holds a non-finite value"):
+            mtx.muon(0.02, ns_coeffs=coefficients)
     with pytest.raises(ValueError, match=r"\['bias'\] has shape \(3,\): without dimension "
                                          r"numbers Muon takes matrices only"):
         mtx.scale_by_muon().init({"bias": jnp.ones(3)})
