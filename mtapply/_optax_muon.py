@@ -187,9 +187,8 @@ def muon(learning_rate, ns_coeffs=NS_COEFFICIENTS, ns_steps: int = 5, beta=0.95,
     def labels(params):
         if dimensions is None:
             return jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", params)
-        leaves, treedef = jax.tree.flatten(params)
-        return treedef.unflatten(["adam" if spec is None else "muon"
-                                  for spec in leaf_specs(dimensions, params)])
+        return jax.tree.structure(params).unflatten(
+            ["adam" if spec is None else "muon" for spec in leaf_specs(dimensions, params)])
 
     return optax.partition(
         {"muon": optax.chain(
