@@ -16,8 +16,8 @@ NAME = "muon"
 DESCRIPTION = "muon fp32 params, bf16 Newton-Schulz (5 steps), lr=0.02, momentum 0.95, nesterov"
 BYTES_PER_PARAM = 24
 REFERENCE = "torch"
-DEFAULT_WORKLOADS = ("gpt2-hidden", "matrices400")
-TARGETS = {"gpt2-hidden": ("x_torch_gpu", 0.125), "matrices400": ("x_torch_gpu", 0.125)}
+DEFAULT_WORKLOADS = ("gpt2-hidden", "gpt2-hidden72", "matrices400")
+TARGETS = {name: ("x_torch_gpu", 0.125) for name in DEFAULT_WORKLOADS}
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.1
 
 

@@ -23,6 +23,7 @@ EXPECTED = {
     "resnet50": (161, 25_557_032),
     "resnet152": (467, 60_192_808),
     "gpt2-hidden": (48, 84_934_656),
+    "gpt2-hidden72": (72, 84_934_656),
     "matrices400": (400, 328_499_200),
     "t5-base": (257, 222_903_552),
 }
@@ -86,6 +87,16 @@ def gpt2_hidden() -> list:
     block = [(d_model, 3 * d_model), (d_model, d_model), (d_model, 4 * d_model),
              (4 * d_model, d_model)]
     return _checked("gpt2-hidden", block * 12)
+
+
+def gpt2_hidden72() -> list:
+    """The same matrices with the attention's query, key and value as three square weights, as
+    modded-nanogpt lays GPT-2 small out: 12 blocks of c_q, c_k, c_v, c_proj (768 x 768), mlp.c_fc
+    (3072 x 768) and mlp.c_proj (768 x 3072), nn.Linear's (out, in) layout: 72 matrices, 3 shapes,
+    as many params as gpt2-hidden."""
+    d_model = 768
+    block = [(d_model, d_model)] * 4 + [(4 * d_model, d_model), (d_model, 4 * d_model)]
+    return _checked("gpt2-hidden72", block * 12)
 
 
 def matrices400() -> list:
@@ -169,6 +180,7 @@ WORKLOADS = {
     "resnet50": resnet50,
     "resnet152": resnet152,
     "gpt2-hidden": gpt2_hidden,
+    "gpt2-hidden72": gpt2_hidden72,
     "matrices400": matrices400,
     "t5-base": t5_base,
 }
