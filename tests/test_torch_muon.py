@@ -610,3 +610,22 @@ def test_a_transposed_matrix_steps_bit_for_bit_as_its_row_major_transpose(device
         twin.step()
     for p, q in zip(column_major, row_major):
         assert torch.equal(p.t(), q)
+
+
+def test_bfloat16_params_without_nesterov_keep_the_documented_momentum_buffer():
+    """B_t = lerp(B_t-1, g_t, 1 - momentum), as torch.optim.Muon documents it, with bfloat16
+    params and nesterov=False too. (torch 2.13's own step divides that buffer by its norm in
+    place there: its Newton-Schulz starts from grad.bfloat16(), the buffer itself.)"""
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in SHAPES[:3]]
+    opt = mt.Muon(params, lr=0.02, momentum=0.9, nesterov=False)
+    expected = [torch.zeros_like(p) for p in params]
+    for _ in range(3):
+        for p, buf in zip(params, expected):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            buf.lerp_(p.grad, 1 - 0.9)
+        opt.step()
+    for p, buf in zip(params, expected):
+        got = opt.state[p]["momentum_buffer"]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, buf)
