@@ -235,7 +235,8 @@ def _header_text(results: dict) -> str:
 
 def _listing() -> str:
     lines = ["workloads:"]
-    lines += [f"  {name:<13} {tensors:>6,} tensors {params:>13,} params  {dtypes(name).text()}"
+    width = max(map(len, WORKLOADS))
+    lines += [f"  {name:<{width}} {tensors:>6,} tensors {params:>13,} params  {dtypes(name).text()}"
               for name, (tensors, params) in EXPECTED.items() if name in WORKLOADS]
     for name, op in OPS.items():
         targets = ", ".join(f"{workload} {metric} <= {limit:g}"
