@@ -97,7 +97,11 @@ def with_storage(made: UserRule, state_bits, min_8bit_size, unsigned=(),
         made.slot_dtypes = dict.fromkeys(rule.written_state, jnp.bfloat16)
         return made
     rule = rule.with_state_bits(8, slots=slots, unsigned=unsigned, threshold=min_8bit_size)
-    return EightBitUserRule(rule, {**made.hyper, **made.dynamic}, made.initial, made.name)
+    eight = EightBitUserRule(rule, {**made.hyper, **made.dynamic}, made.initial, made.name)
+    eight.masks = made.masks  # (an adapter's own, as lars's and lamb's)
+    if made.norm_hyper is not None:
+        eight.take_global_norm(made.norm_hyper)
+    return eight
 
 
 def storage(state_bits, min_8bit_size) -> tuple:

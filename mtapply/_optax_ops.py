@@ -438,6 +438,7 @@ class UserRule(OptaxRule):
         self.state_type = _rule_state_type(rule.name, self.slots, self.carried)
         self.masks = dict(_chained(rule, "masks"))  # a chain's links' (optax's masks)
         self.whole_list = bool(rule.program.totals)  # sums over every leaf: one call
+        self.norm_hyper = None  # the hyperparameter the grads' global norm goes to, if any
 
     def scalar_init(self, dtype) -> list:
         """The rule's scalar state before step 1, of `dtype` as the step keeps it: float64
@@ -477,10 +478,20 @@ class UserRule(OptaxRule):
         """Each scheduled hyperparameter's value at the count of steps taken (optax's)."""
         return [zero_if_rounded_below(schedule(count)) for schedule in self.schedules.values()], []
 
+    def take_global_norm(self, hyper: str) -> None:
+        """Pass the grads' global L2 norm, taken at each step, as the hyperparameter `hyper`
+        (LAMB's global_grad_norm, which its max_grad_norm clips by)."""
+        self.norm_hyper, self.global_norm = hyper, True
+
     def fixed_args(self, statics, lr, step, *more) -> dict:
+        norm = None
+        if self.norm_hyper is not None:
+            norm, *more = more
         args = dict(step=step, **self.hyper, **dict(zip(self.schedules, more)))
         if self.has_lr:
             args["lr"] = lr
+        if norm is not None:
+            args[self.norm_hyper] = norm
         return args
 
 

@@ -61,7 +61,7 @@ A slot may keep its own dtype (mu_dtype, accumulator_dtype, state_dtype): one bu
 dtype. `optax.tree_map_params` maps a function over each flat buffer (the slot holds optax's
 params placeholder after `init` of one); a map that pairs the slots with other trees like the
 params (building sharding specs from the params' ones) needs flat_state=False.
-`state_bits=8` (adam, adamw, nadam, nadamw, sgd with momentum, the library's transformations,
+`state_bits=8` (adam, adamw, nadam, nadamw, sgd with momentum, lars, lamb, the library's transformations,
 `transformation` and their fused forms; adafactor's momentum: see `EightBitEmaState`) keeps every slot the update writes as uint8 codes of
 256-element blocks with a float32 scale each (`<slot>_absmax`), second moments on the map of
 values >= 0, as bitsandbytes' 8-bit optimizers; leaves under `min_8bit_size` elements (4096)
@@ -136,7 +136,7 @@ from ._optax_muon import muon, scale_by_muon
 from . import _optax_rules
 from ._optax_eight_bit import storage, user_rule, with_storage
 from ._optax_ops import (AdamRule, LabeledAdamRule, LambRule, LarsRule, SgdRule, UserRule,
-                         _rule_state, is_number)
+                         _rule_state, is_array, is_number)
 from ._optax_state import AdamState, LambState, LarsState, SgdState, flat_state, tree_state
 
 
@@ -282,50 +282,82 @@ def _sgd_rule(momentum, nesterov, accumulator_dtype, state_bits=None, min_8bit_s
 
 def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
          eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False, *,
-         flat_state=True) -> optax.GradientTransformation:
+         flat_state=True, state_bits=None, min_8bit_size=None) -> optax.GradientTransformation:
     """mtapply's LARS (Paddle's lars_momentum, You et al. 2017) with optax.lars's arguments.
 
     Per tensor: local_lr = lr * trust_coefficient * ||p|| / (||g|| + wd * ||p|| + eps) (lr when a
     norm is 0); v = momentum * v + local_lr * (g + wd * p); p -= v. A leaf whose
     trust_ratio_mask is False takes a plain momentum step with lr and no weight decay, so
     weight_decay_mask must equal trust_ratio_mask when weight_decay > 0. Differs from optax.lars
-    when weight_decay > 0 (see the module docstring); nesterov is not supported. flat_state as
-    in `adam`.
+    when weight_decay > 0 (see the module docstring); nesterov is not supported. flat_state,
+    state_bits and min_8bit_size as in `adam`.
 
     Returns:
-        An optax.GradientTransformation with state `LarsState(count, momentum)`.
+        An optax.GradientTransformation with state `LarsState(count, momentum)` (with
+        state_bits 8 or 16, the rule's: `momentum_buffer`, and its scales at 8 bits).
     """
+    return _transformation(_lars_rule(weight_decay, weight_decay_mask, trust_coefficient, eps,
+                                      trust_ratio_mask, momentum, nesterov, state_bits,
+                                      min_8bit_size), learning_rate, flat_state)
+
+
+def _lars_rule(weight_decay, weight_decay_mask, trust_coefficient, eps, trust_ratio_mask,
+               momentum, nesterov, state_bits=None, min_8bit_size=None):
     _refuse("lars", nesterov=(nesterov, False))
-    rule = LarsRule(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
-                 weight_decay_mask)
-    return _transformation(rule, learning_rate, flat_state)
+    state_bits, min_8bit_size = storage(state_bits, min_8bit_size)
+    if state_bits == 32:
+        return LarsRule(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
+                        weight_decay_mask)
+    made = UserRule(_optax_rules.lars(), dict(momentum=momentum, weight_decay=weight_decay,
+                                              trust_coefficient=trust_coefficient, eps=eps),
+                    name="lars")
+    # a leaf out of a mask steps in a call of its own, with adapt or decay_on 0
+    made.masks = {"adapt": trust_ratio_mask, "decay_on": weight_decay_mask}
+    return with_storage(made, state_bits, min_8bit_size)
 
 
 def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0, mask=None,
          *, adam_w_mode=True, use_nvlamb=True, grad_averaging=True, bias_correction=True,
-         max_grad_norm=0.0, flat_state=True) -> optax.GradientTransformation:
+         max_grad_norm=0.0, flat_state=True, state_bits=None,
+         min_8bit_size=None) -> optax.GradientTransformation:
     """optax.lamb, with Apex FusedLAMB's options (`mtapply.LAMBSpec`) besides optax's arguments.
 
     u = m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p;  p -= lr * ||p|| / ||u|| * u (1 where
     a norm is 0). use_nvlamb=False takes Apex's default instead: the trust ratio only where
     weight_decay != 0. mask (optax's) puts weight decay only on the leaves where it is True.
     max_grad_norm > 0 divides the grads by global_norm / max_grad_norm when that exceeds 1
-    (norm computed in the step). Numbers may be arrays, as in `adam`; flat_state as in `adam`.
+    (norm computed in the step). Numbers may be arrays, as in `adam`; flat_state, state_bits
+    and min_8bit_size as in `adam`.
 
     Returns:
-        An optax.GradientTransformation with state `LambState(count, mu, nu)`.
+        An optax.GradientTransformation with state `LambState(count, mu, nu)` (with state_bits
+        8 or 16, the rule's: `exp_avg`, `exp_avg_sq`, and their scales at 8 bits).
     """
     return _transformation(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode,
-                                      use_nvlamb, grad_averaging, bias_correction, max_grad_norm),
+                                      use_nvlamb, grad_averaging, bias_correction, max_grad_norm,
+                                      state_bits, min_8bit_size),
                            learning_rate, flat_state)
 
 
 def _lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
-               grad_averaging, bias_correction, max_grad_norm) -> LambRule:
+               grad_averaging, bias_correction, max_grad_norm, state_bits=None,
+               min_8bit_size=None):
     if callable(weight_decay):
         raise TypeError("mtapply.optax.lamb: weight_decay must be a number, not a schedule")
-    return LambRule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
-                 grad_averaging, bias_correction, max_grad_norm)
+    state_bits, min_8bit_size = storage(state_bits, min_8bit_size)
+    if state_bits == 32:
+        return LambRule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
+                        grad_averaging, bias_correction, max_grad_norm)
+    made = UserRule(_optax_rules.lamb(bool(adam_w_mode), bool(use_nvlamb)),
+                    dict(beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay,
+                         grad_averaging=float(bool(grad_averaging)),
+                         bias_correction=float(bool(bias_correction)), max_grad_norm=max_grad_norm),
+                    name="lamb")
+    if mask is not None:  # a leaf out of it steps in a call of its own, without weight decay
+        made.masks = {"weight_decay": mask}
+    if is_array(max_grad_norm) or max_grad_norm > 0:
+        made.take_global_norm("global_grad_norm")
+    return with_storage(made, state_bits, min_8bit_size, unsigned=("exp_avg_sq",))
 
 
 def fused_adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
@@ -384,20 +416,22 @@ def fused_sgd(learning_rate, momentum=None, nesterov=False, accumulator_dtype=No
 
 
 def fused_lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
-               eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False) -> FusedOptimizer:
+               eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov=False, *,
+               state_bits=None, min_8bit_size=None) -> FusedOptimizer:
     """`lars` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
-    _refuse("lars", nesterov=(nesterov, False))
-    rule = LarsRule(weight_decay, trust_coefficient, eps, momentum, trust_ratio_mask,
-                 weight_decay_mask)
-    return _fused(rule, learning_rate)
+    return _fused(_lars_rule(weight_decay, weight_decay_mask, trust_coefficient, eps,
+                             trust_ratio_mask, momentum, nesterov, state_bits, min_8bit_size),
+                  learning_rate)
 
 
 def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0,
                mask=None, *, adam_w_mode=True, use_nvlamb=True, grad_averaging=True,
-               bias_correction=True, max_grad_norm=0.0) -> FusedOptimizer:
+               bias_correction=True, max_grad_norm=0.0, state_bits=None,
+               min_8bit_size=None) -> FusedOptimizer:
     """`lamb` as a fused step: `opt.step(params, grads, state) -> (params, state)`."""
     return _fused(_lamb_rule(b1, b2, eps, eps_root, weight_decay, mask, adam_w_mode, use_nvlamb,
-                             grad_averaging, bias_correction, max_grad_norm), learning_rate)
+                             grad_averaging, bias_correction, max_grad_norm, state_bits,
+                             min_8bit_size), learning_rate)
 
 
 def transformation(rule, learning_rate=None, *, flat_state=True, state_bits=None,

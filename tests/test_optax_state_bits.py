@@ -226,16 +226,18 @@ NAMED = {"adam": (mtx.adam, optax.adam, {}),
          "radam": (mtx.radam, optax.radam, {}),
          "adadelta": (mtx.adadelta, optax.adadelta, {}),
          "adagrad": (mtx.adagrad, optax.adagrad, {}),
-         "rmsprop": (mtx.rmsprop, optax.rmsprop, dict(centered=True, momentum=0.5))}
+         "rmsprop": (mtx.rmsprop, optax.rmsprop, dict(centered=True, momentum=0.5)),
+         "lars": (mtx.lars, optax.lars, {}),
+         "lamb": (mtx.lamb, optax.lamb, dict(weight_decay=0.01))}
 NAMED_FUSED = {"adam": mtx.fused_adam, "adamw": mtx.fused_adamw, "nadam": mtx.fused_nadam,
                "sgd": mtx.fused_sgd, "lion": mtx.fused_lion, "adan": mtx.fused_adan,
                "adamax": mtx.fused_adamax, "radam": mtx.fused_radam,
                "adadelta": mtx.fused_adadelta, "adagrad": mtx.fused_adagrad,
-               "rmsprop": mtx.fused_rmsprop}
+               "rmsprop": mtx.fused_rmsprop, "lars": mtx.fused_lars, "lamb": mtx.fused_lamb}
 # the state fields that never go negative: kept on the unsigned map of values >= 0
 NAMED_UNSIGNED = {"adam": "exp_avg_sq", "adamw": "exp_avg_sq", "nadam": "exp_avg_sq",
                   "adan": "n", "adamax": "nu", "radam": "nu", "adadelta": "e_x",
-                  "adagrad": "sum_of_squares", "rmsprop": "nu"}
+                  "adagrad": "sum_of_squares", "rmsprop": "nu", "lamb": "exp_avg_sq"}
 
 
 def _named_run(tx, params, grads_seq, fused=False):
@@ -314,6 +316,45 @@ def test_8_bit_second_moments_use_the_unsigned_map(name):
     assert values.min() >= 0 and values.max() > 0
     signed = mtapply.quantization.dequantize_blockwise(codes, scales, signed=True)
     assert signed.min() < 0  # (the same codes on the signed map: it was not that one)
+
+
+def _masked(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+# lars's and lamb's masks (a leaf out of one steps in a call of its own) and lamb's clip by the
+# grads' global norm, which their rules take as arguments
+MASKED = {"lars": (mtx.lars, dict(weight_decay=1e-3, weight_decay_mask=_masked,
+                                  trust_ratio_mask=_masked)),
+          # (an eps near the clipped grads' size, so that the clip changes the direction)
+          "lamb": (mtx.lamb, dict(weight_decay=0.01, mask=_masked, max_grad_norm=1.0, eps=0.1))}
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("name", sorted(MASKED))
+def test_lars_and_lamb_keep_their_masks_and_clip_with_state_bits(name, bits):
+    """With state_bits, lars's and lamb's masks and lamb's max_grad_norm step as they do in
+    float32: every leaf within the state's precision of the float32 state's step, and far from
+    the step without them (so that a mask or clip left out would show)."""
+    ours, kw = MASKED[name]
+    rng = np.random.default_rng(11)
+    params = _tree(rng, "cpu")
+    grads_seq = [_tree(rng, "cpu") for _ in range(4)]
+    want, _ = _steps_of(ours(1e-2, **kw), params, grads_seq)
+    got, _ = _steps_of(ours(1e-2, **kw, state_bits=bits, min_8bit_size=1), params, grads_seq)
+    plain = {k: v for k, v in kw.items() if k in ("weight_decay", "eps")}
+    without, _ = _steps_of(ours(1e-2, **plain, state_bits=bits, min_8bit_size=1), params,
+                           grads_seq)
+    median = 0.02 if bits == 8 else 0.003
+    for k in ("w", "b", "v"):
+        start = np.asarray(params[k], np.float64)
+        step = np.asarray(want[k], np.float64) - start
+        size = np.maximum(np.abs(step), 1e-12)
+        relative = np.abs(np.asarray(got[k], np.float64) - start - step) / size
+        assert np.median(relative) < median, (k, np.median(relative))
+        apart = np.abs(np.asarray(without[k], np.float64) - start - step) / size
+        if k == "b" or name == "lamb":  # (lars's masks leave the matrices and v alone)
+            assert np.median(apart) > 0.1, (k, np.median(apart))
 
 
 def test_state_bits_on_named_constructors_refuse_what_they_cannot_keep():
